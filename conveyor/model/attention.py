@@ -1,0 +1,82 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. New keys
+and values are scattered into it through a flat slot mapping; queries read their context back
+through block tables. Single-query rows (decodes) are attended in one batched call; multi-token
+prefill chunks, which are few and large, one call each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    num_cached: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # [blocks covering num_cached + num_tokens]
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
+    num_decode_tokens: int  # the first rows of the batch are single-query requests
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], True where a key is visible
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
+    gathered = cache[block_tables]  # [..., nb, bs, kvh, d]
+    flat = gathered.flatten(-4, -3)  # [..., nb*bs, kvh, d]
+    return flat.transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, heads, d]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
+        kd = _gather(k_cache, meta.decode_block_tables)
+        vd = _gather(v_cache, meta.decode_block_tables)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[:num_decode] = od.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if chunk.num_cached == 0:
+            # Fresh prompt: its own keys are all the context, no need to read the cache back.
+            kc = k[rows].transpose(0, 1).unsqueeze(0)
+            vc = v[rows].transpose(0, 1).unsqueeze(0)
+            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            context = chunk.num_cached + chunk.num_tokens
+            kc = _gather(k_cache, chunk.block_table)[:, :context].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table)[:, :context].unsqueeze(0)
+            query_pos = torch.arange(chunk.num_cached, context).unsqueeze(1)
+            mask = torch.arange(context).unsqueeze(0) <= query_pos  # causal, offset by the cache
+            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = oc.squeeze(0).transpose(0, 1)
+    return out

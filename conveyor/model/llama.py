@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
+
+The batch mixes prefill chunks of some requests with single decode tokens of others; the model
+knows nothing of requests, only of tokens, positions and the attention metadata the runner built.
+Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels per layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.config import ModelConfig
+from conveyor.model.rope import apply_rope, rope_tables
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operation order as HF's LlamaRMSNorm, so fp32 outputs agree bit for bit.
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        q, k, v = self.qkv(h).split(self.split_sizes, dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        x = x + self.o_proj(attn.view(n, -1))
+        h = rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self._build_rope()
+
+    def _build_rope(self) -> None:
+        # Plain fp32 tensors, not buffers: they must survive meta-device construction and .to(bf16).
+        cfg = self.cfg
+        self.rope_cos, self.rope_sin = rope_tables(
+            cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32
+        )
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int | None = None
+    ) -> "LlamaModel":
+        # Build on the meta device so no time goes into random init of weights we overwrite.
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        model = model.to_empty(device="cpu").to(dtype)
+        model._build_rope()
+        model.load_weights(weights)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns fp32 logits [len(logits_indices), vocab] for the rows that sample a token."""
+        x = self.embed(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        # Only the last token of each sampling request needs the (large) vocabulary projection.
+        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them."""
+        own = dict(self.named_parameters())
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            own[name].data = tensor.to(own[name].dtype).contiguous()
+
+        put("embed.weight", weights["model.embed_tokens.weight"])
+        put("norm", weights["model.norm.weight"])
+        if self.lm_head is not None:
+            put("lm_head.weight", weights["lm_head.weight"])
+        for i in range(self.cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            put(dst + "qkv.weight", torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
+            if self.cfg.attention_bias:
+                put(dst + "qkv.bias", torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))
+            put(dst + "o_proj.weight", weights[attn + "o_proj.weight"])
+            mlp = src + "mlp."
+            put(dst + "gate_up.weight", torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+            put(dst + "down.weight", weights[mlp + "down_proj.weight"])
+            put(dst + "input_norm", weights[src + "input_layernorm.weight"])
+            put(dst + "post_attention_norm", weights[src + "post_attention_layernorm.weight"])
+            if self.cfg.qk_norm:
+                put(dst + "q_norm", weights[attn + "q_norm.weight"])
+                put(dst + "k_norm", weights[attn + "k_norm.weight"])

@@ -1,0 +1,86 @@
+"""A request's state as the scheduler sees it: tokens known vs tokens computed (pure Python)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock (or virtual, in the simulator) timestamps from which TTFT/TPOT/ITL are computed."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    tokens: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)  # identity: two requests are never "equal"
+class Request:
+    """One generation. Prefill, chunked prefill, decode and recompute-after-preemption are all the
+    same thing: computing tokens until num_computed_tokens catches up with num_tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound on tokens this request can ever hold in the KV cache."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_at(self, position: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        if position < n_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - n_prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]

@@ -1,0 +1,1 @@
+"""The runner turns scheduler decisions into tensors, runs the model and samples."""

@@ -1,0 +1,75 @@
+"""Turns a scheduler decision into the flat tensors one forward pass needs.
+
+Row order: single-token rows (decodes) first, so attention can take them in one batched call,
+then multi-token prefill chunks. Logits rows follow the scheduler's order of sampling requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.kv.manager import KVCacheManager, blocks_for
+from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # one row per sampling request, in out.sampling_requests() order
+
+
+def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
+    bs = kv.block_size
+    decodes = [(r, n) for r, n in out.scheduled if n == 1]
+    prefills = [(r, n) for r, n in out.scheduled if n > 1]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last_row: dict[str, int] = {}
+
+    decode_tables: list[list[int]] = []
+    context_lens: list[int] = []
+    for request, _ in decodes:
+        pos = request.num_computed_tokens
+        table = kv.block_tables[request.request_id]
+        last_row[request.request_id] = len(input_ids)
+        input_ids.append(request.token_at(pos))
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        decode_tables.append(table)
+        context_lens.append(pos + 1)
+
+    chunks: list[PrefillChunk] = []
+    for request, n in prefills:
+        start = request.num_computed_tokens
+        table = kv.block_tables[request.request_id]
+        chunks.append(PrefillChunk(len(input_ids), n, start, torch.tensor(table[: blocks_for(start + n, bs)])))
+        input_ids.extend(request.token_slice(start, start + n))
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        last_row[request.request_id] = len(input_ids) - 1
+
+    decode_block_tables = decode_mask = None
+    if decodes:
+        width = max(blocks_for(c, bs) for c in context_lens)
+        decode_block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in decode_tables])
+        lens = torch.tensor(context_lens)
+        decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+
+    logits_rows = [last_row[r.request_id] for r in out.sampling_requests()]
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids),
+        positions=torch.tensor(positions),
+        meta=AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefills=chunks,
+        ),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+    )

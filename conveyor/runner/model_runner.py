@@ -1,0 +1,83 @@
+"""ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from conveyor.config import EngineConfig, parse_memory
+from conveyor.engine.outputs import StepStats
+from conveyor.errors import ConfigError
+from conveyor.kv.manager import KVCacheManager
+from conveyor.model.config import ModelConfig
+from conveyor.model.llama import KVCache, LlamaModel
+from conveyor.model.loader import load_checkpoint
+from conveyor.model.tokenizer import Tokenizer
+from conveyor.runner.inputs import build_inputs
+from conveyor.sampling.sampler import Sampler
+from conveyor.scheduler import SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return block_size * cfg.kv_bytes_per_token * dtype.itemsize
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
+    # Zeroed, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN.
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.model_config = model.cfg
+        self.tokenizer = tokenizer
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
+        self.sampler = Sampler(seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "ModelRunner":
+        if config.num_threads or not torch.get_num_threads() == os.cpu_count():
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        dtype = DTYPES[config.dtype]
+        checkpoint = load_checkpoint(config.model, dtype)
+        cfg = checkpoint.config
+        max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+            )
+        num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(
+            cfg, config.block_size, dtype
+        )
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
+        model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, max_positions=max_model_len)
+        return cls(model, checkpoint.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:
+        t0 = time.perf_counter()
+        inputs = build_inputs(out, kv)
+        t1 = time.perf_counter()
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
+        t2 = time.perf_counter()
+        tokens = self.sampler(logits, out.sampling_requests()) if len(inputs.logits_indices) else []
+        t3 = time.perf_counter()
+        stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2
+        return tokens

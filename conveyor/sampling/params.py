@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated at construction (pure Python: the scheduler imports it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.errors import InvalidRequestError
+
+_MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and when to stop, as in vLLM/OpenAI.
+
+    temperature 0 means greedy. top_k <= 0 disables top-k (vLLM uses -1); top_p 1 disables nucleus.
+    A seed makes a sampled request reproducible regardless of what it is batched with.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._check_types()
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if len(self.stop) > _MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise InvalidRequestError(f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+
+    def _check_types(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        checks = [
+            ("max_tokens", is_int(self.max_tokens)),
+            ("temperature", is_num(self.temperature)),
+            ("top_k", is_int(self.top_k)),
+            ("top_p", is_num(self.top_p)),
+            ("seed", self.seed is None or is_int(self.seed)),
+            ("stop", all(isinstance(s, str) for s in self.stop)),
+            ("stop_token_ids", all(is_int(t) for t in self.stop_token_ids)),
+            ("ignore_eos", isinstance(self.ignore_eos, bool)),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name} has the wrong type: {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

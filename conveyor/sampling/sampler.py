@@ -1,0 +1,64 @@
+"""Vectorised sampling: greedy, temperature, top-k, top-p, per-request seeds, in one pass per step.
+
+Each sampled row draws one uniform number and inverts its CDF. The number comes from the
+request's own generator when it has a seed, so its draws do not depend on its batch-mates.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+
+from conveyor.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+        self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """logits: fp32 [len(requests), vocab]."""
+        params = [r.sampling_params for r in requests]
+        greedy = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy.tolist()
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        scaled = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scaled = self._truncate(scaled, params)
+        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+        uniform = self._uniforms(requests) * cdf[:, -1]
+        sampled = torch.searchsorted(cdf, uniform[:, None]).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        is_greedy = torch.tensor([p.greedy for p in params])
+        return torch.where(is_greedy, greedy, sampled).tolist()
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp_(max=vocab)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= top_k[:, None]
+        top_p = torch.tensor([p.top_p for p in params])
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
+        uniform = torch.rand(len(requests), generator=self._generator)
+        for i, request in enumerate(requests):
+            seed = request.sampling_params.seed
+            if seed is None:
+                continue
+            gen = self._request_generators.get(request)
+            if gen is None:
+                gen = torch.Generator().manual_seed(seed)
+                self._request_generators[request] = gen
+            uniform[i] = torch.rand(1, generator=gen)
+        return uniform

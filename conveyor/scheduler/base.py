@@ -1,0 +1,129 @@
+"""What every scheduling policy shares: queues, the step's decision, preemption, step bookkeeping.
+
+A policy only decides which requests get tokens this step and how many; the rule that drives it is
+the same for all of them: a request needs `num_tokens - num_computed_tokens` more tokens computed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from conveyor.config import SchedulerConfig
+from conveyor.kv.manager import KVCacheManager
+from conveyor.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision. `scheduled` keeps the order in which tokens were handed out."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def sampling_requests(self) -> list[Request]:
+        """Requests that catch up with all their known tokens this step, so sample the next one.
+        Valid until the step's results are applied."""
+        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queues -----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        raise NotImplementedError
+
+    def schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    # --- shared mechanics -------------------------------------------------------------------
+    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
+        """How many of the request's pending tokens fit the budget; 0 if it must wait."""
+        pending = request.num_pending_tokens
+        if pending <= budget:
+            return pending
+        return budget if self.config.chunked_prefill else 0
+
+    def _reserve(self, request: Request, num_new: int, victims: list[Request], out: SchedulerOutput) -> bool:
+        """Give `request` slots for num_new tokens, preempting from the end of `victims` (the most
+        recently admitted) until they fit. False if the request itself had to give way."""
+        total = request.num_computed_tokens + num_new
+        while not self.kv.can_allocate(request.request_id, total):
+            victim = self._pick_victim(victims, out)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        self.kv.allocate(request.request_id, total)
+        out.scheduled.append((request, num_new))
+        return True
+
+    def _pick_victim(self, victims: list[Request], out: SchedulerOutput) -> Request | None:
+        scheduled = {r.request_id for r, _ in out.scheduled}
+        for candidate in reversed(victims):
+            if candidate.request_id in self.kv.block_tables and candidate.request_id not in scheduled:
+                return candidate
+        return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # Recompute, not swap: drop the KV and let the request catch up from token 0 later.
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self._on_preempt(request)
+
+    def _on_preempt(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def update_from_output(self, out: SchedulerOutput, finished: Iterable[tuple[Request, RequestStatus]]) -> None:
+        """Account for the computed tokens, then retire the requests the engine says are done."""
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+        for request, status in finished:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self._on_finish(request)
+
+    def _on_finish(self, request: Request) -> None:
+        raise NotImplementedError

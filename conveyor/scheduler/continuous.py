@@ -1,0 +1,59 @@
+"""Iteration-level (continuous) batching, Orca/vLLM style.
+
+Every step: running requests first, in admission order, each gets its pending tokens (1 for a
+decode, a chunk for a prefill) under the token budget; then waiting requests join FCFS while the
+budget, max_num_seqs and free blocks allow. When blocks run out, the most recently admitted
+running request is preempted (its blocks freed, recomputed later from the front of the queue).
+"""
+from __future__ import annotations
+
+from conveyor.request import Request, RequestStatus
+from conveyor.scheduler.base import Scheduler, SchedulerOutput
+
+
+class ContinuousScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.running: list[Request] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._tokens_to_schedule(request, budget)
+            if n and self._reserve(request, n, self.running, out):
+                budget -= n
+
+        # Admitting while preempting would only hand the freed blocks straight back: thrash.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            n = self._tokens_to_schedule(request, budget)
+            if n == 0 or not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._reserve(request, n, [], out)
+            budget -= n
+        return out
+
+    def _on_preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _on_finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
