@@ -59,10 +59,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, loaded: object | None = None) -> "LLMEngine":
+        """`loaded` (a runner.model_runner.LoadedModel) shares weights already in memory."""
         from conveyor.runner.model_runner import ModelRunner  # torch only where tensors are built
 
-        runner = ModelRunner.from_config(config)
+        runner = ModelRunner.from_config(config, loaded)  # type: ignore[arg-type]
         return cls(
             config,
             runner,

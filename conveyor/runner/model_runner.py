@@ -1,8 +1,8 @@
 """ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
 from __future__ import annotations
 
-import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +31,23 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    checkpoint = load_checkpoint(config.model, DTYPES[config.dtype])
+    cfg = checkpoint.config
+    if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+        )
+    model = LlamaModel.from_weights(cfg, checkpoint.weights, DTYPES[config.dtype])
+    return LoadedModel(model, checkpoint.tokenizer)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,24 +68,24 @@ class ModelRunner:
         self.sampler = Sampler(seed)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "ModelRunner":
-        if config.num_threads or not torch.get_num_threads() == os.cpu_count():
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        dtype = DTYPES[config.dtype]
-        checkpoint = load_checkpoint(config.model, dtype)
-        cfg = checkpoint.config
+    def from_config(cls, config: EngineConfig, loaded: "LoadedModel | None" = None) -> "ModelRunner":
+        """Builds the runner; `loaded` lets several engines share one set of weights (tests, benchmarks)."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = loaded or load_model(config)
+        cfg = loaded.model.cfg
         max_model_len = config.max_model_len or cfg.max_position_embeddings
-        if max_model_len > cfg.max_position_embeddings:
+        if max_model_len > loaded.model.max_positions:
             raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+                f"max_model_len {max_model_len} exceeds the model's context length {loaded.model.max_positions}"
             )
+        dtype = next(loaded.model.parameters()).dtype
         num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(
             cfg, config.block_size, dtype
         )
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
-        model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, max_positions=max_model_len)
-        return cls(model, checkpoint.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
+        return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:

@@ -1,0 +1,92 @@
+"""Command line: `conveyor generate` runs prompts through the offline engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's knobs, named as vLLM names them."""
+    parser.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--policy", default="continuous", choices=["continuous", "static"])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        policy=args.policy,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill=args.chunked_prefill,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompts or prompts, outputs):
+        print(f"### {prompt!r}\n{out.text}\n[finish: {out.finish_reason}, {len(out.token_ids)} tokens]\n")
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"{len(outputs)} requests, {generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} output tok/s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving with continuous batching")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="run prompts offline and print the completions")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    from conveyor.errors import ConveyorError
+
+    try:
+        return args.func(args)
+    except ConveyorError as exc:
+        print(f"conveyor: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
