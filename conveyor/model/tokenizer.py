@@ -1,0 +1,277 @@
+"""Text <-> token ids and chat rendering, from an HF tokenizer.json or from GGUF metadata."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from conveyor.errors import ConveyorError, InvalidRequestError, ModelLoadError, UnsupportedModelError
+
+# Chat models end a turn with one of these rather than with the checkpoint's eos; stop on them too.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+# llama.cpp's split regexes (llama-vocab.cpp), keyed by `tokenizer.ggml.pre`.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral"}
+_QWEN2_PRES = {"qwen2", "deepseek-r1-qwen", "megrez"}
+# StarCoder-style vocabularies (SmolLM's included) were trained with every digit split off first.
+_DIGIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class ChatTemplateError(ConveyorError, ValueError):
+    """The checkpoint has no chat template, or the one it has does not compile."""
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """(pre-tokenizer, ignore_merges) reproducing llama.cpp's split for this `tokenizer.ggml.pre`."""
+    if pre in _DIGIT_PRES:
+        # Same as SmolLM2's tokenizer.json. transformers' GGUF converter omits Digits here, which
+        # differs on e.g. "  42" (two spaces before a number) and non-ASCII digits.
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False)]), False
+    split = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _QWEN2_SPLIT if pre in _QWEN2_PRES else None
+    if split is None:  # "gpt-2" and anything unknown: GPT-2's own regex, as transformers falls back to
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
+    isolated = pre_tokenizers.Split(Regex(split), behavior="isolated")
+    seq = pre_tokenizers.Sequence([isolated, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    # llama.cpp looks a whole llama3 word up in the vocab before merging (ignore_merges).
+    return seq, pre in _LLAMA3_PRES
+
+
+def _gguf_metadata(source: Any) -> Mapping[str, Any]:
+    """Accept our parsed metadata dict or a `gguf.GGUFReader`."""
+    if isinstance(source, Mapping):
+        return source
+    fields = getattr(source, "fields", None)
+    if fields is None:
+        raise TypeError(f"expected GGUF metadata mapping or gguf.GGUFReader, got {type(source).__name__}")
+    return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token as a string or as a serialized AddedToken dict.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token facts and chat template of one checkpoint."""
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        extra_eos_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        special_tokens: Mapping[str, str | None] | None = None,
+    ) -> None:
+        self._tok = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        turn_ends = [i for i in map(backend.token_to_id, _END_OF_TURN) if i is not None and i in special]
+        eos = [eos_token_id] if eos_token_id is not None else []
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids, *turn_ends]))
+        self._template_vars = {
+            "bos_token": self.token_to_str(bos_token_id),
+            "eos_token": self.token_to_str(eos_token_id),
+            **{k: v for k, v in (special_tokens or {}).items() if v is not None},
+        }
+        self._compiled: jinja2.Template | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The backend's own post-processor is bypassed so BOS follows add_bos_token alone.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._tok.id_to_token(int(token_id))
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self.token_to_str(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render like transformers' `apply_chat_template(..., tokenize=False)`."""
+        if self._compiled is None:
+            if not self.chat_template:
+                raise ChatTemplateError("this checkpoint has no chat template; send a plain prompt instead")
+            try:
+                self._compiled = _compile_template(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the checkpoint's chat template does not compile: {e}") from e
+        variables = {**self._template_vars, **kwargs}
+        try:
+            return self._compiled.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate")
+            raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+
+    @classmethod
+    def from_gguf(cls, source: Any) -> Tokenizer:
+        """Byte-level BPE from `tokenizer.ggml.*` metadata (a dict or a `gguf.GGUFReader`)."""
+        meta = _gguf_metadata(source)
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            model = meta.get("tokenizer.ggml.model")
+            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        spell, alphabet = _bytes_to_unicode(), set(_bytes_to_unicode().values())
+        # Tokens llama.cpp stored as raw text rather than in the byte alphabet get respelled, as transformers does.
+        vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        pre = meta.get("tokenizer.ggml.pre")
+        pre_tok, ignore_merges = _gguf_pre_tokenizer(pre)
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
+        backend = _HFTokenizer(bpe)
+        backend.pre_tokenizer = pre_tok
+        backend.decoder = decoders.ByteLevel()
+        # A control token outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
+        control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+        def tid(key: str) -> int | None:
+            v = meta.get(f"tokenizer.ggml.{key}")
+            return int(v) if v is not None else None
+
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        return cls(
+            backend,
+            bos_token_id=tid("bos_token_id"),
+            eos_token_id=tid("eos_token_id"),
+            extra_eos_ids=[i for i in [tid("eot_token_id"), tid("eom_token_id")] if i is not None],
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(add_bos) if add_bos is not None else pre in _LLAMA3_PRES,
+            special_tokens={
+                "unk_token": tokens[u] if (u := tid("unknown_token_id")) is not None else None,
+                "pad_token": tokens[p] if (p := tid("padding_token_id")) is not None else None,
+            },
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json, config.json)."""
+        folder = Path(path)
+        tj = folder / "tokenizer.json"
+        try:
+            backend = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on missing/corrupt files
+            raise ModelLoadError(f"cannot read tokenizer {tj}: {e}") from e
+        cfg = _read_json(folder / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        bos_str, eos_str = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
+        bos = backend.token_to_id(bos_str) if bos_str else None
+        eos = backend.token_to_id(eos_str) if eos_str else None
+        extra: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            ids = _read_json(folder / name).get("eos_token_id")
+            extra += ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
+        if eos is None and extra:
+            eos = extra[0]
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # then it is whatever tokenizer.json's post-processor does
+            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+        specials = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            extra_eos_ids=extra,
+            chat_template=template,
+            add_bos_token=bool(add_bos),
+            special_tokens=specials,
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant spans for training masks; render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """A sandboxed environment configured like transformers' chat-template renderer."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Jinja's built-in tojson HTML-escapes; templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    extensions = [_GenerationTag, jinja2.ext.loopcontrols]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(source)

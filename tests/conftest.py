@@ -1,0 +1,49 @@
+"""Session-wide fixtures: the shipped default model, ours and transformers' reference for it."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# `tests.helpers` must import under a bare `pytest` too, which puts tests/ (not the repo) on sys.path.
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from tests.helpers import SMOLLM_GGUF_NAME, hf_gguf_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf_path() -> Path:
+    from conveyor.errors import ModelLoadError
+    from conveyor.model.loader import resolve_model_path
+
+    try:
+        return resolve_model_path(None)
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(smollm_gguf_path: Path) -> Any:
+    from conveyor.model.loader import load_checkpoint
+
+    return load_checkpoint(str(smollm_gguf_path), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm_gguf_path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm_gguf_path.parent, gguf_file=SMOLLM_GGUF_NAME, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference_tokenizer(smollm_gguf_path: Path) -> Any:
+    return hf_gguf_tokenizer()

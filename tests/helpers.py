@@ -1,0 +1,87 @@
+"""Test helpers shared across test packages: tiny random HF checkpoints and the HF reference tokenizer."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_VOCAB = 49152  # the SmolLM2 vocabulary, so the copied tokenizer fits the tiny model
+
+_TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # head_dim != hidden/heads on purpose: Qwen3 checkpoints decouple the two.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+def smollm_gguf_folder() -> Path:
+    from conveyor.model.loader import resolve_model_path
+
+    return resolve_model_path(None).parent
+
+
+@lru_cache(maxsize=1)
+def hf_gguf_tokenizer() -> Any:
+    """transformers' tokenizer for the shipped GGUF (slow to build: cached per process)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_gguf_folder(), gguf_file=SMOLLM_GGUF_NAME)
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_files() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="conveyor-tok-"))
+    hf_gguf_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def make_tiny_hf_checkpoint(
+    tmp_path: Path,
+    arch: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    num_layers: int = 2,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a small random-weight HF checkpoint (config, safetensors, tokenizer) and return its folder.
+
+    Vocab is SmolLM2's (49152) and the tokenizer files are transformers' save of the GGUF tokenizer,
+    so prompts encode to ids the tiny model accepts.
+    """
+    import transformers
+
+    cfg_name, model_name, extra = _TINY_ARCHS[arch]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+    )
+    kwargs.update(extra)
+    kwargs.update(config_overrides)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # HF zero-inits biases and ones-inits norms; randomise so loading errors show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    folder = Path(tmp_path) / f"tiny-{arch}"
+    model.save_pretrained(folder)
+    for f in _tokenizer_files().iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def tiny_reference_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """What transformers itself loads from `folder`, as a plain state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,257 @@
+"""Loaders: GGUF weights against transformers' own GGUF load, HF-folder round trips, typed errors."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conveyor.errors import ModelLoadError, UnsupportedModelError
+from conveyor.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from tests.helpers import make_tiny_hf_checkpoint, tiny_reference_state_dict
+
+
+def test_default_config(default_checkpoint: LoadedCheckpoint, smollm_gguf_path: Path) -> None:
+    c = default_checkpoint.config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert (c.rope_theta, c.max_position_embeddings) == (100000.0, 8192)
+    assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm and c.rope_scaling is None
+    assert c.architecture == "LlamaForCausalLM" and c.bos_token_id == 1 and c.eos_token_ids[0] == 2
+    assert default_checkpoint.source == str(smollm_gguf_path)
+
+
+def test_gguf_weights_equal_transformers(default_checkpoint: LoadedCheckpoint, hf_reference_model: Any) -> None:
+    ours = default_checkpoint.weights
+    theirs = hf_reference_model.state_dict()
+    theirs.pop("lm_head.weight")  # tied: transformers exposes the embedding twice
+    assert "lm_head.weight" not in ours
+    assert set(ours) == set(theirs) and len(ours) == 272
+    for name, t in theirs.items():
+        assert ours[name].dtype == torch.float32 and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name], t), name
+
+
+def test_hf_config_matches(default_checkpoint: LoadedCheckpoint, hf_reference_model: Any) -> None:
+    hc, c = hf_reference_model.config, default_checkpoint.config
+    assert c.rms_norm_eps == hc.rms_norm_eps and c.rope_theta == hc.rope_parameters["rope_theta"]
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim)
+
+
+def test_default_load_is_fast_and_dtype(smollm_gguf_path: Path) -> None:
+    start = time.perf_counter()
+    ckpt = load_checkpoint(None, dtype=torch.bfloat16)
+    elapsed = time.perf_counter() - start
+    assert all(w.dtype == torch.bfloat16 for w in ckpt.weights.values())
+    assert elapsed < 10, f"default model took {elapsed:.1f}s to load"  # ~1 s on an idle 2-core box
+
+
+@pytest.mark.parametrize("name", [None, "smollm2-135m", "SmolLM2-135M-Instruct", " SMOLLM2-135M "])
+def test_resolve_aliases(name: str | None, smollm_gguf_path: Path) -> None:
+    assert resolve_model_path(name) == smollm_gguf_path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_folder_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
+    folder = make_tiny_hf_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
+    assert resolve_model_path(str(folder)) == folder
+    ckpt = load_checkpoint(str(folder))
+    expected = tiny_reference_state_dict(folder)
+    if tied:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.weights) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(ckpt.weights[name], t), name
+    c = ckpt.config
+    assert c.tie_word_embeddings is tied and c.num_layers == 2 and c.num_kv_heads == 2
+    assert c.attention_bias is (arch == "qwen2") and c.qk_norm is (arch == "qwen3")
+    assert c.head_dim == (32 if arch == "qwen3" else 16)
+    assert c.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert 2 in c.eos_token_ids and ckpt.tokenizer.eos_token_id == 2
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in ckpt.weights
+    if arch == "qwen3":
+        assert ckpt.weights["model.layers.1.self_attn.k_norm.weight"].shape == (32,)
+
+
+def test_hf_folder_rope_scaling_and_dtype(tmp_path: Path) -> None:
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama", rope_parameters=rope, num_layers=1)
+    ckpt = load_checkpoint(str(folder), dtype=torch.bfloat16)
+    assert ckpt.config.rope_theta == 500000.0
+    assert ckpt.config.rope_scaling is not None and ckpt.config.rope_scaling["rope_type"] == "llama3"
+    assert ckpt.config.rope_scaling["factor"] == 8.0
+    assert all(w.dtype == torch.bfloat16 for w in ckpt.weights.values())
+
+
+def test_legacy_rope_fields(tmp_path: Path) -> None:
+    from conveyor.model.hf_loader import hf_config
+
+    cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1e6,
+           "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [5, 6]}
+    c = hf_config(cfg, None, tmp_path)
+    assert c.rope_theta == 1e6 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (c.num_kv_heads, c.head_dim, c.eos_token_ids) == (2, 4, (5, 6))
+
+
+def test_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        resolve_model_path("meta-llama/Llama-3-8B")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_checkpoint(str(tmp_path))
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="weights.bin"):
+        load_checkpoint(str(not_gguf))
+
+
+def test_corrupt_files(tmp_path: Path, smollm_gguf_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_checkpoint(str(bad))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm_gguf_path.read_bytes()[:5_000_000])
+    with pytest.raises(ModelLoadError, match="truncated.gguf"):
+        load_checkpoint(str(truncated))
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama", num_layers=1)
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_checkpoint(str(folder))
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_checkpoint(str(folder))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama", num_layers=1)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_checkpoint(str(folder))
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "phi.gguf"
+    writer = GGUFWriter(str(path), "phi2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="phi2"):
+        load_checkpoint(str(path))
+
+
+def _write_gguf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path) -> None:
+    """An fp32 GGUF as llama.cpp's convert_hf_to_gguf would write the tiny HF checkpoint."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from conveyor.model.gguf_loader import read_gguf
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    meta = read_gguf(smollm_gguf_path).metadata
+    w = GGUFWriter(str(path), arch)
+    for k, v in {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+                 "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+                 "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                 "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads}.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_eos_token_id(2)
+    names = {v: k for k, v in {**_GGUF_GLOBAL, **_GGUF_BLOCK}.items()}
+    from safetensors.torch import load_file
+
+    for name, t in load_file(str(hf_folder / "model.safetensors")).items():
+        if cfg["tie_word_embeddings"] and name == "lm_head.weight":
+            continue
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = names[name]
+        a = t.numpy()
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):  # llama.cpp's `permute`
+            n = heads if ".attn_q." in gname else kv_heads
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_gguf_round_trip_per_arch(tmp_path: Path, smollm_gguf_path: Path, arch: str, tied: bool) -> None:
+    """Permutation only for llama; q/k/v bias for qwen2; q/k norms and decoupled head_dim for qwen3."""
+    folder = make_tiny_hf_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, folder, smollm_gguf_path)
+    ckpt = load_checkpoint(str(path))
+    hf = load_checkpoint(str(folder))
+    assert set(ckpt.weights) == set(hf.weights)
+    for name, t in hf.weights.items():
+        assert torch.equal(ckpt.weights[name], t), name
+    fields = ("num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm", "tie_word_embeddings",
+              "architecture")
+    assert {f: getattr(ckpt.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
+
+
+def test_dequantize_matches_gguf_py(tmp_path: Path) -> None:
+    """Our torch fast paths and the gguf-py fallback (Q6_K here) against gguf-py, bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.quants import dequantize as reference
+    from gguf.quants import quantize
+
+    from conveyor.model.gguf_loader import dequantize, read_gguf
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "quants.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0):
+        values = rng.standard_normal((6, 256)).astype(np.float32)
+        writer.add_tensor(qtype.name, quantize(values, qtype), raw_dtype=qtype)
+    q6k = rng.integers(0, 256, (6, 210), dtype=np.uint8)  # gguf-py cannot quantize K-types; random blocks
+    q6k[:, 208:210] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # a finite block scale
+    writer.add_tensor("Q6_K", q6k, raw_dtype=Q.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gf = read_gguf(path)
+    assert len(gf.tensors) == 8
+    for t in gf.tensors.values():
+        raw = np.frombuffer(gf.buffer[t.offset : t.offset + t.nbytes], dtype=np.uint8).reshape(6, -1)
+        expected = torch.from_numpy(np.array(reference(raw, t.qtype), dtype=np.float32))
+        assert t.shape == (6, 256) and torch.equal(dequantize(gf, t), expected), t.name

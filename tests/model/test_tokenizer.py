@@ -1,0 +1,188 @@
+"""Our tokenizer against transformers' tokenizer for the same GGUF, and the HF-folder path."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.errors import InvalidRequestError
+from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
+from tests.helpers import make_tiny_hf_checkpoint
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "In 2024, 3.14159 * 42 = 131.946878; call 555-0100 or +1 (800) 123-4567.",
+    "1234567890 0 00 007",
+    "a  b   c\t\td\n\ne \r\n f   ",
+    "   leading and trailing spaces   ",
+    "naïve café — déjà vu, Straße, Ωμέγα, Привет мир",
+    "日本語のテキストと中文文本, 한국어",
+    "emoji 😀🎉👩‍👩‍👧‍👦 and flags 🇫🇷",
+    "def f(x: int) -> int:\n    return x ** 2  # square\n\tif x>=0: print(f'{x!r}')",
+    '{"key": [1, 2, {"nested": null}], "s": "it\'s"}',
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>x<file_sep>y<|im_end|>",
+    "don't won't I'm we've they'll she'd IT'S",
+    "\u00a0non-breaking\u2009thin\u200bzero-width",
+]
+# Digits after 2+ spaces and non-ASCII digits: llama.cpp's 'smollm' pre-tokenizer and SmolLM2's own
+# tokenizer.json split every digit off first; transformers' GGUF converter does not (it uses plain ByteLevel).
+DIVERGENT = {"  42": [256, 36, 34], "x   7": [104, 333, 39], " ١٢٣ ": [216, 164, 111, 164, 112, 164, 113, 216]}
+
+
+@pytest.fixture(scope="module")
+def tok(default_checkpoint: Any) -> Tokenizer:
+    return default_checkpoint.tokenizer
+
+
+def test_special_token_facts(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+    assert tok.eos_token_ids[0] == 2 and set(tok.eos_token_ids) == {2, 0}  # <|im_end|>, <|endoftext|>
+    assert tok.add_bos_token is False
+    assert tok.token_to_str(2) == "<|im_end|>"
+    assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tok: Tokenizer, hf_reference_tokenizer: Any, text: str) -> None:
+    expected = hf_reference_tokenizer.encode(text, add_special_tokens=True)
+    assert tok.encode(text) == expected
+    assert tok.encode(text, add_special_tokens=False) == expected
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(tok: Tokenizer, hf_reference_tokenizer: Any, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == hf_reference_tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_tokens_are_single_ids(tok: Tokenizer) -> None:
+    assert tok.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]
+    assert tok.decode([1, 4093, 2], skip_special_tokens=True) == "user"
+
+
+@pytest.mark.parametrize("text,ids", DIVERGENT.items())
+def test_digits_split_like_llama_cpp(tok: Tokenizer, hf_reference_tokenizer: Any, text: str, ids: list[int]) -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import pre_tokenizers
+
+    # SmolLM2's tokenizer.json pre-tokenizer, applied to transformers' vocab and merges
+    smollm = Backend.from_str(hf_reference_tokenizer.backend_tokenizer.to_str())
+    smollm.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    assert tok.encode(text) == smollm.encode(text).ids == ids
+    assert hf_reference_tokenizer.encode(text) != ids  # the documented divergence
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "no-such-pre"])
+def test_other_pre_tokenizers_match_transformers(smollm_gguf_path: Path, pre: str) -> None:
+    """The same vocab under other `tokenizer.ggml.pre` values splits as transformers' converter does."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    from conveyor.model.gguf_loader import read_gguf
+
+    arch, hf_dict, _ = get_gguf_tokenizer(str(smollm_gguf_path))
+    hf, _ = convert_gguf_tokenizer(arch, {**hf_dict, "pre_tokenizer_type": pre})
+    ours = Tokenizer.from_gguf({**read_gguf(smollm_gguf_path).metadata, "tokenizer.ggml.pre": pre})
+    for text in [*TEXTS, *DIVERGENT, "Hello   world 12345678 ab'S", "x\n\n\ny  \n z", "ﬁ ℌ ²³ ½"]:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Ünïcödé 😀 and <tags>"},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    tok: Tokenizer, hf_reference_tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> None:
+    expected = hf_reference_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_gguf_reader_source_equals_metadata_source(tmp_path: Path) -> None:
+    """from_gguf takes a gguf.GGUFReader as well as our parsed metadata (tiny vocab: the reader is slow)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from conveyor.model.gguf_loader import read_gguf
+    from conveyor.model.tokenizer import _bytes_to_unicode
+
+    path = tmp_path / "tok.gguf"
+    chars = sorted(set(_bytes_to_unicode().values()))
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, "he", "hel", "Ġw"]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["h e", "he l", "Ġ w"])
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    a, b = Tokenizer.from_gguf(GGUFReader(path)), Tokenizer.from_gguf(read_gguf(path).metadata)
+    text = "<|im_start|>hello world 42 😀<|im_end|>"
+    assert a.encode(text) == b.encode(text) and a.decode(a.encode(text), skip_special_tokens=False) == text
+    assert a.encode("hel w")[:1] == [tokens.index("hel")] and a.encode("<|im_end|>") == [2]
+    assert (a.eos_token_ids, a.vocab_size, a.chat_template) == (b.eos_token_ids, b.vocab_size, b.chat_template)
+
+
+def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(tok._tok, bos_token_id=1, eos_token_id=2, chat_template=template)
+
+
+def test_template_features(tok: Tokenizer) -> None:
+    t = _with_template(
+        tok,
+        "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+        "{{ bos_token }}{{ m | tojson }}{{ eos_token }}{% endfor %}",
+    )
+    rendered = t.apply_chat_template([{"role": "u", "content": "é<>"}])
+    assert rendered == '<|im_start|>{"role": "u", "content": "é<>"}<|im_end|>'
+    with pytest.raises(InvalidRequestError, match="no bad roles"):
+        t.apply_chat_template([{"role": "bad", "content": ""}])
+    with pytest.raises(ChatTemplateError):
+        _with_template(tok, None).apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError):
+        _with_template(tok, "{% for %}").apply_chat_template([])
+
+
+def test_from_hf_folder(tmp_path: Path, tok: Tokenizer, hf_reference_tokenizer: Any) -> None:
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama")
+    hf_tok = Tokenizer.from_hf_folder(folder)
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.vocab_size) == (1, 2, 49152)
+    assert hf_tok.add_bos_token is False and 2 in hf_tok.eos_token_ids
+    assert hf_tok.chat_template == tok.chat_template  # read from chat_template.jinja
+    for text in TEXTS:  # the saved tokenizer.json carries transformers' pre-tokenizer
+        assert hf_tok.encode(text) == hf_reference_tokenizer.encode(text)
+
+
+def test_from_hf_folder_add_bos(tmp_path: Path) -> None:
+    import json
+
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["add_bos_token"] = True
+    cfg_path.write_text(json.dumps(cfg))
+    t = Tokenizer.from_hf_folder(folder)
+    assert t.encode("hi")[0] == 1 and t.encode("hi", add_special_tokens=False)[0] != 1
