@@ -1,0 +1,112 @@
+"""The engine's request API on the real default model: stopping, rejection, aborts, seeds."""
+from __future__ import annotations
+
+import pytest
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.errors import InvalidRequestError
+from conveyor.sampling import SamplingParams
+
+
+def finish_all(engine: LLMEngine) -> dict:
+    results = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    return results
+
+
+def test_stop_reasons(make_engine):
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request("The capital of France is", greedy)
+    full = finish_all(engine)[rid]
+    assert full.finish_reason == "length" and len(full.token_ids) == 24
+    assert full.text.startswith(" Paris.")
+
+    stop_at = full.token_ids[3]
+    ids = {
+        "token": engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])),
+        "string": engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"])),
+        "kept": engine.add_request(
+            "The capital of France is",
+            SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"], include_stop_str_in_output=True),
+        ),
+    }
+    results = finish_all(engine)
+    by_token = results[ids["token"]]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_at
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+    by_string = results[ids["string"]]
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == "answer"
+    assert by_string.text == full.text[: full.text.index("answer")]
+    assert results[ids["kept"]].text == full.text[: full.text.index("answer") + len("answer")]
+
+
+def test_eos_stops_unless_ignored(make_engine):
+    engine = make_engine()
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    rid = engine.add_request(chat, SamplingParams(max_tokens=64, temperature=0.0))
+    ignored = engine.add_request(chat, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    results = finish_all(engine)
+    out = results[rid]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
+    assert len(out.token_ids) < 64 and out.text.startswith("Hello")
+    assert results[ignored].finish_reason == "length" and len(results[ignored].token_ids) == 64
+    assert results[ignored].token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_oversized_requests_are_rejected_and_others_keep_running(make_engine):
+    engine = make_engine(max_model_len=64, num_kv_blocks=3, block_size=16, max_num_seqs=4)
+    good = engine.add_request("Hello there", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    with pytest.raises(InvalidRequestError, match="maximum model length"):
+        engine.add_request(list(range(100, 160)), SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=16))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request([1, 2, 10**6], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("x", SamplingParams(), request_id=good)
+    results = finish_all(engine)
+    assert set(results) == {good} and len(results[good].token_ids) == 8
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_abort_frees_blocks_and_spares_the_others(make_engine):
+    engine = make_engine()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    keep = engine.add_request("One two three", params)
+    drop = engine.add_request("Four five six", params)
+    engine.step()
+    engine.step()
+    assert engine.abort_request(drop) and not engine.abort_request(drop) and not engine.abort_request("nope")
+    results = finish_all(engine)
+    assert set(results) == {keep} and len(results[keep].token_ids) == 12
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_across_batches(make_engine):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    engine = make_engine()
+    alone_id = engine.add_request("Tell me a story", params)
+    alone = finish_all(engine)[alone_id].token_ids
+    engine = make_engine(seed=7)
+    for prompt in ("Noise one", "Noise two is longer than the first"):
+        engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=1.0))
+    batched_id = engine.add_request("Tell me a story", params)
+    assert finish_all(engine)[batched_id].token_ids == alone
+    other = make_engine()
+    other_id = other.add_request("Tell me a story", SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True))
+    assert finish_all(other)[other_id].token_ids != alone
+
+
+def test_timestamps_are_ordered(make_engine):
+    engine = make_engine()
+    rid = engine.add_request("Count: one, two,", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    times = finish_all(engine)[rid].times
+    assert times.arrival <= times.first_scheduled <= times.first_token == times.tokens[0]
+    assert times.tokens == sorted(times.tokens) and len(times.tokens) == 6 and times.finished == times.tokens[-1]

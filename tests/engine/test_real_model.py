@@ -1,0 +1,95 @@
+"""Acceptance on the real default model: greedy outputs equal HF transformers', and stay the same
+however the engine batches, chunks, preempts or which policy it runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.sampling import SamplingParams
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Hi",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter "
+    "and his three children. Every morning he walked into the woods with his axe, and every evening",
+    "List three primary colors:",
+    "Translate to French: I would like a cup of coffee, please.",
+    "The quick brown fox jumps over the lazy dog. " * 12 + "What animal jumped?",
+    "In 1969, the Apollo 11 mission",
+    "<|im_start|>user\nWhat is 12 times 12?<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_reference_tokenizer) -> list[list[int]]:
+    return [hf_reference_tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_reference_model, prompt_ids) -> list[list[int]]:
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            # eos_token_id=None: generate past EOS like ignore_eos (min_new_tokens would instead
+            # suppress EOS and so change the argmax). An explicit mask: the pad id is <|im_end|>,
+            # which HF would otherwise mask out of the chat prompt as padding.
+            full = hf_reference_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+            )
+            outputs.append(full[0, len(ids) :].tolist())
+    return outputs
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], arrive_every: int = 0) -> list[list[int]]:
+    """Adds prompt i at step i * arrive_every (all at once when 0), runs to completion."""
+    ids: list[str] = []
+    results: dict[str, list[int]] = {}
+    step = 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests:
+        while len(ids) < len(prompts) and step >= len(ids) * arrive_every:
+            ids.append(engine.add_request(prompts[len(ids)], GREEDY))
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = list(out.token_ids)
+        step += 1
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    return [results[i] for i in ids]
+
+
+def test_prompts_have_different_lengths(prompt_ids):
+    lengths = sorted(len(p) for p in prompt_ids)
+    assert len(set(lengths)) >= 8 and lengths[0] < 5 and lengths[-1] > 100
+
+
+def test_alone_matches_transformers(make_engine, prompt_ids, hf_greedy):
+    engine = make_engine()
+    alone = [run(engine, [p])[0] for p in prompt_ids]
+    for i, (ours, ref) in enumerate(zip(alone, hf_greedy)):
+        assert ours == ref, f"prompt {i} {PROMPTS[i][:30]!r} diverged"
+
+
+@pytest.mark.parametrize(
+    "case, engine_kwargs, arrive_every",
+    [
+        ("staggered continuous", dict(max_num_seqs=8), 3),
+        ("tiny chunks", dict(max_num_batched_tokens=7, max_num_seqs=4), 2),
+        ("preemption", dict(num_kv_blocks=24, block_size=8, max_num_seqs=8), 0),
+        ("static", dict(policy="static", max_num_seqs=4), 1),
+        ("static unchunked", dict(policy="static", max_num_seqs=3, chunked_prefill=False), 0),
+    ],
+)
+def test_batching_does_not_change_greedy_tokens(make_engine, prompt_ids, hf_greedy, case, engine_kwargs, arrive_every):
+    engine = make_engine(**engine_kwargs)
+    outputs = run(engine, prompt_ids, arrive_every)
+    if case == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    for i, (ours, ref) in enumerate(zip(outputs, hf_greedy)):
+        assert ours == ref, f"{case}: prompt {i} {PROMPTS[i][:30]!r} diverged"
