@@ -1,19 +1,13 @@
 """Session-wide fixtures: the shipped default model, ours and transformers' reference for it."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-# `tests.helpers` must import under a bare `pytest` too, which puts tests/ (not the repo) on sys.path.
-_REPO = str(Path(__file__).resolve().parents[1])
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-from tests.helpers import SMOLLM_GGUF_NAME, hf_gguf_tokenizer  # noqa: E402
+from tests.helpers import SMOLLM_GGUF_NAME, hf_gguf_tokenizer
 
 
 @pytest.fixture(scope="session")

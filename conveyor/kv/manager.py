@@ -53,9 +53,9 @@ class KVCacheManager:
 
     def allocate(self, request_id: str, num_total_tokens: int) -> list[int]:
         """Grow the request's table so that it has slots for num_total_tokens; append-only."""
-        table = self.block_tables.setdefault(request_id, [])
+        # Take the blocks before touching the table: OutOfBlocksError must leave no empty entry.
         new_blocks = self.pool.allocate(self.num_new_blocks(request_id, num_total_tokens))
-        table.extend(new_blocks)
+        self.block_tables.setdefault(request_id, []).extend(new_blocks)
         self.num_slotted_tokens[request_id] = max(
             num_total_tokens, self.num_slotted_tokens.get(request_id, 0)
         )

@@ -1,0 +1,545 @@
+"""Property tests: LLMEngine + a fake runner under random arrivals, sizes, pools, policies, aborts.
+
+The runner models the paged KV cache: every computed token is written into the slot its block table
+gives, a request's already computed prefix must still be there untouched, and the sampled token is a
+pure function of the sequence read back from the slots. So outputs equal the solo run only if
+preemption, recompute, chunking and block ownership are all right.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import InvalidRequestError
+from conveyor.kv.manager import blocks_for
+from conveyor.request import Request, RequestStatus
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler import ContinuousScheduler, StaticScheduler, make_scheduler
+
+from tests.fakes import FakeRunner  # noqa: E402
+
+VOCAB = 1000
+
+
+def seq_token(seq: list[int]) -> int:
+    h = 0
+    for t in seq:
+        h = (h * 1_000_003 + t + 1) % 2_305_843_009_213_693_951
+    return h % VOCAB
+
+
+class PagedRunner(FakeRunner):
+    """FakeRunner's bookkeeping plus a model of the slots, and tokens that depend on their content."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB)
+        self.slots: dict[int, tuple[str, int, int]] = {}  # slot -> (request id, position, token)
+        self.free_at_execute: list[int] = []
+        self.split_prefill = False  # some step computed fewer tokens than the request had pending
+
+    def execute(self, out, kv, stats):  # noqa: ANN001, ANN201 - Runner protocol
+        super().execute(out, kv, stats)  # records the step, checks sampling requests have slots
+        self.free_at_execute.append(kv.num_free_blocks)
+        bs = kv.block_size
+        seen: set[str] = set()
+        for request, n in out.scheduled:
+            rid = request.request_id
+            assert rid not in seen, f"{rid} scheduled twice in one step"
+            seen.add(rid)
+            assert not request.is_finished
+            assert 1 <= n <= request.num_pending_tokens
+            self.split_prefill |= n < request.num_pending_tokens
+            table = kv.block_tables[rid]
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            assert len(table) * bs >= end, f"{rid} computes tokens up to {end} without slots"
+            assert kv.num_slotted_tokens[rid] >= end
+            for pos in range(start):  # the computed prefix is still in this request's slots
+                assert self.slots.get(table[pos // bs] * bs + pos % bs) == (rid, pos, request.token_at(pos))
+            for pos in range(start, end):
+                self.slots[table[pos // bs] * bs + pos % bs] = (rid, pos, request.token_at(pos))
+        tokens = []
+        for request in out.sampling_requests():
+            table = kv.block_tables[request.request_id]
+            seq = [self.slots[table[p // bs] * bs + p % bs][2] for p in range(request.num_tokens)]
+            tokens.append(seq_token(seq))
+        return tokens
+
+
+def make_engine(
+    policy: str = "continuous",
+    *,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    chunked: bool = True,
+    max_model_len: int = 1024,
+) -> tuple[LLMEngine, PagedRunner]:
+    config = EngineConfig(
+        block_size=block_size,
+        scheduler=SchedulerConfig(
+            policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked
+        ),
+    )
+    runner = PagedRunner()
+    ticks = itertools.count()
+    engine = LLMEngine(
+        config, runner, num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=VOCAB,
+        clock=lambda: float(next(ticks)),
+    )
+    return engine, runner
+
+
+@functools.lru_cache(maxsize=None)
+def solo(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """The request's tokens when it runs alone in a roomy engine."""
+    total = len(prompt) + max_tokens
+    engine, _ = make_engine(num_blocks=blocks_for(total, 4) + 4, budget=total + 8, max_model_len=total + 8)
+    rid = engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    request = engine.scheduler.requests[rid]
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    return tuple(request.output_token_ids)
+
+
+# --- state checks ---------------------------------------------------------------------------------
+def members(engine: LLMEngine) -> list[Request]:
+    s = engine.scheduler
+    return list(s.running) if isinstance(s, ContinuousScheduler) else list(s.batch)
+
+
+def engine_state(engine: LLMEngine) -> tuple:
+    s, kv = engine.scheduler, engine.kv
+    return (
+        sorted(s.requests),
+        [r.request_id for r in s.waiting],
+        [r.request_id for r in members(engine)],
+        {k: list(v) for k, v in kv.block_tables.items()},
+        dict(kv.num_slotted_tokens),
+        list(kv.pool._free),
+        list(kv.pool._ref_counts),
+        s.num_preemptions,
+        sorted((r.request_id, r.status, r.num_computed_tokens, len(r.output_token_ids)) for r in s.requests.values()),
+    )
+
+
+def check_blocks(engine: LLMEngine) -> None:
+    kv = engine.kv
+    owner: dict[int, str] = {}
+    for rid, table in kv.block_tables.items():
+        for b in table:
+            assert b not in owner, f"block {b} in the tables of {owner[b]} and {rid}"
+            owner[b] = rid
+    assert kv.pool.num_free + len(owner) == kv.num_blocks, "blocks leaked or double counted"
+    assert not set(kv.pool._free) & set(owner)
+    assert all(kv.pool.ref_count(b) == 1 for b in owner)
+    usage = kv.usage()
+    assert usage.wasted_slots <= (kv.block_size - 1) * usage.num_requests
+
+
+def check_requests(engine: LLMEngine, cfg: SchedulerConfig, accepted: dict[str, Request]) -> None:
+    s, kv = engine.scheduler, engine.kv
+    waiting = list(s.waiting)
+    mem = members(engine)
+    assert len({id(r) for r in waiting}) == len(waiting)
+    assert not {id(r) for r in waiting} & {id(r) for r in mem}
+    assert s.num_running <= cfg.max_num_seqs
+    assert len(mem) <= cfg.max_num_seqs
+    assert set(kv.block_tables) <= set(s.requests)
+    for rid, r in accepted.items():
+        if r.is_finished:
+            assert rid not in kv.block_tables, f"finished {rid} holds blocks"
+            assert rid not in s.requests
+            assert all(w is not r for w in waiting)
+            if isinstance(s, ContinuousScheduler):
+                assert all(m is not r for m in mem)
+            continue
+        assert s.requests.get(rid) is r
+        assert any(w is r for w in waiting) or any(m is r for m in mem)
+        assert 0 <= r.num_computed_tokens < r.num_tokens  # something is always pending
+        if r.status is RequestStatus.WAITING:
+            assert rid not in kv.block_tables and r.num_computed_tokens == 0
+        else:
+            assert r.status is RequestStatus.RUNNING
+            assert kv.num_slotted_tokens[rid] >= r.num_computed_tokens
+        if isinstance(s, ContinuousScheduler):
+            assert (r.status is RequestStatus.RUNNING) == any(m is r for m in mem)
+
+
+def check_decision(  # noqa: ANN001
+    engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps_before
+) -> None:
+    """What one schedule() may decide, given the queues just before it."""
+    s = engine.scheduler
+    if len(runner.steps) == n_steps_before:
+        return
+    out = runner.steps[-1]
+    free_at_execute = runner.free_at_execute[-1]
+    scheduled = [r for r, _ in out.scheduled]
+    assert out.num_tokens <= cfg.max_num_batched_tokens
+    assert len(scheduled) <= cfg.max_num_seqs
+    # The members at decision time: the running list before the step, or the (maybe new) static batch.
+    sched_members = before_members if isinstance(s, ContinuousScheduler) else members(engine)
+    assert all(id(p) in {id(m) for m in sched_members} for p in out.preempted)
+    if not cfg.chunked_prefill:
+        # Whole pending tokens or nothing: every scheduled request caught up and sampled a token.
+        for r in scheduled:
+            assert r.num_computed_tokens == r.num_tokens - 1
+    # Victims come from the tail: a member after a victim that held blocks was preempted too.
+    for p in out.preempted:
+        after = sched_members[[id(m) for m in sched_members].index(id(p)) + 1 :]
+        for m in after:
+            if m.request_id in before_holding:
+                assert any(q is m for q in out.preempted), "preempted an older request before a newer one"
+    if isinstance(s, ContinuousScheduler):
+        run_ids = {id(r) for r in before_members}
+        k = sum(1 for r in scheduled if id(r) in run_ids)
+        old, new = scheduled[:k], scheduled[k:]
+        assert all(id(r) in run_ids for r in old), "running requests are served before waiting ones"
+        order = [id(r) for r in before_members]
+        assert [order.index(id(r)) for r in old] == sorted(order.index(id(r)) for r in old)
+        assert [id(r) for r in new] == [id(r) for r in before_waiting[: len(new)]], "admission is FCFS"
+        if out.preempted:
+            assert not new, "no admission in a step that preempts"
+            # Exactly the most recently admitted, newest first, and they go back to the queue's front
+            # in admission order.
+            k = len(out.preempted)
+            assert [id(p) for p in out.preempted] == [id(r) for r in reversed(before_members)][:k]
+            for p in out.preempted:
+                assert p.num_computed_tokens == 0 and p.request_id not in engine.kv.block_tables
+                assert p.status is RequestStatus.WAITING
+            assert [id(r) for r in list(s.waiting)[:k]] == [id(r) for r in before_members[-k:]]
+        skipped = [r for r in before_members if r not in scheduled and r not in out.preempted]
+        budget_left = cfg.max_num_batched_tokens - out.num_tokens
+        if skipped:
+            assert budget_left == 0 and not new, "a running request was skipped with budget left"
+        if not out.preempted and len(new) < len(before_waiting):
+            head = before_waiting[len(new)]
+            pending = head.num_tokens  # it held nothing, so everything is pending
+            chunk = pending if not cfg.chunked_prefill or pending <= budget_left else budget_left
+            assert (
+                len(before_members) + len(new) >= cfg.max_num_seqs
+                or budget_left == 0
+                or (not cfg.chunked_prefill and pending > budget_left)
+                or blocks_for(chunk, engine.kv.block_size) > free_at_execute
+            ), "continuous left a waiting request out although it fitted"
+    else:
+        batch = members(engine)
+        assert all(any(m is r for m in batch) for r in scheduled)
+        assert all(any(m is p for m in batch) for p in out.preempted)
+        changed = [id(m) for m in batch] != [id(m) for m in before_members]
+        if changed:
+            assert before_all_finished, "static admitted while its batch still had unfinished members"
+        if before_all_finished and before_waiting:
+            k = min(cfg.max_num_seqs, len(before_waiting))
+            assert [id(m) for m in batch] == [id(r) for r in before_waiting[:k]], "static batch is FCFS"
+
+
+# --- scenarios ------------------------------------------------------------------------------------
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Scenario:
+    policy: str
+    chunked: bool
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    budget: int
+    max_model_len: int
+    arrivals: list[Arrival]
+    aborts: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, pick)
+    duplicates: list[tuple[int, int]] = field(default_factory=list)  # (step, pick)
+
+
+@st.composite
+def scenarios(draw, pressure: bool = False) -> Scenario:  # noqa: ANN001
+    """pressure: tiny pools, bursts, several sequences and mostly short prompts (long outputs), so
+    that running requests grow into each other and preemption is the normal case."""
+    policy = draw(st.sampled_from(["continuous", "static"]))
+    chunked = draw(st.booleans())
+    block_size = draw(st.integers(1, 6))
+    tiny = pressure or draw(st.booleans())
+    num_blocks = draw(st.integers(2, 6) if pressure else st.integers(1, 8) if tiny else st.integers(1, 32))
+    max_num_seqs = draw(st.integers(2, 6) if pressure else st.integers(1, 6))
+    budget = draw(st.one_of(st.integers(1, 8), st.integers(1, 48)))
+    max_model_len = draw(st.one_of(st.integers(2, 96), st.just(96)))
+    cap = min(max_model_len, num_blocks * block_size, budget if not chunked else max_model_len)
+    burst = pressure or draw(st.booleans())  # everything arrives within a few steps
+    arrivals = []
+    for _ in range(draw(st.integers(2 if pressure else 1, 10))):
+        step = draw(st.integers(0, 3) if burst else st.integers(0, 25))
+        if cap >= 2 and draw(st.integers(0, 7)):
+            # Half the time near the cap, so that requests crowd the pool and get preempted.
+            total = draw(st.one_of(st.integers(2, cap), st.integers(max(2, cap // 2), cap)))
+        else:  # usually too big for this engine; drawn against the limits, not the cap, sometimes fits
+            total = draw(st.integers(2, max(2, cap) + 24))
+        # Long outputs grow into the pool after admission.
+        short_prompt = draw(st.integers(0, 3).map(bool) if pressure else st.booleans())
+        if short_prompt:
+            prompt_len = draw(st.integers(1, max(1, (total - 1) // 4)))
+        else:
+            prompt_len = draw(st.one_of(st.integers(1, total - 1), st.integers(max(1, (total - 1) // 2), total - 1)))
+        rng = random.Random(draw(st.integers(0, 2**32)))
+        arrivals.append(Arrival(step, [rng.randrange(VOCAB) for _ in range(prompt_len)], total - prompt_len))
+    kinds = st.sampled_from(["waiting", "running", "finished", "unknown"])
+    aborts = draw(st.lists(st.tuples(st.integers(0, 20), kinds, st.integers(0, 1000)), max_size=4))
+    duplicates = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 1000)), max_size=1))
+    return Scenario(policy, chunked, block_size, num_blocks, max_num_seqs, budget, max_model_len, arrivals,
+                    aborts, duplicates)
+
+
+def note_events(*names: str) -> None:
+    """Coverage counters for `pytest --hypothesis-show-statistics`; a no-op outside hypothesis."""
+    try:
+        for name in names:
+            event(name)
+    except InvalidArgument:
+        pass
+
+
+def fits(sc: Scenario, a: Arrival) -> bool:
+    total = len(a.prompt) + a.max_tokens
+    return (
+        total <= sc.max_model_len
+        and blocks_for(total, sc.block_size) <= sc.num_blocks
+        and (sc.chunked or total <= sc.budget)
+    )
+
+
+def run_scenario(sc: Scenario) -> None:
+    engine, runner = make_engine(
+        sc.policy, block_size=sc.block_size, num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
+        budget=sc.budget, chunked=sc.chunked, max_model_len=sc.max_model_len,
+    )
+    cfg = engine.config.scheduler
+    accepted: dict[str, Request] = {}
+    arrival_of: dict[str, Arrival] = {}
+    aborted: set[str] = set()
+    streamed: dict[str, list[RequestOutput]] = defaultdict(list)
+    first_admitted: dict[str, None] = {}  # ordered set
+    by_step: dict[int, list[Arrival]] = defaultdict(list)
+    for a in sc.arrivals:
+        by_step[a.step].append(a)
+    aborts_at: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for step, kind, pick in sc.aborts:
+        aborts_at[step].append((kind, pick))
+    dups_at = defaultdict(list)
+    for step, pick in sc.duplicates:
+        dups_at[step].append(pick)
+    last_event = max([a.step for a in sc.arrivals] + [s for s, _, _ in sc.aborts] + [s for s, _ in sc.duplicates])
+
+    def live() -> list[str]:
+        return [rid for rid, r in accepted.items() if not r.is_finished]
+
+    step = 0
+    while step <= last_event or engine.has_unfinished_requests:
+        assert step < 20_000, "the engine stopped making progress"
+        for a in by_step[step]:
+            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+            before = engine_state(engine)
+            if fits(sc, a):
+                rid = engine.add_request(a.prompt, params)
+                accepted[rid] = engine.scheduler.requests[rid]
+                arrival_of[rid] = a
+                assert accepted[rid].status is RequestStatus.WAITING
+            else:
+                total = len(a.prompt) + a.max_tokens
+                note_events(*[f"rejected for {why}" for why, over in [
+                    ("max_model_len", total > sc.max_model_len),
+                    ("pool", blocks_for(total, sc.block_size) > sc.num_blocks),
+                    ("budget", not sc.chunked and total > sc.budget),
+                ] if over])
+                with pytest.raises(InvalidRequestError):
+                    engine.add_request(a.prompt, params)
+                assert engine_state(engine) == before, "a rejected request changed the engine"
+        for pick in dups_at[step]:
+            ids = live()
+            if ids:
+                before = engine_state(engine)
+                with pytest.raises(InvalidRequestError, match="already in use"):
+                    engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id=ids[pick % len(ids)])
+                assert engine_state(engine) == before
+        for kind, pick in aborts_at[step]:
+            if kind == "waiting":
+                pool = [rid for rid in live() if accepted[rid].status is RequestStatus.WAITING]
+            elif kind == "running":
+                pool = [rid for rid in live() if accepted[rid].status is RequestStatus.RUNNING]
+            elif kind == "finished":
+                pool = [rid for rid, r in accepted.items() if r.is_finished]
+            else:
+                pool = [f"no-such-request-{pick}"]
+            if not pool:
+                continue
+            rid = pool[pick % len(pool)]
+            expected = rid in accepted and not accepted[rid].is_finished
+            free_before, held = engine.kv.num_free_blocks, len(engine.kv.block_tables.get(rid, ()))
+            assert engine.abort_request(rid) is expected
+            if expected:
+                aborted.add(rid)
+                r = accepted[rid]
+                assert r.status is RequestStatus.FINISHED_ABORTED
+                assert r.times.finished is not None
+                assert engine.kv.num_free_blocks == free_before + held
+        check_blocks(engine)
+        check_requests(engine, cfg, accepted)
+
+        had_work = engine.has_unfinished_requests
+        before_waiting = list(engine.scheduler.waiting)
+        before_members = members(engine)
+        before_all_finished = all(m.is_finished for m in before_members)
+        before_holding = set(engine.kv.block_tables)
+        n_steps = len(runner.steps)
+        outputs = engine.step()
+        if had_work:
+            assert len(runner.steps) == n_steps + 1, "unfinished requests but nothing scheduled"
+        else:
+            assert outputs == [] and len(runner.steps) == n_steps
+        check_decision(
+            engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps
+        )
+        if len(runner.steps) > n_steps:
+            if isinstance(engine.scheduler, ContinuousScheduler):
+                joined = [r for r, _ in runner.steps[-1].scheduled]
+            else:
+                joined = members(engine)
+            for r in joined:
+                if r.request_id not in first_admitted:
+                    first_admitted[r.request_id] = None
+        for o in outputs:
+            assert o.request_id in accepted and o.request_id not in aborted
+            assert not streamed[o.request_id] or not streamed[o.request_id][-1].finished
+            assert len(o.new_token_ids) == 1
+            streamed[o.request_id].append(o)
+        check_blocks(engine)
+        check_requests(engine, cfg, accepted)
+        step += 1
+
+    note_events(
+        f"policy={sc.policy} chunked={sc.chunked}",
+        f"preempted={'yes' if engine.scheduler.num_preemptions else 'no'}",
+        f"rejected={'yes' if len(accepted) < len(sc.arrivals) else 'no'}",
+        f"aborted={'yes' if aborted else 'no'}",
+        f"split prefill={'yes' if runner.split_prefill else 'no'}",
+    )
+
+    # FCFS over the whole run: first admissions (continuous) or batch membership (static) follow the
+    # order in which requests were added; only preempted requests may jump the queue.
+    add_index = {rid: i for i, rid in enumerate(accepted)}
+    order = [add_index[rid] for rid in first_admitted]
+    assert order == sorted(order), "requests were admitted out of arrival order"
+
+    # --- the end state ----------------------------------------------------------------------------
+    kv, s = engine.kv, engine.scheduler
+    assert kv.num_free_blocks == kv.num_blocks and kv.block_tables == {} and kv.num_slotted_tokens == {}
+    assert s.requests == {} and not s.waiting and s.num_running == 0
+    if isinstance(s, ContinuousScheduler):
+        assert s.running == []
+    assert s.num_preemptions == sum(r.num_preemptions for r in accepted.values())
+    for rid, r in accepted.items():
+        a = arrival_of[rid]
+        outs = streamed[rid]
+        assert [t for o in outs for t in o.new_token_ids] == r.output_token_ids
+        if rid in aborted:
+            assert r.status is RequestStatus.FINISHED_ABORTED and r.status.value == "abort"
+            assert len(r.output_token_ids) < a.max_tokens
+            assert not outs or not outs[-1].finished
+            assert list(solo(tuple(a.prompt), a.max_tokens))[: len(r.output_token_ids)] == r.output_token_ids
+            continue
+        assert r.status is RequestStatus.FINISHED_LENGTH
+        assert len(r.output_token_ids) == a.max_tokens
+        assert r.output_token_ids == list(solo(tuple(a.prompt), a.max_tokens)), "batching changed the tokens"
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert outs[-1].num_preemptions == r.num_preemptions
+        assert not any(o.finished for o in outs[:-1])
+        t = r.times
+        assert t.arrival <= t.first_scheduled <= t.first_token <= t.tokens[0]
+        assert t.tokens == sorted(t.tokens) and t.tokens[-1] <= t.finished
+        assert len(t.tokens) == a.max_tokens
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+def test_random_workloads_keep_every_invariant(sc: Scenario) -> None:
+    run_scenario(sc)
+
+
+# --- targeted: pools so small that preemption is the normal case ---------------------------------
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios(pressure=True))
+def test_tiny_pools_preempt_and_still_agree(sc: Scenario) -> None:
+    run_scenario(sc)
+
+
+def test_a_tiny_pool_really_preempts() -> None:
+    sc = Scenario("continuous", True, 2, 4, 4, 64, 64,
+                  [Arrival(0, [5, 6, 7], 5), Arrival(0, [8, 9, 10], 5), Arrival(0, [1], 3)])
+    run_scenario(sc)
+    engine, _ = make_engine(block_size=2, num_blocks=4, max_num_seqs=4, budget=64)
+    for a in sc.arrivals:
+        engine.add_request(a.prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+
+
+# --- the schedulers on their own --------------------------------------------------------------------
+def test_make_scheduler_picks_the_policy() -> None:
+    from conveyor.kv.manager import KVCacheManager
+
+    kv = KVCacheManager(4, 2)
+    assert isinstance(make_scheduler(SchedulerConfig(policy="continuous"), kv), ContinuousScheduler)
+    assert isinstance(make_scheduler(SchedulerConfig(policy="static"), kv), StaticScheduler)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["continuous", "static"]),
+    chunked=st.booleans(),
+    budget=st.integers(1, 20),
+    max_num_seqs=st.integers(1, 5),
+    prompts=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+)
+def test_scheduler_alone_drains_a_queue(policy, chunked, budget, max_num_seqs, prompts) -> None:  # noqa: ANN001
+    """Driving schedule()/update_from_output() by hand, finishing each request after one token."""
+    from conveyor.kv.manager import KVCacheManager
+
+    kv = KVCacheManager(64, 4)
+    sched = make_scheduler(SchedulerConfig(policy, max_num_seqs, budget, chunked), kv)
+    reqs = []
+    for i, p in enumerate(prompts):
+        if not chunked and p + 1 > budget:
+            continue  # the engine would reject it
+        r = Request(str(i), list(range(p)), SamplingParams(max_tokens=1), arrival_time=0.0)
+        sched.add_request(r)
+        reqs.append(r)
+    for _ in range(1000):
+        if not sched.has_unfinished:
+            break
+        out = sched.schedule()
+        assert not out.is_empty
+        assert out.num_tokens <= budget and len(out.scheduled) <= max_num_seqs
+        done = out.sampling_requests()
+        for r in done:
+            r.output_token_ids.append(0)
+        sched.update_from_output(out, [(r, RequestStatus.FINISHED_LENGTH) for r in done])
+    assert not sched.has_unfinished
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert kv.num_free_blocks == 64 and kv.block_tables == {}
