@@ -40,6 +40,8 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float
     prompt: str | None = None
+    group_id: str | None = None  # the id the caller knows; samples of n > 1 share it
+    sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -49,6 +51,29 @@ class Request:
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
+        if self.group_id is None:
+            self.group_id = self.request_id
+
+    @property
+    def pending_forks(self) -> int:
+        """Further samples still to branch off this one: it forks when it samples its first token."""
+        return self.sampling_params.n - 1 if not self.output_token_ids else 0
+
+    def fork(self, index: int) -> "Request":
+        """A sibling sample at the same point of computation (it will share this one's KV blocks)."""
+        child = Request(
+            request_id=f"{self.group_id}#{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params.for_sample(index),
+            arrival_time=self.arrival_time,
+            prompt=self.prompt,
+            group_id=self.group_id,
+            sample_index=index,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+        )
+        child.times.first_scheduled = self.times.first_scheduled
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

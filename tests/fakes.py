@@ -2,7 +2,7 @@
 KV manager can be driven at speed without a model."""
 from __future__ import annotations
 
-from conveyor.engine.outputs import StepStats
+from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.kv.manager import KVCacheManager
 from conveyor.scheduler import SchedulerOutput
 
@@ -12,7 +12,7 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         self.steps.append(out)
         tokens = []
         for request in out.sampling_requests():
@@ -21,4 +21,4 @@ class FakeRunner:
             # A pure function of the sequence so far: the same request gives the same tokens
             # whatever it is batched with and however often it is preempted.
             tokens.append((sum(request.prompt_token_ids) * 31 + request.num_tokens * 7) % self.vocab_size)
-        return tokens
+        return SamplerOutput(tokens)

@@ -10,7 +10,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from conveyor.config import EngineConfig
-from conveyor.engine.outputs import RequestOutput, StepStats
+from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import KVCacheManager, blocks_for
@@ -20,7 +20,7 @@ from conveyor.scheduler import SchedulerOutput, make_scheduler
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`."""
         ...
 
@@ -57,6 +57,7 @@ class LLMEngine:
         self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
         self.last_step = StepStats()
         self._ids = itertools.count()
+        self._unfinished_samples: dict[str, int] = {}  # request id -> samples not yet finished
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: object | None = None) -> "LLMEngine":
@@ -87,13 +88,14 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
+        if request_id in self._unfinished_samples:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params, arrival, prompt=text)
         self.stopper.start(request)
         self.scheduler.add_request(request)
+        self._unfinished_samples[request_id] = params.n
         return request_id
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -125,6 +127,8 @@ class LLMEngine:
                 f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
         sched = self.config.scheduler
+        if params.n > sched.max_num_seqs:
+            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({sched.max_num_seqs})")
         if not sched.chunked_prefill and total > sched.max_num_batched_tokens:
             # Without chunking a (re)computed prompt must fit one step's token budget.
             raise InvalidRequestError(
@@ -133,11 +137,15 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> bool:
-        request = self.scheduler.abort_request(request_id)
-        if request is None:
+        """Aborts every sample of the request; False if it is unknown or already finished."""
+        if self._unfinished_samples.pop(request_id, None) is None:
             return False
-        request.times.finished = self.clock()
-        self.stopper.forget(request)
+        samples = [r for r in self.scheduler.requests.values() if r.group_id == request_id]
+        now = self.clock()
+        for sample in samples:
+            self.scheduler.abort_request(sample.request_id)
+            sample.times.finished = now
+            self.stopper.forget(sample)
         return True
 
     @property
@@ -159,30 +167,43 @@ class LLMEngine:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = t1
         samplers = out.sampling_requests()
-        tokens = self.runner.execute(out, self.kv, stats)
+        sampled = self.runner.execute(out, self.kv, stats)
         t2 = self.clock()
         outputs, finished = [], []
-        for request, token in zip(samplers, tokens):
+        logprobs = sampled.logprobs or [None] * len(samplers)
+        for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
             request.output_token_ids.append(token)
             request.times.tokens.append(t2)
             if request.times.first_token is None:
                 request.times.first_token = t2
             status = self.stopper.check(request, token)
             if status is not None:
-                finished.append((request, status))
+                finished.append((request, status, token_logprobs))
             else:
-                outputs.append(self._output(request, [token]))
-        self.scheduler.update_from_output(out, finished)
-        for request, _ in finished:
+                outputs.append(self._output(request, [token], token_logprobs))
+        self.scheduler.update_from_output(out, [(r, status) for r, status, _ in finished])
+        for request, _, token_logprobs in finished:
             request.times.finished = t2
-            outputs.append(self._output(request, [request.output_token_ids[-1]]))
+            outputs.append(self._output(request, [request.output_token_ids[-1]], token_logprobs))
+            self._retire_sample(request.group_id)
         stats.postprocess_s = self.clock() - t2
         return outputs
 
-    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+    def _retire_sample(self, group_id: str) -> None:
+        left = self._unfinished_samples.get(group_id)
+        if left is None:
+            return
+        if left <= 1:
+            del self._unfinished_samples[group_id]
+        else:
+            self._unfinished_samples[group_id] = left - 1
+
+    def _output(self, request: Request, new_tokens: list[int], logprobs: dict[int, float] | None) -> RequestOutput:
         finished = request.is_finished
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.group_id,
+            index=request.sample_index,
+            logprobs=None if logprobs is None else [logprobs],
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,

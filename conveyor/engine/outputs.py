@@ -7,6 +7,16 @@ from conveyor.request import RequestTimes
 
 
 @dataclass
+class SamplerOutput:
+    """What a runner returns for one step: a token per sampling request, in order."""
+
+    tokens: list[int]
+    # Per sampling request: {token id: logprob} for the chosen token and the top alternatives,
+    # or None where the request did not ask for logprobs (the list is None if nobody did).
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -19,6 +29,8 @@ class RequestOutput:
     text: str | None = None  # the decoded output, set once finished
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n samples this is
+    logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
 
 
 @dataclass

@@ -35,6 +35,9 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         # Tokens that have a slot (computed, or being computed this step).
         self.num_slotted_tokens: dict[str, int] = {}
+        # (source, destination) block copies the runner must make before the next forward:
+        # copy-on-write of a shared, partly filled block that one of its owners writes into.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -48,18 +51,48 @@ class KVCacheManager:
         have = len(self.block_tables.get(request_id, ()))
         return max(0, blocks_for(num_total_tokens, self.block_size) - have)
 
+    def _shared_tail(self, request_id: str, num_total_tokens: int) -> bool:
+        """Will the request write into a block it shares with another owner?"""
+        table = self.block_tables.get(request_id)
+        written = self.num_slotted_tokens.get(request_id, 0)
+        if not table or num_total_tokens <= written or written % self.block_size == 0:
+            return False  # nothing to write, or the next token opens a fresh block
+        return self.pool.ref_count(table[written // self.block_size]) > 1
+
     def can_allocate(self, request_id: str, num_total_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_total_tokens) <= self.pool.num_free
+        need = self.num_new_blocks(request_id, num_total_tokens) + self._shared_tail(request_id, num_total_tokens)
+        return need <= self.pool.num_free
 
     def allocate(self, request_id: str, num_total_tokens: int) -> list[int]:
-        """Grow the request's table so that it has slots for num_total_tokens; append-only."""
+        """Grow the request's table so that it has slots for num_total_tokens; append-only
+        except that a shared block about to be written is swapped for a private copy."""
         # Take the blocks before touching the table: OutOfBlocksError must leave no empty entry.
-        new_blocks = self.pool.allocate(self.num_new_blocks(request_id, num_total_tokens))
-        self.block_tables.setdefault(request_id, []).extend(new_blocks)
+        copy_on_write = self._shared_tail(request_id, num_total_tokens)
+        new_blocks = self.pool.allocate(self.num_new_blocks(request_id, num_total_tokens) + copy_on_write)
+        table = self.block_tables.setdefault(request_id, [])
+        if copy_on_write:
+            index = self.num_slotted_tokens[request_id] // self.block_size
+            private = new_blocks.pop()
+            self.pending_copies.append((table[index], private))
+            self.pool.free([table[index]])
+            table[index] = private
+        table.extend(new_blocks)
         self.num_slotted_tokens[request_id] = max(
             num_total_tokens, self.num_slotted_tokens.get(request_id, 0)
         )
         return new_blocks
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (ref counts), e.g. a prompt's KV for n > 1."""
+        table = self.block_tables[parent_id]
+        for block in table:
+            self.pool.share(block)
+        self.block_tables[child_id] = list(table)
+        self.num_slotted_tokens[child_id] = self.num_slotted_tokens[parent_id]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)

@@ -60,6 +60,8 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
         lens = torch.tensor(context_lens)
         decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
 
+    for parent, child in out.forks:  # a new sample reads its parent's logits
+        last_row[child.request_id] = last_row[parent.request_id]
     logits_rows = [last_row[r.request_id] for r in out.sampling_requests()]
     return ModelInputs(
         input_ids=torch.tensor(input_ids),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import EngineConfig, parse_memory
-from conveyor.engine.outputs import StepStats
+from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.errors import ConfigError
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
@@ -88,13 +88,23 @@ class ModelRunner:
         return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> list[int]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         t0 = time.perf_counter()
+        self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, kv)
         t1 = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
         t2 = time.perf_counter()
-        tokens = self.sampler(logits, out.sampling_requests()) if len(inputs.logits_indices) else []
+        sampled = self.sampler(logits, out.sampling_requests()) if len(inputs.logits_indices) else SamplerOutput([])
         t3 = time.perf_counter()
         stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2
-        return tokens
+        return sampled
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

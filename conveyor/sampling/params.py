@@ -1,11 +1,13 @@
 """Per-request sampling parameters, validated at construction (pure Python: the scheduler imports it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conveyor.errors import InvalidRequestError
 
 _MAX_STOP_STRINGS = 16
+_MAX_N = 64
+_MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -25,6 +27,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks
+    logprobs: int | None = None  # top alternatives to report per generated token (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +46,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if len(self.stop) > _MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise InvalidRequestError(f"stop takes at most {_MAX_STOP_STRINGS} non-empty strings")
+        if not 1 <= self.n <= _MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {_MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
 
@@ -61,10 +69,17 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) for s in self.stop)),
             ("stop_token_ids", all(is_int(t) for t in self.stop_token_ids)),
             ("ignore_eos", isinstance(self.ignore_eos, bool)),
+            ("n", is_int(self.n)),
+            ("logprobs", self.logprobs is None or is_int(self.logprobs)),
         ]
         for name, ok in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} has the wrong type: {getattr(self, name)!r}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n samples: one sample each, seeds kept distinct."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

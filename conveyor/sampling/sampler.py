@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from conveyor.engine.outputs import SamplerOutput
 from conveyor.request import Request
 
 
@@ -18,8 +19,31 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: fp32 [len(requests), vocab]."""
+        tokens = self._sample(logits, requests)
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if all(k is None for k in wanted):
+            return SamplerOutput(tokens)
+        return SamplerOutput(tokens, self._logprobs(logits, tokens, wanted))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[dict[int, float] | None]:
+        # Of the model's own distribution (before temperature and truncation), as vLLM reports them.
+        rows = [i for i, k in enumerate(wanted) if k is not None]
+        logp = torch.log_softmax(logits[rows], dim=-1)
+        top = max(wanted[i] for i in rows)  # type: ignore[type-var]
+        top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+        chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
+        result: list[dict[int, float] | None] = [None] * len(tokens)
+        for j, i in enumerate(rows):
+            k = wanted[i]
+            entry = dict(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
+            entry[tokens[i]] = float(chosen[j])
+            result[i] = entry
+        return result
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         params = [r.sampling_params for r in requests]
         greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):

@@ -20,6 +20,10 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (parent, child): samples of n > 1 branching off this step; a child shares its parent's KV
+    # blocks and samples its first token from its parent's logits row.
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -31,8 +35,9 @@ class SchedulerOutput:
 
     def sampling_requests(self) -> list[Request]:
         """Requests that catch up with all their known tokens this step, so sample the next one.
-        Valid until the step's results are applied."""
-        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        Forked children come last. Valid until the step's results are applied."""
+        regular = [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        return regular + [child for _, child in self.forks]
 
 
 class Scheduler:
@@ -93,6 +98,23 @@ class Scheduler:
         out.scheduled.append((request, num_new))
         return True
 
+    def _finish_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Branch off the extra samples of n > 1 requests that sample their first token now."""
+        for request, n in out.scheduled:
+            if request.num_computed_tokens + n < request.num_tokens:
+                continue
+            for index in range(1, request.pending_forks + 1):
+                child = request.fork(index)
+                self.kv.fork(request.request_id, child.request_id)
+                self.requests[child.request_id] = child
+                self._admit_fork(child)
+                out.forks.append((request, child))
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _admit_fork(self, child: Request) -> None:
+        raise NotImplementedError
+
     def _pick_victim(self, victims: list[Request], out: SchedulerOutput) -> Request | None:
         scheduled = {r.request_id for r, _ in out.scheduled}
         for candidate in reversed(victims):
@@ -116,6 +138,8 @@ class Scheduler:
         """Account for the computed tokens, then retire the requests the engine says are done."""
         for request, n in out.scheduled:
             request.num_computed_tokens += n
+        for parent, child in out.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
         for request, status in finished:
             self._finish(request, status)
 

@@ -33,19 +33,25 @@ class ContinuousScheduler(Scheduler):
                 budget -= n
 
         # Admitting while preempting would only hand the freed blocks straight back: thrash.
+        # A request of n samples holds n seats from admission on, though its forks come later.
+        seats = sum(1 + r.pending_forks for r in self.running)
         while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
             request = self.waiting[0]
+            if seats + 1 + request.pending_forks > self.config.max_num_seqs:
+                break
             n = self._tokens_to_schedule(request, budget)
             if n == 0 or not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
                 break
             self.waiting.popleft()
+            seats += 1 + request.pending_forks
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._reserve(request, n, [], out)
             budget -= n
-        return out
+        return self._finish_schedule(out)
+
+    def _admit_fork(self, child: Request) -> None:
+        self.running.append(child)
 
     def _on_preempt(self, request: Request) -> None:
         self.running.remove(request)

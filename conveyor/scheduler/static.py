@@ -46,12 +46,19 @@ class StaticScheduler(Scheduler):
             if n and self._reserve(request, n, self.batch, out):
                 request.status = RequestStatus.RUNNING
                 budget -= n
-        return out
+        return self._finish_schedule(out)
 
     def _form_batch(self) -> None:
+        # Samples of n > 1 count as n members: their forks join the batch later.
         self.batch = []
-        while self.waiting and len(self.batch) < self.config.max_num_seqs:
-            self.batch.append(self.waiting.popleft())
+        slots = 0
+        while self.waiting and slots + 1 + self.waiting[0].pending_forks <= self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            slots += 1 + request.pending_forks
+            self.batch.append(request)
+
+    def _admit_fork(self, child: Request) -> None:
+        self.batch.append(child)
 
     def _on_preempt(self, request: Request) -> None:
         request.status = RequestStatus.WAITING  # stays a member; resumes when blocks free up

@@ -110,3 +110,17 @@ def test_timestamps_are_ordered(make_engine):
     times = finish_all(engine)[rid].times
     assert times.arrival <= times.first_scheduled <= times.first_token == times.tokens[0]
     assert times.tokens == sorted(times.tokens) and len(times.tokens) == 6 and times.finished == times.tokens[-1]
+
+
+def test_logprobs_come_with_each_token(make_engine):
+    engine = make_engine()
+    rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True))
+    per_token = []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            assert out.request_id == rid and out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+            per_token.extend(zip(out.new_token_ids, out.logprobs))
+    assert len(per_token) == 5
+    for token, entry in per_token:
+        assert len(entry) == 2 and max(entry, key=entry.get) == token  # greedy picks the top one
+        assert all(v <= 0.0 for v in entry.values())

@@ -235,7 +235,10 @@ class ManagerMachine(RuleBasedStateMachine):
         total = self.tokens[rid] + k
         need = blocks_for(total, self.kv.block_size) - len(old_table)
         assert self.kv.num_new_blocks(rid, total) == need
-        if need > self.kv.num_free_blocks:
+        bs, written = self.kv.block_size, self.tokens[rid]
+        # Writing into a partly filled block that someone else also holds copies it first.
+        cow = k > 0 and written % bs != 0 and self.kv.pool.ref_count(old_table[written // bs]) > 1
+        if need + cow > self.kv.num_free_blocks:
             assert not self.kv.can_allocate(rid, total)
             before = self._snapshot()
             with pytest.raises(OutOfBlocksError):
@@ -244,7 +247,16 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         new = self.kv.allocate(rid, total)
         assert len(new) == need
-        assert self.kv.block_tables[rid] == old_table + new, "tables are append-only"
+        copies = self.kv.take_copies()
+        if cow:
+            tail = written // bs
+            (src, dst), = copies
+            assert src == old_table[tail] and dst not in old_table and dst not in new
+            old_table[tail] = dst
+            assert self.kv.pool.ref_count(dst) == 1
+        else:
+            assert copies == []
+        assert self.kv.block_tables[rid] == old_table + new, "tables are append-only (but for copy-on-write)"
         self.tokens[rid] = total
 
     @rule(rid=requests, k=st.integers(0, 12))

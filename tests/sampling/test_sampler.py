@@ -15,19 +15,19 @@ def requests(*params: SamplingParams) -> list[Request]:
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 100)
-    assert Sampler()(logits, requests(*[SamplingParams(temperature=0.0)] * 5)) == logits.argmax(-1).tolist()
+    assert Sampler()(logits, requests(*[SamplingParams(temperature=0.0)] * 5)).tokens == logits.argmax(-1).tolist()
 
 
 def test_top_k_one_is_greedy_at_any_temperature():
     logits = torch.randn(6, 100)
-    out = Sampler()(logits, requests(*[SamplingParams(temperature=1.5, top_k=1)] * 6))
+    out = Sampler()(logits, requests(*[SamplingParams(temperature=1.5, top_k=1)] * 6)).tokens
     assert out == logits.argmax(-1).tolist()
 
 
 def test_mixed_batch_keeps_greedy_rows_greedy():
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams()]
-    out = Sampler()(logits, requests(*params))
+    out = Sampler()(logits, requests(*params)).tokens
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
 
 
@@ -43,7 +43,7 @@ def test_seeded_request_is_reproducible_whatever_its_batch():
             batch = others[:batch_before] + [target] + others[batch_before:]
             logits = torch.randn(len(batch), 1000)
             logits[batch_before] = row
-            tokens.append(sampler(logits, batch)[batch_before])
+            tokens.append(sampler(logits, batch).tokens[batch_before])
         return tokens
 
     assert draw(0, 0) == draw(3, 5) == draw(7, 0)
@@ -51,7 +51,7 @@ def test_seeded_request_is_reproducible_whatever_its_batch():
 
 def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
-    out = torch.tensor(Sampler(seed=3)(logits, requests(*[SamplingParams(temperature=0.5)] * 20000)))
+    out = torch.tensor(Sampler(seed=3)(logits, requests(*[SamplingParams(temperature=0.5)] * 20000)).tokens)
     freq = torch.bincount(out, minlength=4).float() / len(out)
     expected = (logits[0] / 0.5).softmax(-1)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
@@ -59,10 +59,10 @@ def test_temperature_sampling_follows_softmax():
 
 def test_top_k_and_top_p_restrict_support():
     logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0, -2.0]]).repeat(3000, 1)
-    top_k = Sampler(seed=1)(logits, requests(*[SamplingParams(temperature=1.0, top_k=2)] * 3000))
+    top_k = Sampler(seed=1)(logits, requests(*[SamplingParams(temperature=1.0, top_k=2)] * 3000)).tokens
     assert set(top_k) == {0, 1}
     # probs ~ [.33, .30, .27, .02, ...]: top_p 0.6 keeps the first two (mass before token 2 is .63).
-    top_p = Sampler(seed=2)(logits, requests(*[SamplingParams(temperature=1.0, top_p=0.6)] * 3000))
+    top_p = Sampler(seed=2)(logits, requests(*[SamplingParams(temperature=1.0, top_p=0.6)] * 3000)).tokens
     assert set(top_p) == {0, 1}
 
 
@@ -86,3 +86,17 @@ def test_top_k_and_top_p_restrict_support():
 def test_bad_sampling_params_raise_typed_error(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_report_chosen_and_top_alternatives():
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, logprobs=0)]
+    out = Sampler(seed=5)(logits, requests(*params))
+    assert out.logprobs is not None and out.logprobs[1] is None
+    expected = torch.log_softmax(logits, dim=-1)
+    top3 = expected[0].topk(3).indices.tolist()
+    assert list(out.logprobs[0]) == top3  # greedy: the chosen token is the top one
+    for token, value in out.logprobs[0].items():
+        assert abs(value - float(expected[0, token])) < 1e-5
+    assert list(out.logprobs[2]) == [out.tokens[2]]
+    assert Sampler()(logits, requests(SamplingParams())).logprobs is None

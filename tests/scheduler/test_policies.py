@@ -12,7 +12,7 @@ from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, StaticScheduler
 
-from tests.fakes import FakeRunner  # noqa: E402
+from tests.fakes import FakeRunner
 
 Trace = list[list[tuple[str, int]]]
 

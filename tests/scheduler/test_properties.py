@@ -20,14 +20,14 @@ from hypothesis.errors import InvalidArgument
 
 from conveyor.config import EngineConfig, SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import RequestOutput, SamplerOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, StaticScheduler, make_scheduler
 
-from tests.fakes import FakeRunner  # noqa: E402
+from tests.fakes import FakeRunner
 
 VOCAB = 1000
 
@@ -73,7 +73,7 @@ class PagedRunner(FakeRunner):
             table = kv.block_tables[request.request_id]
             seq = [self.slots[table[p // bs] * bs + p % bs][2] for p in range(request.num_tokens)]
             tokens.append(seq_token(seq))
-        return tokens
+        return SamplerOutput(tokens)
 
 
 def make_engine(
