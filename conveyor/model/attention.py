@@ -39,8 +39,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
-    gathered = cache[block_tables]  # [..., nb, bs, kvh, d]
-    flat = gathered.flatten(-4, -3)  # [..., nb*bs, kvh, d]
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    # index_select on whole blocks as rows: several times faster than advanced indexing on CPU.
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
+    flat = rows.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, head_dim)
     return flat.transpose(-3, -2)
 
 
