@@ -4,8 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 MODEL ?= smollm2-135m
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: install install-test generate test bench-step clean
+.PHONY: install install-test serve generate test bench-step clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +26,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+
+# The main job: the OpenAI-compatible server on the default model (extra flags: SERVE_ARGS="...").
+serve: install
+	$(VENV)/bin/conveyor serve --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 generate: install
 	$(VENV)/bin/conveyor generate --model $(MODEL) "The capital of France is"

@@ -1,7 +1,9 @@
-"""Command line: `conveyor generate` runs prompts through the offline engine."""
+"""Command line: `conveyor serve` starts the OpenAI-compatible server; `conveyor generate` runs
+prompts through the offline engine."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -61,6 +63,43 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from conveyor.api.server import run_server
+    from conveyor.config import EngineConfig
+
+    model = args.model_path or args.model
+    config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
+    names = args.served_model_name or [model or "smollm2-135m"]
+    return run_server(
+        config,
+        host=args.host,
+        port=args.port,
+        served_model_names=names,
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_grace_s=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
+    srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
+    srv.add_argument("--served-model-name", action="append", default=None,
+                     help="model name(s) clients use (repeatable; default: the model argument)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(func=_serve)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving with continuous batching")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.set_defaults(func=_generate)
+    _add_serve_parser(commands)
 
     args = parser.parse_args(argv)
     from conveyor.errors import ConveyorError

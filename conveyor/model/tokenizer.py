@@ -40,7 +40,7 @@ class ChatTemplateError(ConveyorError, ValueError):
 
 
 @lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
     printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     chars, extra = list(printable), 0
@@ -161,7 +161,7 @@ class Tokenizer:
             raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        spell, alphabet = _bytes_to_unicode(), set(_bytes_to_unicode().values())
+        spell, alphabet = bytes_to_unicode(), set(bytes_to_unicode().values())
         # Tokens llama.cpp stored as raw text rather than in the byte alphabet get respelled, as transformers does.
         vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]

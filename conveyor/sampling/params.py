@@ -50,6 +50,9 @@ class SamplingParams:
             raise InvalidRequestError(f"n must be in [1, {_MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            # Sample i of n uses seed + i; every one must fit a 64-bit generator seed.
+            raise InvalidRequestError(f"seed must fit in a signed 64-bit integer (less n - 1), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
 

@@ -81,6 +81,10 @@ def test_top_k_and_top_p_restrict_support():
         dict(stop=[""]),
         dict(stop_token_ids=[-1]),
         dict(ignore_eos="yes"),
+        dict(seed=2**64),
+        dict(seed=2**63 - 1, n=2),
+        dict(n=0),
+        dict(logprobs=21),
     ],
 )
 def test_bad_sampling_params_raise_typed_error(kwargs):

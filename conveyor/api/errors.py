@@ -1,0 +1,98 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.errors import InvalidRequestError
+
+log = logging.getLogger("conveyor.api")
+
+RETRY_AFTER_S = "1"
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str = "server_overloaded") -> APIError:
+    headers = {"Retry-After": RETRY_AFTER_S}
+    return APIError(503, message, type="service_unavailable_error", code=code, headers=headers)
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first problem pydantic found, with its field path as `param`."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # Union members show up in the path (e.g. stop.str): keep only the field names the client sent.
+    loc = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = f"{param} is required"
+    elif param:
+        message = f"{param}: {message}"
+    return bad_request(message, param=param, code=first.get("type"))
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]") or "[" in part
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return bad_request(str(exc)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None))
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return server_error(f"internal error: {type(exc).__name__}").response()

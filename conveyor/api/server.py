@@ -1,0 +1,91 @@
+"""`conveyor serve`: load the model, start the engine loop thread, serve HTTP with uvicorn.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503 with Retry-After while those in flight run to
+the end, for at most the grace period; whatever is still running then is aborted (its clients get
+finish_reason "abort"), and the process exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from conveyor.api.app import ServerState, build_app
+from conveyor.api.metrics import Metrics
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("conveyor.server")
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's: it would stop accepting connections at once and re-raise the signal at exit.
+        if self.state.draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            if self.state.draining:
+                log.warning("second signal: exiting now")
+            return
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, name: str) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain(name))
+
+    async def _drain(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        log.info("%s: draining %d in-flight requests (grace %.0f s); new requests get 503",
+                 name, self.state.inflight, self.grace_s)
+        deadline = loop.time() + self.grace_s
+        while self.state.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.inflight:
+            log.warning("grace period over: aborting %d requests", self.state.inflight)
+            self.state.engine.abort_all()
+            deadline = loop.time() + 5.0
+            while self.state.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        log.info("drained; shutting down")
+        self.should_exit = True
+
+
+def run_server(
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    shutdown_grace_s: float = 30.0,
+    log_level: str = "info",
+) -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("loading model %s", config.model or "smollm2-135m")
+    engine = LLMEngine.from_config(config)
+    log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
+             engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+    state = ServerState(async_engine, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5
+    )
+    server = _DrainingServer(uv_config, state, shutdown_grace_s)
+    server.run()
+    return 0

@@ -1,0 +1,108 @@
+"""The real server as a subprocess on a free loopback port, with the default model."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+try:  # the openai client ships httpx2; older ones use httpx
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0) -> Server:
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="conveyor-serve-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`, from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    if not found:
+        raise KeyError(f"{name} {labels} not in /metrics")
+    return total
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One server with the default options for every test module that needs no special flags."""
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def http(server: Server):
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def client(server: Server):
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120.0)

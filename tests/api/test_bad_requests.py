@@ -1,0 +1,82 @@
+"""Bad input gets an OpenAI-style JSON error with the right status, and the server keeps serving."""
+from __future__ import annotations
+
+import pytest
+
+from tests.api.conftest import MODEL, metric
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+
+# (name, path, body: dict or raw bytes, status, expected param or None, words expected in the message)
+CASES = [
+    ("malformed JSON", COMPLETIONS, b'{"model": "x", "prompt": ', 400, None, "JSON"),
+    ("body is not an object", COMPLETIONS, b"[1, 2, 3]", 400, None, "object"),
+    ("unknown model", COMPLETIONS, {**OK_COMPLETION, "model": "gpt-17"}, 404, "model", "does not exist"),
+    ("missing prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt", "required"),
+    ("prompt of wrong type", COMPLETIONS, {**OK_COMPLETION, "prompt": 42}, 400, "prompt", ""),
+    ("empty prompt", COMPLETIONS, {**OK_COMPLETION, "prompt": ""}, 400, "prompt", "empty"),
+    ("token id out of vocabulary", COMPLETIONS, {**OK_COMPLETION, "prompt": [1, 10**7]}, 400, None, "vocabulary"),
+    ("prompt longer than max-model-len", COMPLETIONS, {**OK_COMPLETION, "prompt": "hello " * 9000}, 400, None,
+     "maximum model length"),
+    ("negative max_tokens", COMPLETIONS, {**OK_COMPLETION, "max_tokens": -5}, 400, "max_tokens", ""),
+    ("huge max_tokens", COMPLETIONS, {**OK_COMPLETION, "max_tokens": 10**9}, 400, None, "max_tokens"),
+    ("max_tokens of wrong type", COMPLETIONS, {**OK_COMPLETION, "max_tokens": "ten"}, 400, "max_tokens", ""),
+    ("temperature below 0", COMPLETIONS, {**OK_COMPLETION, "temperature": -0.5}, 400, "temperature", ""),
+    ("temperature above 2", CHAT, {**OK_CHAT, "temperature": 7}, 400, "temperature", ""),
+    ("top_p of 0", COMPLETIONS, {**OK_COMPLETION, "top_p": 0}, 400, "top_p", ""),
+    ("top_k below -1", COMPLETIONS, {**OK_COMPLETION, "top_k": -3}, 400, "top_k", ""),
+    ("n of 0", COMPLETIONS, {**OK_COMPLETION, "n": 0}, 400, "n", ""),
+    ("logprobs above 20", COMPLETIONS, {**OK_COMPLETION, "logprobs": 50}, 400, "logprobs", ""),
+    ("stop of wrong type", COMPLETIONS, {**OK_COMPLETION, "stop": 3}, 400, "stop", ""),
+    ("too many stop strings", COMPLETIONS, {**OK_COMPLETION, "stop": [f"s{i}" for i in range(40)]}, 400, None,
+     "stop"),
+    ("seed of wrong type", COMPLETIONS, {**OK_COMPLETION, "seed": "abc"}, 400, "seed", ""),
+    ("stream of wrong type", COMPLETIONS, {**OK_COMPLETION, "stream": "yes"}, 400, "stream", ""),
+    ("stream_options without stream", COMPLETIONS, {**OK_COMPLETION, "stream_options": {"include_usage": True}},
+     400, None, "stream"),
+    ("missing messages", CHAT, {"model": MODEL}, 400, "messages", "required"),
+    ("empty messages", CHAT, {**OK_CHAT, "messages": []}, 400, "messages", ""),
+    ("unknown role", CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role",
+     ""),
+    ("messages of wrong type", CHAT, {**OK_CHAT, "messages": "Hi"}, 400, "messages", ""),
+    ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, None, "logprobs"),
+    ("unsupported penalty", CHAT, {**OK_CHAT, "frequency_penalty": 0.5}, 400, None, "not supported"),
+    ("unknown model on chat", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model", ""),
+]
+
+
+def test_table_has_enough_kinds():
+    assert len(CASES) >= 15
+
+
+@pytest.mark.parametrize("name,path,body,status,param,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(http, name, path, body, status, param, words):
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert words.lower() in error["message"].lower()
+
+
+def test_unknown_route_and_method_are_json_errors(http):
+    assert http.get("/v1/nothing-here").json()["error"]["code"] == "not_found"
+    response = http.get(COMPLETIONS)
+    assert response.status_code == 405 and "error" in response.json()
+
+
+def test_good_requests_still_served_after_bad_ones(http, client):
+    assert http.post(COMPLETIONS, json=OK_COMPLETION).json()["choices"][0]["finish_reason"] in ("stop", "length")
+    reply = client.chat.completions.create(**OK_CHAT)
+    assert reply.choices[0].message.content
+    page = http.get("/metrics").text
+    assert metric(page, "conveyor:num_requests_running") == 0
+    assert metric(page, "conveyor:request_rejected_total", reason="invalid") >= 3

@@ -1,0 +1,121 @@
+"""Fast unit tests, no model: incremental detokenisation and the AsyncEngine loop thread."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conveyor.api.detokenizer import IncrementalDetokenizer
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import Aborted, AsyncEngine, QueueFullError
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import InvalidRequestError
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler import SchedulerOutput
+from tests.fakes import FakeRunner
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: the harshest case for characters that span tokens."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def stream(text: str, stop=(), final: str | None = None) -> list[str]:
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop)
+    ids = list(text.encode())
+    pieces = []
+    for token in ids[:-1]:
+        detok.add([token])
+        pieces.append(detok.release())
+    detok.add(ids[-1:])
+    pieces.append(detok.finish(text if final is None else final))
+    return pieces
+
+
+def test_multibyte_characters_are_never_split():
+    text = "café ☕ 日本語 🚂!"
+    pieces = stream(text)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_text_at_or_past_a_stop_string_is_never_streamed():
+    text = "Hello world. STOP here"
+    final = "Hello world. "  # the engine cuts its final text at the stop string
+    pieces = stream(text, stop=["STOP"], final=final)
+    assert "".join(pieces) == final
+    released = ""
+    for piece in pieces:
+        released += piece
+        assert "S" not in released  # not even the start of the stop string leaked early
+
+
+def test_partial_stop_prefix_is_released_once_it_cannot_match():
+    pieces = stream("a ST b", stop=["STOP"])
+    assert pieces == ["a", " ", "", "", "ST ", "b"]  # "S", "T" held back, then released
+
+
+class Collector:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.engine = engine
+
+    async def add(self, rid: str, prompt: list[int], **params) -> None:
+        await self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, **params), self.queue)
+
+    async def until_finished(self) -> list:
+        events = []
+        while True:
+            event = await asyncio.wait_for(self.queue.get(), 10)
+            events.append(event)
+            if not isinstance(event, RequestOutput) or event.finished:
+                return events
+
+
+def make_async_engine(**kwargs) -> AsyncEngine:
+    config = EngineConfig.from_kwargs(max_num_seqs=2)
+    engine = LLMEngine(config, FakeRunner(), num_kv_blocks=64, max_model_len=128, vocab_size=1000)
+    return AsyncEngine(engine, **kwargs)
+
+
+def test_async_engine_runs_aborts_and_bounds_its_queue():
+    reports = []
+
+    async def main() -> None:
+        engine = make_async_engine(max_waiting_requests=1, on_report=reports.append)
+        engine.start()
+        try:
+            sink = Collector(engine)
+            await sink.add("a", [1, 2, 3], max_tokens=5)
+            events = await sink.until_finished()
+            assert [len(e.new_token_ids) for e in events] == [1] * 5 and events[-1].finish_reason == "length"
+            assert events[0].token_ids == events[-1].token_ids[:1]  # outputs are snapshots
+
+            with pytest.raises(InvalidRequestError):
+                await sink.add("bad", [1, 2], max_tokens=1000)  # cannot fit max_model_len
+
+            # Idle: the loop thread sleeps on its event, no step runs.
+            before = len(reports)
+            await asyncio.sleep(0.3)
+            assert len(reports) == before
+
+            engine.engine.scheduler.schedule = SchedulerOutput  # from here on nobody gets scheduled
+            await sink.add("parked", [4, 5], max_tokens=100)
+            engine.abort("parked")
+            events = await sink.until_finished()
+            assert [type(e) for e in events] == [Aborted]
+
+            # Two requests arrive at once: one fills the waiting queue, the next is refused.
+            results = await asyncio.gather(sink.add("w1", [1], max_tokens=3), sink.add("w2", [1], max_tokens=3),
+                                           return_exceptions=True)
+            assert sum(isinstance(r, QueueFullError) for r in results) == 1
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    assert reports[-1].num_running == 0 and reports[-1].kv_usage == 0.0
+    assert any(r.num_aborted for r in reports)
