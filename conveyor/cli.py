@@ -117,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.set_defaults(func=_generate)
     _add_serve_parser(commands)
+    from conveyor.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
 
     args = parser.parse_args(argv)
     from conveyor.errors import ConveyorError

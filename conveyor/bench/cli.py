@@ -1,0 +1,116 @@
+"""`conveyor bench serve` and `conveyor bench compare`: argument parsing (imports nothing heavy)."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from conveyor.bench.workloads import DATASETS
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (see conveyor/bench/workloads.py for the distributions)")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=DATASETS)
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--input-len", type=int, default=None,
+                   help="prompt length (random/uniform/long-prompts) or its mean (chat/seed)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="output length (random/uniform/long-prompts) or its mean (chat/seed)")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in L x [1-r, 1+r]")
+    g.add_argument("--long-prompt-len", type=int, default=1024, help="long-prompts: the long prompts' length")
+    g.add_argument("--long-prompt-every", type=int, default=8, help="long-prompts: one long prompt every N requests")
+    g.add_argument("--long-prompt-output-len", type=int, default=16)
+    g.add_argument("--seed", type=int, default=0, help="seeds the lengths, token ids and arrival times")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    m = p.add_argument_group("metrics")
+    m.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. --goodput ttft:2000 tpot:200 (keys ttft, tpot, e2el)")
+    m.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    m.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+
+
+def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN202 - WorkloadConfig
+    from conveyor.bench.workloads import WorkloadConfig
+
+    return WorkloadConfig(
+        dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, long_prompt_len=args.long_prompt_len,
+        long_prompt_every=args.long_prompt_every, long_prompt_output_len=args.long_prompt_output_len,
+        vocab_size=vocab_size, seed=args.seed,
+    )
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from conveyor.bench.metrics import parse_goodput, parse_selection
+    from conveyor.bench.serve_client import ServeConfig, main
+
+    selected, percentiles = parse_selection(args.percentile_metrics, args.metric_percentiles)
+    cfg = ServeConfig(
+        model=args.model, workload=_workload(args, args.vocab_size), base_url=args.base_url, endpoint=args.endpoint,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        goodput=parse_goodput(args.goodput), selected_metrics=selected, percentiles=percentiles,
+        save_result=args.save_result, disable_tqdm=args.disable_tqdm, ready_timeout_s=args.ready_timeout,
+        label=args.label,
+    )
+    if args.api_key:
+        cfg.api_key = args.api_key
+    return main(cfg)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from conveyor.bench.compare import CompareConfig, main
+    from conveyor.bench.metrics import parse_goodput, parse_selection
+
+    _, percentiles = parse_selection(None, args.metric_percentiles)
+    cfg = CompareConfig(
+        workload=_workload(args), request_rates=args.request_rate, burstiness=args.burstiness,
+        policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, num_threads=args.num_threads, output_dir=args.output_dir,
+        percentiles=percentiles,
+        goodput=parse_goodput(args.goodput), warmup=not args.no_warmup, plots=not args.no_plots,
+        progress=not args.disable_tqdm,
+    )
+    return main(cfg)
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks: load a server, or compare scheduling policies in-process")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    srv = sub.add_parser("serve", help="load an OpenAI-compatible server and report vLLM's serving metrics")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--endpoint", default="/v1/completions")
+    srv.add_argument("--model", required=True, help="the model name the server serves")
+    srv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
+    srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    srv.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    srv.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
+    srv.add_argument("--label", default="conveyor-bench")
+    srv.add_argument("--ready-timeout", type=float, default=60.0,
+                     help="seconds to wait for GET /v1/models to answer before starting (0: no check)")
+    srv.add_argument("--disable-tqdm", action="store_true")
+    _add_workload_args(srv)
+    srv.set_defaults(func=_run_serve)
+
+    cmp = sub.add_parser("compare", help="run the engine in-process under several policies and request rates")
+    cmp.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    cmp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    cmp.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+    cmp.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], metavar="R",
+                     help="one or more rates (req/s); inf = all at once")
+    cmp.add_argument("--policies", nargs="+", default=["static", "continuous-naive", "continuous-chunked"],
+                     choices=["static", "continuous", "continuous-naive", "continuous-chunked"])
+    cmp.add_argument("--max-num-seqs", type=int, default=32)
+    cmp.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="token budget per step of static, continuous and (at least) continuous-naive")
+    cmp.add_argument("--chunk-size", type=int, default=128, help="token budget per step of continuous-chunked")
+    cmp.add_argument("--kv-cache-memory", default="1GiB")
+    cmp.add_argument("--block-size", type=int, default=16)
+    cmp.add_argument("--output-dir", default="out/compare")
+    cmp.add_argument("--no-plots", action="store_true")
+    cmp.add_argument("--no-warmup", action="store_true")
+    cmp.add_argument("--disable-tqdm", action="store_true")
+    _add_workload_args(cmp)
+    cmp.set_defaults(func=_run_compare)

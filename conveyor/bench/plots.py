@@ -1,0 +1,167 @@
+"""PNG figures for `conveyor bench compare` (matplotlib, Agg backend: no display needed).
+
+- occupancy.png: batch occupancy per iteration over time, static (slots held / computing) vs
+  continuous: "full from first to last" against "decaying from head to tail".
+- itl_over_time.png: every inter-token gap at the time its token arrived, naive vs chunked
+  prefill: the stalls long prefills cause, and their removal.
+- latency_cdf.png: TTFT and TPOT CDFs per policy (one row per request rate).
+- vs_rate.png: output throughput and TPOT (mean, P99) against request rate, per policy.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from conveyor.bench.compare import RunResult
+
+COLORS = {"static": "tab:red", "continuous": "tab:blue", "continuous-naive": "tab:orange",
+          "continuous-chunked": "tab:green"}
+
+
+def _plt():  # noqa: ANN202 - matplotlib.pyplot
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rate_label(rate: float) -> str:
+    return "all at once" if math.isinf(rate) else f"{rate:g} req/s"
+
+
+def _rates(results: Sequence["RunResult"]) -> list[float]:
+    return list(dict.fromkeys(r.rate for r in results))
+
+
+def _pick(results: Sequence["RunResult"], policy: str, rate: float) -> "RunResult | None":
+    return next((r for r in results if r.policy == policy and r.rate == rate), None)
+
+
+def plot_occupancy(results: Sequence["RunResult"], path: Path) -> Path | None:
+    continuous = [p for p in ("continuous", "continuous-chunked", "continuous-naive")
+                  if any(r.policy == p for r in results)]
+    if not any(r.policy == "static" for r in results) or not continuous:
+        return None
+    plt = _plt()
+    rates = _rates(results)
+    fig, axes = plt.subplots(len(rates), 1, figsize=(10, 3.2 * len(rates)), squeeze=False)
+    for ax, rate in zip(axes[:, 0], rates):
+        static, cont = _pick(results, "static", rate), _pick(results, continuous[0], rate)
+        for run, held in ((static, True), (cont, False)):
+            if run is None:
+                continue
+            trace, cap = run.offline.trace, run.offline.max_num_seqs
+            if not trace:
+                continue
+            t = [s.t - s.duration for s in trace] + [trace[-1].t]  # each value spans its step
+
+            def series(values: list[int]) -> list[float]:
+                return [v / cap for v in values] + [values[-1] / cap]
+
+            ax.step(t, series([s.running for s in trace]), where="post", color=COLORS[run.policy],
+                    label=f"{run.policy}: computing")
+            if held:
+                ax.step(t, series([s.held for s in trace]), where="post", color=COLORS[run.policy],
+                        linestyle="--", alpha=0.6, label=f"{run.policy}: slots held (incl. finished)")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("running / max_num_seqs")
+        ax.set_title(f"Batch occupancy per iteration ({_rate_label(rate)})")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("time since start (s)")
+    return _save(fig, path)
+
+
+def plot_itl_over_time(results: Sequence["RunResult"], path: Path) -> Path | None:
+    pair = ("continuous-naive", "continuous-chunked")
+    rates = [rate for rate in _rates(results) if all(_pick(results, p, rate) for p in pair)]
+    if not rates:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(rates), 1, figsize=(10, 3.4 * len(rates)), squeeze=False)
+    for ax, rate in zip(axes[:, 0], rates):
+        for policy in pair:
+            run = _pick(results, policy, rate)
+            times, gaps = [], []
+            for rec in run.offline.records:  # type: ignore[union-attr]
+                token_times = rec.token_times()
+                times += token_times[1:]
+                gaps += rec.itl
+            p99 = np.percentile(np.asarray(gaps) * 1000, 99) if gaps else 0.0
+            ax.scatter(times, np.asarray(gaps) * 1000, s=4, alpha=0.5, color=COLORS[policy],
+                       label=f"{policy} (P99 ITL {p99:.0f} ms)")
+        ax.set_yscale("log")
+        ax.set_ylabel("inter-token latency (ms)")
+        ax.set_title(f"Per-token latency over time ({_rate_label(rate)})")
+        ax.legend(loc="upper right", fontsize=8, markerscale=3)
+    axes[-1, 0].set_xlabel("time since start (s)")
+    return _save(fig, path)
+
+
+def plot_latency_cdfs(results: Sequence["RunResult"], path: Path) -> Path | None:
+    if not results:
+        return None
+    plt = _plt()
+    rates = _rates(results)
+    fig, axes = plt.subplots(len(rates), 2, figsize=(11, 3.4 * len(rates)), squeeze=False)
+    for row, rate in zip(axes, rates):
+        for run in (r for r in results if r.rate == rate):
+            ok = [r for r in run.offline.records if r.success]
+            for ax, values in ((row[0], [r.ttft for r in ok]), (row[1], [t for t in (r.tpot for r in ok) if t])):
+                if values:
+                    xs = np.sort(np.asarray(values) * 1000)
+                    ys = np.arange(len(xs) + 1) / len(xs)  # the empirical CDF, from 0 at the smallest value
+                    ax.step(np.concatenate([xs[:1], xs]), ys, where="post", color=COLORS.get(run.policy),
+                            label=run.policy)
+        for ax, name in zip(row, ("TTFT", "TPOT")):
+            ax.set_ylim(0, 1.02)
+            ax.set_xlabel(f"{name} (ms)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"{name} CDF ({_rate_label(rate)})")
+            ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_vs_rate(results: Sequence["RunResult"], path: Path) -> Path | None:
+    if not results:
+        return None
+    plt = _plt()
+    rates = _rates(results)
+    xs = np.arange(len(rates))
+    fig, (ax_tp, ax_tpot) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for policy in dict.fromkeys(r.policy for r in results):
+        runs = [_pick(results, policy, rate) for rate in rates]
+        tput = [r.metrics.output_throughput if r else np.nan for r in runs]
+        mean = [r.metrics.stats["tpot"].mean if r else np.nan for r in runs]
+        p99 = [dict(r.metrics.stats["tpot"].percentiles)[99.0] if r else np.nan for r in runs]
+        color = COLORS.get(policy)
+        ax_tp.plot(xs, tput, marker="o", color=color, label=policy)
+        ax_tpot.plot(xs, mean, marker="o", color=color, label=f"{policy} mean")
+        ax_tpot.plot(xs, p99, marker="^", linestyle="--", color=color, label=f"{policy} P99")
+    for ax, ylabel in ((ax_tp, "output tokens/s"), (ax_tpot, "TPOT (ms)")):
+        ax.set_xticks(xs, ["inf" if math.isinf(r) else f"{r:g}" for r in rates])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    ax_tp.set_title("Output throughput vs request rate")
+    ax_tpot.set_title("TPOT vs request rate")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def write_plots(results: Sequence["RunResult"], out_dir: Path) -> list[Path]:
+    """Writes every figure the results support; returns the files written."""
+    makers = ((plot_occupancy, "occupancy.png"), (plot_itl_over_time, "itl_over_time.png"),
+              (plot_latency_cdfs, "latency_cdf.png"), (plot_vs_rate, "vs_rate.png"))
+    return [p for fn, name in makers if (p := fn(results, out_dir / name)) is not None]

@@ -1,0 +1,116 @@
+"""`bench serve` against a tiny SSE server started in the test (plain asyncio HTTP, no model)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import pytest
+
+from conveyor.bench.metrics import compute_metrics
+from conveyor.bench.serve_client import ServeConfig, result_dict, run_benchmark
+from conveyor.bench.workloads import BenchRequest, WorkloadConfig
+
+FIRST_S, GAP_S = 0.05, 0.02
+
+
+class FakeOpenAIServer:
+    """Streams `max_tokens` completion chunks FIRST_S, then GAP_S apart; prompts of token id 13 fail."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict[str, Any]] = []
+        self.in_flight = self.max_in_flight = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        request_line, *header_lines = head.split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+        if request_line.startswith("GET /v1/models"):
+            data = b'{"object": "list", "data": [{"id": "fake"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (len(data), data))
+        else:
+            await self.complete(json.loads(body), writer)
+        await writer.drain()
+        writer.close()
+
+    async def complete(self, payload: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        self.payloads.append(payload)
+        if payload["prompt"][0] == 13:
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\nConnection: close\r\n\r\nboom")
+            return
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        n = payload["max_tokens"]
+
+        def event(obj: Any) -> bytes:
+            return f"data: {json.dumps(obj)}\n\n".encode()
+
+        await asyncio.sleep(FIRST_S)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(GAP_S)
+            writer.write(b": keep-alive comment\n\n" if i == 1 else b"")
+            writer.write(event({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None}))
+            await writer.drain()
+        writer.write(event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None}))
+        writer.write(event({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
+                                                     "completion_tokens": n, "total_tokens": n}}))
+        writer.write(b"data: [DONE]\n\n")
+        self.in_flight -= 1
+
+
+def _run(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple[FakeOpenAIServer, list, float]:
+    async def scenario() -> tuple[FakeOpenAIServer, list, float]:
+        fake = FakeOpenAIServer()
+        cfg.base_url = await fake.start()
+        records, duration = await run_benchmark(cfg, requests)
+        fake.server.close()  # type: ignore[union-attr]
+        return fake, records, duration
+
+    return asyncio.run(scenario())
+
+
+def test_streams_are_timed_per_chunk_and_payloads_are_vllm_shaped() -> None:
+    requests = [BenchRequest([20 + i, 30, 40], 4 + i) for i in range(3)]
+    cfg = ServeConfig(model="fake", disable_tqdm=True, api_key="k")
+    fake, records, duration = _run(cfg, requests)
+    for req, payload in zip(requests, sorted(fake.payloads, key=lambda p: p["prompt"][0])):
+        assert payload["prompt"] == req.prompt_token_ids and payload["max_tokens"] == req.output_len
+        assert payload["ignore_eos"] is True and payload["stream"] is True and payload["temperature"] == 0.0
+        assert payload["stream_options"] == {"include_usage": True} and payload["model"] == "fake"
+    for req, r in zip(requests, records):
+        assert r.success and r.prompt_len == 3 and r.output_len == req.output_len
+        assert len(r.itl) == req.output_len - 1  # the finish-only chunk is not a token
+        assert r.ttft == pytest.approx(FIRST_S, abs=0.04)
+        assert all(gap == pytest.approx(GAP_S, abs=0.03) for gap in r.itl)
+        assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+        assert r.tpot == pytest.approx(GAP_S, abs=0.02)
+    assert duration >= max(r.latency for r in records)
+
+
+def test_failures_concurrency_cap_and_saved_json() -> None:
+    requests = [BenchRequest([20, 1], 3), BenchRequest([13, 1], 3)] + [BenchRequest([21 + i], 2) for i in range(4)]
+    cfg = ServeConfig(model="fake", disable_tqdm=True, max_concurrency=2, request_rate=200.0,
+                      goodput={"ttft": 10_000}, workload=WorkloadConfig(seed=1))
+    fake, records, duration = _run(cfg, requests)
+    assert fake.max_in_flight <= 2
+    assert [r.success for r in records] == [True, False, True, True, True, True]
+    assert "HTTP 500" in records[1].error
+    metrics = compute_metrics(records, duration, goodput_ms=cfg.goodput)
+    assert metrics.completed == 5 and metrics.failed == 1 and metrics.total_output == 3 + 4 * 2
+    assert metrics.request_goodput == pytest.approx(5 / duration)
+    saved = json.loads(json.dumps(result_dict(cfg, records, metrics)))
+    assert saved["completed"] == 5 and saved["output_lens"] == [3, 0, 2, 2, 2, 2]
+    assert saved["request_rate"] == 200.0 and saved["max_concurrency"] == 2
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "itls"):
+        assert key in saved
+    assert math.isfinite(saved["mean_e2el_ms"])
