@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads (default: one per core; 1 is faster when other processes share the cores)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -34,6 +36,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        num_threads=args.num_threads,
     )
 
 

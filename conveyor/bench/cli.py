@@ -1,4 +1,4 @@
-"""`conveyor bench serve` and `conveyor bench compare`: argument parsing (imports nothing heavy)."""
+"""`conveyor bench serve|compare|roofline`: argument parsing (imports nothing heavy)."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +74,24 @@ def _run_compare(args: argparse.Namespace) -> int:
     return main(cfg)
 
 
+def _run_roofline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from conveyor.bench.roofline import report, run_roofline, save
+    from conveyor.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig.from_kwargs(
+        model=args.model, dtype=args.dtype, num_threads=args.num_threads,
+        max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, args.context * max(args.batch_sizes)),
+    ))
+    result = run_roofline(engine, sorted(args.batch_sizes), args.context, args.steps)
+    print(report(result))
+    save(result, Path(args.output_dir))
+    print(f"wrote {args.output_dir}/roofline.json and roofline.png")
+    return 0
+
+
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks: load a server, or compare scheduling policies in-process")
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -114,3 +132,13 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     cmp.add_argument("--disable-tqdm", action="store_true")
     _add_workload_args(cmp)
     cmp.set_defaults(func=_run_compare)
+
+    roof = sub.add_parser("roofline", help="measure bandwidth and FLOPS, predict and find the decode batch knee")
+    roof.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    roof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    roof.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+    roof.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    roof.add_argument("--context", type=int, default=128, help="tokens of context each request decodes at")
+    roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
+    roof.add_argument("--output-dir", default="out/roofline")
+    roof.set_defaults(func=_run_roofline)
