@@ -123,10 +123,10 @@ def test_gguf_reader_source_equals_metadata_source(tmp_path: Path) -> None:
     from gguf import GGUFReader, GGUFWriter
 
     from conveyor.model.gguf_loader import read_gguf
-    from conveyor.model.tokenizer import _bytes_to_unicode
+    from conveyor.model.tokenizer import bytes_to_unicode
 
     path = tmp_path / "tok.gguf"
-    chars = sorted(set(_bytes_to_unicode().values()))
+    chars = sorted(set(bytes_to_unicode().values()))
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, "he", "hel", "Ġw"]
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
