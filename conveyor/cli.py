@@ -1,5 +1,5 @@
 """Command line: `conveyor serve` starts the OpenAI-compatible server; `conveyor generate` runs
-prompts through the offline engine."""
+prompts through the offline engine; `conveyor export-hf` writes the model as an HF folder."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,25 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.set_defaults(func=_serve)
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    import torch
+
+    from conveyor.model.export import export_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    folder = export_model(args.model, args.out_dir, dtype)
+    print(f"wrote an HF checkpoint ({args.dtype}) to {folder}")
+    return 0
+
+
+def _add_export_parser(commands: argparse._SubParsersAction) -> None:
+    exp = commands.add_parser("export-hf", help="write the model (e.g. the dequantised GGUF) as an HF folder")
+    exp.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; files in it are overwritten)")
+    exp.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    exp.set_defaults(func=_export_hf)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving with continuous batching")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.set_defaults(func=_generate)
     _add_serve_parser(commands)
+    _add_export_parser(commands)
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(commands)

@@ -114,6 +114,16 @@ class Tokenizer:
         }
         self._compiled: jinja2.Template | None = None
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer` (its post-processor is bypassed by `encode`)."""
+        return self._tok
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos/eos/unk/pad token strings known for this checkpoint (the chat template's variables)."""
+        return {k: v for k, v in self._template_vars.items() if isinstance(v, str)}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The backend's own post-processor is bypassed so BOS follows add_bos_token alone.
         ids = self._tok.encode(text, add_special_tokens=False).ids

