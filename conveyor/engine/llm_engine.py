@@ -14,7 +14,7 @@ from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import KVCacheManager, blocks_for
-from conveyor.request import Request, RequestStatus
+from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
 
