@@ -9,10 +9,11 @@ into a `sitecustomize` on PYTHONPATH (set up below) to cover them.
 """
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
+import runpy
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 _PATCH = '''
@@ -36,10 +37,10 @@ _md.version = _version
 
 def install_patch() -> None:
     """Patches this process and, through sitecustomize on PYTHONPATH, every Python child it starts."""
-    exec(compile(_PATCH, "<vllm-version-patch>", "exec"), {})
     folder = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / "vllm-version-patch"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_PATCH)
+    runpy.run_path(str(folder / "sitecustomize.py"))
     paths = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
 

@@ -77,10 +77,10 @@ def _backend_for_hf(tokenizer: Tokenizer) -> _HFTokenizer:
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, int(tokenizer.bos_token_id))],  # type: ignore[arg-type]
         )
-    else:  # a leftover processor (e.g. ByteLevel offsets only) is harmless; a BOS-adding one is not
-        if tokenizer.backend.post_processor is not None and tokenizer.bos_token_id is not None:
-            if backend.encode("a", add_special_tokens=True).ids[:1] == [tokenizer.bos_token_id]:
-                backend.post_processor = None
+    # Otherwise a leftover processor (e.g. ByteLevel offsets only) is harmless; a BOS-adding one is not.
+    elif backend.post_processor is not None and tokenizer.bos_token_id is not None \
+            and backend.encode("a", add_special_tokens=True).ids[:1] == [tokenizer.bos_token_id]:
+        backend.post_processor = None
     return backend
 
 
