@@ -29,6 +29,13 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The in-process engine's model options (compare, roofline)."""
+    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+
+
 def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN202 - WorkloadConfig
     from conveyor.bench.workloads import WorkloadConfig
 
@@ -113,9 +120,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     srv.set_defaults(func=_run_serve)
 
     cmp = sub.add_parser("compare", help="run the engine in-process under several policies and request rates")
-    cmp.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
-    cmp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    cmp.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+    _add_model_args(cmp)
     cmp.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], metavar="R",
                      help="one or more rates (req/s); inf = all at once")
     cmp.add_argument("--policies", nargs="+", default=["static", "continuous-naive", "continuous-chunked"],
@@ -134,9 +139,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     cmp.set_defaults(func=_run_compare)
 
     roof = sub.add_parser("roofline", help="measure bandwidth and FLOPS, predict and find the decode batch knee")
-    roof.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
-    roof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    roof.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+    _add_model_args(roof)
     roof.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     roof.add_argument("--context", type=int, default=128, help="tokens of context each request decodes at")
     roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
