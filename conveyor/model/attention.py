@@ -2,15 +2,18 @@
 
 The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. New keys
 and values are scattered into it through a flat slot mapping; queries read their context back
-through block tables. Single-query rows (decodes) are attended in one batched call; multi-token
-prefill chunks, which are few and large, one call each.
+through block tables. Single-query rows (decodes) are attended in one batched call (a C++ kernel
+that reads the blocks in place, or gather + SDPA as the fallback); multi-token prefill chunks,
+which are few and large, one SDPA call each.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.model.kernels import paged_decode_kernel
 
 
 @dataclass
@@ -27,9 +30,19 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first rows of the batch are single-query requests
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], True where a key is visible
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks], int64, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [D], int64: tokens each decode row attends to
     prefills: list[PrefillChunk]
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """[D, 1, 1, max_blocks * block_size], True where a key is visible (the torch fallback's padding)."""
+        if self._decode_mask is None:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            width = self.decode_block_tables.shape[1] * block_size
+            visible = torch.arange(width)[None, :] < self.decode_context_lens[:, None]
+            self._decode_mask = visible[:, None, None, :]
+        return self._decode_mask
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -60,11 +73,17 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
-        kd = _gather(k_cache, meta.decode_block_tables)
-        vd = _gather(v_cache, meta.decode_block_tables)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:num_decode] = od.squeeze(2)
+        kernel = paged_decode_kernel() if q.dtype == torch.float32 else None
+        if kernel is not None:  # reads each request's blocks in place, only up to its own length
+            out[:num_decode] = kernel(q[:num_decode].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, scale)
+        else:  # gathers every row's blocks and pads them to the longest context
+            qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
+            kd = _gather(k_cache, meta.decode_block_tables)
+            vd = _gather(v_cache, meta.decode_block_tables)
+            mask = meta.decode_mask(k_cache.shape[1])
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[:num_decode] = od.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]

@@ -53,12 +53,11 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         last_row[request.request_id] = len(input_ids) - 1
 
-    decode_block_tables = decode_mask = None
+    decode_block_tables = decode_context_lens = None
     if decodes:
         width = max(blocks_for(c, bs) for c in context_lens)
         decode_block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in decode_tables])
-        lens = torch.tensor(context_lens)
-        decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+        decode_context_lens = torch.tensor(context_lens)
 
     for parent, child in out.forks:  # a new sample reads its parent's logits
         last_row[child.request_id] = last_row[parent.request_id]
@@ -70,7 +69,7 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
             slot_mapping=torch.tensor(slots),
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask,
+            decode_context_lens=decode_context_lens,
             prefills=chunks,
         ),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),

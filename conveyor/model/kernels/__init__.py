@@ -1,0 +1,50 @@
+"""Optional C++ kernels, compiled on first use by torch's extension builder (a C++ compiler and
+ninja are needed; the build is cached under ~/.cache/torch_extensions). When a kernel cannot be
+built, callers fall back to plain torch ops, which give the same results a little differently
+rounded. CONVEYOR_KERNELS=0 forces the fallback (A/B comparisons, debugging)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).parent
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("CONVEYOR_KERNELS", "1") != "0"
+
+
+@functools.cache
+def _load(name: str) -> object | None:
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name=f"conveyor_{name}",
+            sources=[str(_SOURCE_DIR / f"{name}.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, odd platform: the torch path still works
+        logger.warning("conveyor: C++ kernel %r unavailable, using the torch fallback (%s)", name, exc)
+        return None
+
+
+PagedDecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """(q [D,H,d], k_cache, v_cache [blocks, block_size, kv_heads, d], block_tables [D,W] int64,
+    context_lens [D] int64, scale) -> [D,H,d]; fp32 only. None when unavailable or disabled."""
+    if not kernels_enabled():
+        return None
+    module = _load("paged_decode")
+    return None if module is None else module.paged_decode_attention  # type: ignore[attr-defined]
