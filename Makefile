@@ -21,7 +21,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,distributed]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -17,6 +17,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help="hold P99 TPOT under this: a controller lowers the batch cap and token budget "
+                             "under --max-num-seqs / --max-num-batched-tokens as load requires")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)")
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -32,6 +37,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill=args.chunked_prefill,
+        slo_tpot_ms=args.slo_tpot_ms,
+        slo_ttft_ms=args.slo_ttft_ms,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -69,6 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from conveyor.api.server import run_server
     from conveyor.config import EngineConfig
+    from conveyor.distributed.deploy import DeploymentConfig
 
     model = args.model_path or args.model
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
@@ -82,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
+        deployment=DeploymentConfig(args.replicas, args.prefill_workers, args.decode_workers, args.ray_address,
+                                    args.worker_cpus),
     )
 
 
@@ -100,6 +110,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = srv.add_argument_group("scale-out on Ray (see README: Scaling out)")
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas as Ray actors behind this front end")
+    ray.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (disaggregated serving)")
+    ray.add_argument("--decode-workers", type=int, default=0, help="decode workers (disaggregated serving)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join an existing Ray cluster ('auto' or host:port) instead of starting a local one")
+    ray.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs Ray reserves per worker")
     srv.set_defaults(func=_serve)
 
 
@@ -143,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
+    from conveyor.sim.cli import add_simulate_parser
+
+    add_simulate_parser(commands)
 
     args = parser.parse_args(argv)
     from conveyor.errors import ConveyorError

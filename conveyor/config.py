@@ -25,12 +25,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
+    # SLO targets (ms). With slo_tpot_ms set, a controller (conveyor/control/) lowers the running-batch
+    # cap and the token budget under the two above so that P99 TPOT holds the target.
+    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = None  # monitored only: misses are counted, nobody is dropped
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ConfigError(f"unknown policy {self.policy!r}; choose 'continuous' or 'static'")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ConfigError(f"{name} must be a positive number of milliseconds, got {value!r}")
 
 
 @dataclass

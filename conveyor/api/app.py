@@ -17,7 +17,8 @@ from conveyor.api.generation import Generation
 from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
-from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from conveyor.engine.async_engine import EngineStoppedError, QueueFullError
+from conveyor.engine.client import EngineClient
 from conveyor.errors import InvalidRequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -25,7 +26,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient  # a local AsyncEngine, or a Ray deployment (conveyor.distributed)
     model_names: Sequence[str]
     metrics: Metrics
     api_key: str | None = None
@@ -35,13 +36,12 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def capacity(self) -> int:
         """Most tokens (prompt + output) one request can hold: the context or the whole KV cache."""
-        core = self.engine.engine
-        return min(core.max_model_len, core.kv.num_blocks * core.kv.block_size)
+        return self.engine.capacity
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -73,7 +73,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> dict[str, Any]:
         data = [
             {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
-             "max_model_len": state.engine.engine.max_model_len}
+             "max_model_len": state.engine.max_model_len}
             for name in state.model_names
         ]
         return {"object": "list", "data": data}

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from conveyor.api.detokenizer import IncrementalDetokenizer, token_bytes, token_text
-from conveyor.engine.async_engine import Aborted, AsyncEngine, Failed
+from conveyor.engine.async_engine import Aborted, Failed
+from conveyor.engine.client import EngineClient
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 
@@ -84,7 +85,7 @@ def _entry(tokenizer: Any, token: int, logprobs: dict[int, float], k: int, offse
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, params: SamplingParams, num_logprobs: int | None,
+    def __init__(self, engine: EngineClient, tokenizer: Any, params: SamplingParams, num_logprobs: int | None,
                  prefix: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer

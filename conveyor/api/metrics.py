@@ -5,8 +5,11 @@ step loop pays nothing for it beyond building the report.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from conveyor.api.slo_metrics import SloMetrics
 from conveyor.engine.async_engine import StepReport
 from conveyor.engine.outputs import RequestOutput
 
@@ -65,8 +68,17 @@ class Metrics:
         self.step_tokens = histogram("conveyor:iteration_tokens_total", "Tokens computed in one step.",
                                      _COUNT_BUCKETS)
         self._preemptions_seen = 0
+        self.slo: SloMetrics | None = None  # registered once a step reports the SLO controller's state
+        self._model_name = model_name
+        self._cluster: Any = None  # ClusterMetrics, made on the first report of a Ray deployment
 
     def on_report(self, report: StepReport) -> None:
+        if report.cluster is not None:
+            if self._cluster is None:
+                from conveyor.distributed.metrics import ClusterMetrics
+
+                self._cluster = ClusterMetrics(self.registry, self._model_name)
+            self._cluster.update(report.cluster)
         self.running.set(report.num_running)
         self.waiting.set(report.num_waiting)
         self.kv_usage.set(report.kv_usage)
@@ -80,6 +92,9 @@ class Metrics:
         if report.stats is not None and report.stats.num_requests:
             self.batch_size.observe(report.stats.num_requests)
             self.step_tokens.observe(report.stats.num_tokens)
+        if report.stats is not None and "slo_batch_cap" in report.stats.extra:
+            self.slo = self.slo or SloMetrics(self.registry, self._model_name)
+            self.slo.update(report.stats.extra)
         generated = 0
         for out in report.outputs:
             generated += len(out.new_token_ids)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -17,7 +18,11 @@ from conveyor.api.app import ServerState, build_app
 from conveyor.api.metrics import Metrics
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from conveyor.distributed.deploy import DeploymentConfig
 
 log = logging.getLogger("conveyor.server")
 
@@ -74,14 +79,22 @@ def run_server(
     max_waiting_requests: int | None = None,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
+    deployment: "DeploymentConfig | None" = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("loading model %s", config.model or "smollm2-135m")
-    engine = LLMEngine.from_config(config)
-    log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
-             engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
-    state = ServerState(async_engine, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
+    engine_client: EngineClient
+    if deployment is not None and deployment.distributed:  # workers on Ray (conveyor/distributed)
+        from conveyor.distributed.deploy import start_deployment
+
+        engine_client = start_deployment(config, deployment, max_waiting_requests)
+        log.info("Ray deployment ready: %s", ", ".join(w.name for w in engine_client.workers))
+    else:
+        engine = LLMEngine.from_config(config)
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
+                 engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
+        engine_client = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+    state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5

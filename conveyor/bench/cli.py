@@ -22,11 +22,24 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeds the lengths, token ids and arrival times")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    g.add_argument("--rate-schedule", default=None, metavar="S:R,...", type=_rate_schedule,
+                   help="piecewise request rates by time, e.g. 0:1,120:4,240:1 (1 req/s from 0 s, 4 from 120 s, "
+                        "1 from 240 s on); overrides --request-rate")
     m = p.add_argument_group("metrics")
     m.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. --goodput ttft:2000 tpot:200 (keys ttft, tpot, e2el)")
     m.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     m.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+
+
+def _rate_schedule(text: str) -> str:
+    from conveyor.bench.workloads import parse_rate_schedule
+
+    try:
+        parse_rate_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +67,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     selected, percentiles = parse_selection(args.percentile_metrics, args.metric_percentiles)
     cfg = ServeConfig(
         model=args.model, workload=_workload(args, args.vocab_size), base_url=args.base_url, endpoint=args.endpoint,
-        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate, burstiness=args.burstiness, rate_schedule=args.rate_schedule,
+        max_concurrency=args.max_concurrency,
         goodput=parse_goodput(args.goodput), selected_metrics=selected, percentiles=percentiles,
         save_result=args.save_result, disable_tqdm=args.disable_tqdm, ready_timeout_s=args.ready_timeout,
         label=args.label,
@@ -71,6 +85,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     _, percentiles = parse_selection(None, args.metric_percentiles)
     cfg = CompareConfig(
         workload=_workload(args), request_rates=args.request_rate, burstiness=args.burstiness,
+        rate_schedule=args.rate_schedule, slo_tpot_ms=args.slo_tpot_ms,
         policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         model=args.model, dtype=args.dtype, num_threads=args.num_threads, output_dir=args.output_dir,
@@ -124,7 +139,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     cmp.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], metavar="R",
                      help="one or more rates (req/s); inf = all at once")
     cmp.add_argument("--policies", nargs="+", default=["static", "continuous-naive", "continuous-chunked"],
-                     choices=["static", "continuous", "continuous-naive", "continuous-chunked"])
+                     choices=["static", "continuous", "continuous-naive", "continuous-chunked", "continuous-slo"])
+    cmp.add_argument("--slo-tpot-ms", type=float, default=None, help="the TPOT target of the continuous-slo policy")
     cmp.add_argument("--max-num-seqs", type=int, default=32)
     cmp.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget per step of static, continuous and (at least) continuous-naive")

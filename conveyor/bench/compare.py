@@ -11,6 +11,11 @@ Policies (the engine's knobs each one sets):
   raised to the longest request if needed), so every decode in the batch waits for it.
 - `continuous-chunked`: chunked prefill on with a small budget `--chunk-size`, so long prompts are
   cut into chunks that ride along with the decodes (Sarathi-Serve).
+- `continuous-slo`: as `continuous`, with the SLO controller holding `--slo-tpot-ms` (it lowers
+  the batch cap and token budget under `--max-num-seqs` / `--max-num-batched-tokens` as load requires).
+
+With `--rate-schedule` the arrivals follow it (one run per policy; the table's rate column shows the
+schedule's mean rate) instead of the `--request-rate` list.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ from typing import Any, Callable
 
 from conveyor.bench.metrics import BenchmarkMetrics, compute_metrics, metrics_dict, per_request_dict
 from conveyor.bench.offline import OfflineResult, run_offline, warm_up
-from conveyor.bench.workloads import BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests
+from conveyor.bench.workloads import (
+    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+)
 
 
 @dataclass
@@ -31,6 +38,8 @@ class CompareConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     request_rates: list[float] = field(default_factory=lambda: [math.inf])
     burstiness: float = 1.0
+    rate_schedule: str | None = None  # e.g. "0:1,120:4,240:1"; overrides request_rates
+    slo_tpot_ms: float | None = None  # for the continuous-slo policy
     policies: list[str] = field(default_factory=lambda: ["static", "continuous-naive", "continuous-chunked"])
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -51,6 +60,8 @@ class CompareConfig:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
             raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+        if "continuous-slo" in self.policies and not self.slo_tpot_ms:
+            raise ValueError("the continuous-slo policy needs slo_tpot_ms (--slo-tpot-ms)")
         if 99.0 not in self.percentiles:
             self.percentiles = [*self.percentiles, 99.0]
 
@@ -72,11 +83,16 @@ def _chunked(c: CompareConfig, longest: int) -> dict[str, Any]:
     return dict(policy="continuous", chunked_prefill=True, max_num_batched_tokens=c.chunk_size)
 
 
+def _slo(c: CompareConfig, longest: int) -> dict[str, Any]:
+    return dict(_continuous(c, longest), slo_tpot_ms=c.slo_tpot_ms)
+
+
 POLICIES: dict[str, Callable[[CompareConfig, int], dict[str, Any]]] = {
     "static": _static,
     "continuous": _continuous,
     "continuous-naive": _naive,
     "continuous-chunked": _chunked,
+    "continuous-slo": _slo,
 }
 
 
@@ -116,8 +132,11 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
     requests = generate_requests(cfg.workload)
     echo(f"workload {cfg.workload.dataset}: {describe(requests)}")
     results = []
-    for rate in cfg.request_rates:
-        arrivals = arrival_times(len(requests), rate, cfg.burstiness, cfg.workload.seed)
+    schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
+    for rate in [math.nan] if schedule else cfg.request_rates:
+        arrivals = arrival_times(len(requests), rate, cfg.burstiness, cfg.workload.seed, schedule)
+        if schedule:
+            rate = float(f"{len(requests) / max(arrivals[-1], 1e-9):.3g}")  # its mean rate labels the run
         for policy in cfg.policies:
             kwargs = engine_kwargs(cfg, policy, requests)
             engine = LLMEngine.from_config(EngineConfig.from_kwargs(**kwargs), loaded)

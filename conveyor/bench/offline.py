@@ -33,6 +33,12 @@ class IterationSample:
     num_tokens: int  # tokens computed in the step (prefill chunks + decodes)
     num_preempted: int
     model_s: float  # of which inside the model's forward
+    # The SLO controller's state after the step (conveyor/control/); None without an SLO target.
+    slo_batch_cap: int | None = None
+    slo_token_budget: int | None = None
+    slo_planned_step_s: float | None = None  # predicted mean step at the cap
+    slo_predicted_step_s: float | None = None  # predicted for this step, before it ran
+    slo_measured_step_s: float | None = None
 
 
 @dataclass
@@ -64,6 +70,14 @@ def record_from_times(prompt_len: int, times: RequestTimes, origin: float = 0.0)
         itl=np.diff(tokens).tolist(),
         latency=end - times.arrival,
     )
+
+
+def _slo_fields(extra: dict[str, float]) -> dict[str, Any]:
+    if "slo_batch_cap" not in extra:
+        return {}
+    return dict(slo_batch_cap=int(extra["slo_batch_cap"]), slo_token_budget=int(extra["slo_token_budget"]),
+                slo_planned_step_s=extra["slo_planned_step_s"], slo_predicted_step_s=extra["slo_predicted_step_s"],
+                slo_measured_step_s=extra["slo_measured_step_s"])
 
 
 def _held_slots(engine: LLMEngine, running: int) -> int:
@@ -124,7 +138,7 @@ def run_offline(
         trace.append(IterationSample(
             t=t1 - start, duration=t1 - t0, running=running, held=_held_slots(engine, running),
             waiting=engine.scheduler.num_waiting, num_tokens=stats.num_tokens,
-            num_preempted=stats.num_preempted, model_s=stats.model_s,
+            num_preempted=stats.num_preempted, model_s=stats.model_s, **_slo_fields(stats.extra),
         ))
         if bar is not None and finished:
             bar.update(len(finished))

@@ -6,6 +6,8 @@
   prefill: the stalls long prefills cause, and their removal.
 - latency_cdf.png: TTFT and TPOT CDFs per policy (one row per request rate).
 - vs_rate.png: output throughput and TPOT (mean, P99) against request rate, per policy.
+- slo_control.png: under load that rises and falls, the SLO controller's batch cap beside each run's
+  batch size, and every request's TPOT at the time it finished against the target.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import numpy as np
 
 if TYPE_CHECKING:
     from conveyor.bench.compare import RunResult
+    from conveyor.bench.offline import OfflineResult
 
 COLORS = {"static": "tab:red", "continuous": "tab:blue", "continuous-naive": "tab:orange",
-          "continuous-chunked": "tab:green"}
+          "continuous-chunked": "tab:green", "continuous-slo": "tab:purple"}
 
 
 def _plt():  # noqa: ANN202 - matplotlib.pyplot
@@ -153,6 +156,54 @@ def plot_vs_rate(results: Sequence["RunResult"], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_slo_control(runs: Sequence[tuple[str, "OfflineResult"]], tpot_target_s: float, path: Path,
+                     colors: Sequence[str] = ("tab:red", "tab:orange", "tab:purple", "tab:blue", "tab:green")
+                     ) -> Path | None:
+    """Load, batch size / cap and per-request TPOT over time, one colour per (label, run)."""
+    if not runs:
+        return None
+    plt = _plt()
+    fig, (ax_load, ax_batch, ax_tpot) = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    starts = np.sort([r.start for r in runs[0][1].records])
+    if len(starts):
+        width = max(1.0, float(starts[-1]) / 40)
+        bins = np.arange(0.0, float(starts[-1]) + width, width)
+        counts, edges = np.histogram(starts, bins=bins)
+        ax_load.step(edges[:-1], counts / width, where="post", color="black")
+    ax_load.set_ylabel("arrivals (req/s)")
+    ax_load.set_title("Offered load")
+    for (label, run), color in zip(runs, colors):
+        t = [s.t for s in run.trace]
+        ax_batch.plot(t, [s.running for s in run.trace], color=color, alpha=0.45, linewidth=0.8,
+                      label=f"{label}: running")
+        if any(s.slo_batch_cap is not None for s in run.trace):
+            ax_batch.step(t, [s.slo_batch_cap for s in run.trace], where="post", color=color, linewidth=2,
+                          label=f"{label}: controller's cap")
+        ok = sorted((r.start + r.latency, r.tpot * 1000) for r in run.records if r.tpot is not None)
+        if ok:
+            ends, tpots = np.array(ok).T
+            p99 = np.percentile(tpots, 99)
+            ax_tpot.scatter(ends, tpots, s=5, alpha=0.5, color=color, label=f"{label} (P99 {p99:.0f} ms)")
+    ax_tpot.axhline(tpot_target_s * 1000, color="black", linestyle="--", label=f"target {tpot_target_s * 1000:.0f} ms")
+    ax_batch.set_ylabel("requests in the batch")
+    ax_batch.set_title("Batch size per step, and the SLO controller's cap")
+    ax_tpot.set_ylabel("TPOT (ms)")
+    ax_tpot.set_title("Each request's TPOT, at the time it finished")
+    ax_tpot.set_xlabel("time since start (s)")
+    for ax in (ax_batch, ax_tpot):
+        ax.legend(loc="upper right", fontsize=7, markerscale=2)
+    return _save(fig, path)
+
+
+def _slo_figure(results: Sequence["RunResult"], path: Path) -> Path | None:
+    slo = next((r for r in results if r.engine_kwargs.get("slo_tpot_ms")), None)
+    if slo is None:
+        return None
+    runs = [(r.policy, r.offline) for r in results if r.rate == slo.rate]
+    return plot_slo_control(runs, slo.engine_kwargs["slo_tpot_ms"] / 1000, path,
+                            [COLORS.get(label, "tab:gray") for label, _ in runs])
+
+
 def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -163,5 +214,5 @@ def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
 def write_plots(results: Sequence["RunResult"], out_dir: Path) -> list[Path]:
     """Writes every figure the results support; returns the files written."""
     makers = ((plot_occupancy, "occupancy.png"), (plot_itl_over_time, "itl_over_time.png"),
-              (plot_latency_cdfs, "latency_cdf.png"), (plot_vs_rate, "vs_rate.png"))
+              (plot_latency_cdfs, "latency_cdf.png"), (plot_vs_rate, "vs_rate.png"), (_slo_figure, "slo_control.png"))
     return [p for fn, name in makers if (p := fn(results, out_dir / name)) is not None]

@@ -27,7 +27,9 @@ import httpx
 from conveyor.bench.metrics import (
     METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, metrics_dict, per_request_dict,
 )
-from conveyor.bench.workloads import BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests
+from conveyor.bench.workloads import (
+    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ServeConfig:
     endpoint: str = "/v1/completions"
     request_rate: float = math.inf
     burstiness: float = 1.0
+    rate_schedule: str | None = None  # e.g. "0:1,120:4,240:1": piecewise rates, overrides request_rate
     max_concurrency: int | None = None
     goodput: dict[str, float] = field(default_factory=dict)
     selected_metrics: list[str] = field(default_factory=lambda: list(METRICS))
@@ -132,7 +135,8 @@ async def wait_until_ready(client: httpx.AsyncClient, cfg: ServeConfig) -> None:
 
 async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
     """Sends every request on its schedule; returns the records (in workload order) and the duration."""
-    arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed)
+    schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
+    arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
     bar = None
@@ -178,6 +182,7 @@ def result_dict(cfg: ServeConfig, records: list[RequestRecord], metrics: Benchma
         "num_prompts": len(records),
         "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
         "burstiness": cfg.burstiness,
+        "rate_schedule": cfg.rate_schedule,
         "max_concurrency": cfg.max_concurrency,
         "goodput": cfg.goodput or None,
         **metrics_dict(metrics, cfg.selected_metrics),
@@ -190,6 +195,8 @@ def main(cfg: ServeConfig) -> int:
     print(f"workload {cfg.workload.dataset}: {describe(requests)}")
     rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
     process = "Poisson process" if cfg.burstiness == 1.0 else "Gamma distribution"
+    if cfg.rate_schedule:
+        rate = f"schedule {cfg.rate_schedule} (start s:req/s)"
     print(f"Traffic request rate: {rate}\nBurstiness factor: {cfg.burstiness} ({process})\n"
           f"Maximum request concurrency: {cfg.max_concurrency}")
     records, duration = asyncio.run(run_benchmark(cfg, requests))

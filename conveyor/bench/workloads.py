@@ -27,7 +27,8 @@ put the long prefill beside new prompts, where it shows in TTFT, instead of besi
 Arrivals follow `vllm bench serve`: all at time 0 for rate `inf`; otherwise gamma-distributed gaps
 with shape `burstiness` and mean 1/rate (burstiness 1 is a Poisson process; < 1 burstier, > 1
 more regular), rescaled so the last arrival is at num_prompts / rate. Arrival draws use their own
-random stream, so the same requests arrive at every rate.
+random stream, so the same requests arrive at every rate. A rate schedule (`--rate-schedule
+0:1,120:4,240:1`) makes the rate piecewise constant in time, for load that rises and falls.
 """
 from __future__ import annotations
 
@@ -128,10 +129,58 @@ def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
     return requests
 
 
-def arrival_times(num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Seconds from the start at which each request is sent (vLLM's `get_request` schedule)."""
+RateSchedule = list[tuple[float, float]]  # (start second, requests/s from then on), by start
+
+
+def parse_rate_schedule(text: str) -> RateSchedule:
+    """'0:1,120:4,240:1' -> [(0, 1), (120, 4), (240, 1)]: 1 req/s from 0 s, 4 from 120 s, 1 from 240 s
+    on (the last rate holds until every request has arrived)."""
+    schedule = []
+    for part in text.split(","):
+        try:
+            start, rate = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"cannot read rate schedule {text!r}: use START_S:RATE,... e.g. 0:1,120:4,240:1")
+        schedule.append((start, rate))
+    if schedule[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])):
+        raise ValueError(f"rate schedule {text!r}: the first start must be 0 and starts must increase")
+    if any(not 0 <= r < math.inf for _, r in schedule) or schedule[-1][1] <= 0:
+        raise ValueError(f"rate schedule {text!r}: rates must be finite, >= 0, and the last one positive")
+    return schedule
+
+
+def expected_arrivals(schedule: RateSchedule, until: float) -> float:
+    """Requests a schedule sends on average in [0, until): its rate integrated over time."""
+    total = 0.0
+    for (start, rate), end in zip(schedule, [s for s, _ in schedule[1:]] + [math.inf]):
+        total += rate * max(0.0, min(end, until) - start)
+    return total
+
+
+def _scheduled_times(num: int, schedule: RateSchedule, burstiness: float, seed: int) -> list[float]:
+    # Time rescaling: gaps of mean 1 in "expected arrivals" units, mapped back through the
+    # integrated rate, give a Poisson (gamma) process whose rate follows the schedule.
+    rng = np.random.default_rng([seed, 1])
+    gaps = np.ones(num) if math.isinf(burstiness) else rng.gamma(burstiness, 1.0 / burstiness, num)
+    times, seg, done_before = [], 0, 0.0  # done_before: expected arrivals before segment `seg`
+    ends = [s for s, _ in schedule[1:]] + [math.inf]
+    for u in np.cumsum(gaps).tolist():
+        while seg + 1 < len(schedule) and u > done_before + schedule[seg][1] * (ends[seg] - schedule[seg][0]):
+            done_before += schedule[seg][1] * (ends[seg] - schedule[seg][0])
+            seg += 1
+        start, rate = schedule[seg]
+        times.append(start + (u - done_before) / rate)
+    return times
+
+
+def arrival_times(num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0,
+                  schedule: RateSchedule | None = None) -> list[float]:
+    """Seconds from the start at which each request is sent (vLLM's `get_request` schedule). With a
+    `schedule` (see parse_rate_schedule) the rate follows it and `request_rate` is ignored."""
     if burstiness <= 0:
         raise ValueError("burstiness must be positive")
+    if schedule:
+        return _scheduled_times(num, schedule, burstiness, seed)
     if request_rate <= 0:
         raise ValueError("request_rate must be positive (use inf for all at once)")
     if math.isinf(request_rate):

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput, StepStats
@@ -57,6 +57,7 @@ class StepReport:
     outputs: list[RequestOutput] = field(default_factory=list)
     num_aborted: int = 0
     num_prompt_tokens: int = 0  # of the requests accepted in this iteration
+    cluster: Any = None  # conveyor.distributed.stats.ClusterStats when the engine is a Ray deployment
 
 
 @dataclass
@@ -111,6 +112,19 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # --- what the front end reads (conveyor.engine.client.EngineClient) ----------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def capacity(self) -> int:
+        return min(self.engine.max_model_len, self.engine.kv.num_blocks * self.engine.kv.block_size)
 
     # --- requests (event loop side) -------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,

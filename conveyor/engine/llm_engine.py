@@ -10,6 +10,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 from conveyor.config import EngineConfig
+from conveyor.control import SloController
 from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
@@ -56,6 +57,8 @@ class LLMEngine:
         self.scheduler = make_scheduler(config.scheduler, self.kv)
         self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
         self.last_step = StepStats()
+        # Lowers the batch cap / token budget to hold slo_tpot_ms; None without an SLO target.
+        self.slo = SloController.from_scheduler_config(config.scheduler, num_kv_blocks * config.block_size)
         self._ids = itertools.count()
         self._unfinished_samples: dict[str, int] = {}  # request id -> samples not yet finished
 
@@ -148,6 +151,26 @@ class LLMEngine:
             self.stopper.forget(sample)
         return True
 
+    # --- KV handover (prefill/decode disaggregation, conveyor/distributed) ----------------------
+    def detach_request(self, request_id: str) -> Request | None:
+        """Stop scheduling a (single-sample) request but keep its KV blocks: the caller frees them
+        with `kv.free` once another engine holds a copy."""
+        request = self.scheduler.detach_request(request_id)
+        if request is not None:
+            self._unfinished_samples.pop(request.group_id, None)
+            self.stopper.forget(request)
+        return request
+
+    def add_prefilled_request(self, request: Request) -> None:
+        """Queue a request whose first `num_computed_tokens` tokens already have KV in its blocks
+        (allocated and written by the caller); it resumes like any request, from that count."""
+        if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
+            raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
+        self._check_fits(request.num_prompt_tokens, request.sampling_params)
+        self.stopper.start(request)
+        self.scheduler.add_request(request)
+        self._unfinished_samples[request.request_id] = 1
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -156,12 +179,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         stats = StepStats()
         t0 = self.clock()
+        if self.slo is not None:
+            self.slo.before_schedule(self.scheduler, t0)
         out = self.scheduler.schedule()
         t1 = self.clock()
         stats.schedule_s = t1 - t0
         self.last_step = stats
         if out.is_empty:
             return []
+        if self.slo is not None:
+            self.slo.on_scheduled(out, self.scheduler)
         stats.num_requests, stats.num_tokens, stats.num_preempted = len(out.scheduled), out.num_tokens, len(out.preempted)
         for request, _ in out.scheduled:
             if request.times.first_scheduled is None:
@@ -187,6 +214,9 @@ class LLMEngine:
             outputs.append(self._output(request, [request.output_token_ids[-1]], token_logprobs))
             self._retire_sample(request.group_id)
         stats.postprocess_s = self.clock() - t2
+        if self.slo is not None:
+            self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _ in finished], self.scheduler)
+            stats.extra.update(self.slo.state.as_extra())
         return outputs
 
     def _retire_sample(self, group_id: str) -> None:

@@ -59,16 +59,28 @@ class KVCacheManager:
             return False  # nothing to write, or the next token opens a fresh block
         return self.pool.ref_count(table[written // self.block_size]) > 1
 
+    def _needs(self, request_id: str, num_total_tokens: int) -> tuple[int, bool]:
+        """(new blocks, copy-on-write of the tail) in one lookup: num_new_blocks and _shared_tail
+        fused, since the scheduler asks this for every running request at every step."""
+        table = self.block_tables.get(request_id)
+        bs = self.block_size
+        if not table:
+            return -(-num_total_tokens // bs), False
+        new = -(-num_total_tokens // bs) - len(table)
+        written = self.num_slotted_tokens.get(request_id, 0)
+        cow = num_total_tokens > written and written % bs != 0 and self.pool.ref_count(table[written // bs]) > 1
+        return (new if new > 0 else 0), cow
+
     def can_allocate(self, request_id: str, num_total_tokens: int) -> bool:
-        need = self.num_new_blocks(request_id, num_total_tokens) + self._shared_tail(request_id, num_total_tokens)
-        return need <= self.pool.num_free
+        new, copy_on_write = self._needs(request_id, num_total_tokens)
+        return new + copy_on_write <= self.pool.num_free
 
     def allocate(self, request_id: str, num_total_tokens: int) -> list[int]:
         """Grow the request's table so that it has slots for num_total_tokens; append-only
         except that a shared block about to be written is swapped for a private copy."""
         # Take the blocks before touching the table: OutOfBlocksError must leave no empty entry.
-        copy_on_write = self._shared_tail(request_id, num_total_tokens)
-        new_blocks = self.pool.allocate(self.num_new_blocks(request_id, num_total_tokens) + copy_on_write)
+        new, copy_on_write = self._needs(request_id, num_total_tokens)
+        new_blocks = self.pool.allocate(new + copy_on_write) if new or copy_on_write else []
         table = self.block_tables.setdefault(request_id, [])
         if copy_on_write:
             index = self.num_slotted_tokens[request_id] // self.block_size

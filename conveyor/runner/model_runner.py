@@ -108,3 +108,15 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    # KV handover: a request's blocks leave one runner and enter another, never the whole pool.
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches])
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache[index] = data[layer, 0].to(k_cache.dtype)
+            v_cache[index] = data[layer, 1].to(v_cache.dtype)

@@ -74,6 +74,14 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
+    # A seeded request that moves to another engine (KV handover) takes its draws along with it.
+    def generator_state(self, request: Request) -> torch.Tensor | None:
+        gen = self._request_generators.get(request)
+        return None if gen is None else gen.get_state()
+
+    def set_generator_state(self, request: Request, state: torch.Tensor) -> None:
+        self._request_generators[request] = torch.Generator().set_state(state)
+
     def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
         uniform = torch.rand(len(requests), generator=self._generator)
         for i, request in enumerate(requests):

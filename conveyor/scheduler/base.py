@@ -47,6 +47,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Lower limits an SLO controller may set under the configured ones (None: the configured).
+        self.seq_cap: int | None = None
+        self.token_cap: int | None = None
+
+    # --- limits -----------------------------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        """The running-batch cap in force. Lowering it never preempts: admissions wait until the
+        batch shrinks under it."""
+        configured = self.config.max_num_seqs
+        return configured if self.seq_cap is None else max(1, min(self.seq_cap, configured))
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The per-step token budget in force. Without chunked prefill a whole prompt must fit one
+        step, so only the configured budget applies."""
+        configured = self.config.max_num_batched_tokens
+        if self.token_cap is None or not self.config.chunked_prefill:
+            return configured
+        return max(1, min(self.token_cap, configured))
+
+    def set_limits(self, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:
+        self.seq_cap, self.token_cap = max_num_seqs, max_num_batched_tokens
 
     # --- queues -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,6 +81,14 @@ class Scheduler:
         if request is None or request.is_finished:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def detach_request(self, request_id: str) -> Request | None:
+        """Take a request out of scheduling but leave its KV blocks allocated: the caller now owns
+        them (a prefill worker handing the request's KV to a decode worker)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self._on_finish(request)
         return request
 
     @property

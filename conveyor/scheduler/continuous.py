@@ -22,7 +22,7 @@ class ContinuousScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget == 0:
                 break
@@ -37,7 +37,8 @@ class ContinuousScheduler(Scheduler):
         seats = sum(1 + r.pending_forks for r in self.running)
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
-            if seats + 1 + request.pending_forks > self.config.max_num_seqs:
+            # An empty batch always takes the head, so a cap lowered under a request's n cannot stall it.
+            if seats and seats + 1 + request.pending_forks > self.max_num_seqs:
                 break
             n = self._tokens_to_schedule(request, budget)
             if n == 0 or not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):

@@ -36,7 +36,7 @@ class StaticScheduler(Scheduler):
         if all(r.is_finished for r in self.batch):
             self._form_batch()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         for request in self.batch:
             if budget == 0:
                 break
@@ -52,7 +52,8 @@ class StaticScheduler(Scheduler):
         # Samples of n > 1 count as n members: their forks join the batch later.
         self.batch = []
         slots = 0
-        while self.waiting and slots + 1 + self.waiting[0].pending_forks <= self.config.max_num_seqs:
+        # The first request always joins, so a cap lowered under a request's n cannot stall it.
+        while self.waiting and (not slots or slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs):
             request = self.waiting.popleft()
             slots += 1 + request.pending_forks
             self.batch.append(request)

@@ -1,0 +1,296 @@
+"""RayEngineClient: the front end's side of a Ray deployment, a drop-in for AsyncEngine.
+
+It keeps a table of the requests in flight (which worker holds each, what has been streamed),
+routes new ones with the router, long-polls every worker for outputs, orchestrates the KV
+handover of disaggregated requests (prefill worker -> object store -> decode worker), and
+turns a worker's death into a retry (nothing streamed yet, first death) or a clear error.
+Everything here runs on the front end's event loop; Ray object refs are awaited, never blocked on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+from conveyor.distributed.messages import (
+    HandoverReady,
+    PollResult,
+    RequestError,
+    TokenEvent,
+)
+from conveyor.distributed.router import WorkerHandle, pick
+from conveyor.distributed.stats import ClusterStats, summarize
+from conveyor.distributed.tracking import TrackedRequest
+from conveyor.engine.async_engine import (
+    Aborted,
+    EngineStoppedError,
+    Failed,
+    QueueFullError,
+    StepReport,
+)
+from conveyor.engine.outputs import RequestOutput, StepStats
+from conveyor.errors import ConveyorError, InvalidRequestError
+from conveyor.sampling.params import SamplingParams
+
+log = logging.getLogger("conveyor.distributed")
+POLL_TIMEOUT_S = 1.0
+MAX_ATTEMPTS = 2  # a request whose worker died before it streamed anything is retried once
+
+
+class WorkerDiedError(ConveyorError):
+    """The worker that held a request died; the request cannot continue."""
+
+
+class RayEngineClient:
+    def __init__(self, workers: Sequence[WorkerHandle], tokenizer: Any, max_waiting_requests: int | None = None,
+                 on_stop: Callable[[], None] | None = None) -> None:
+        self.workers = list(workers)
+        self._tokenizer = tokenizer
+        self.max_waiting_requests = max_waiting_requests
+        self.on_report: Callable[[StepReport], None] | None = None
+        self.on_stop = on_stop
+        self.cluster = ClusterStats()
+        self.disaggregated = any(w.role == "prefill" for w in self.workers)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+        self._started = False
+
+    # --- EngineClient ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return min(w.info.max_model_len for w in self.workers)
+
+    @property
+    def capacity(self) -> int:
+        return min(min(w.info.max_model_len, w.info.num_kv_blocks * w.info.block_size) for w in self.workers)
+
+    @property
+    def is_running(self) -> bool:
+        roles = ("prefill", "decode") if self.disaggregated else ("replica",)
+        alive = {w.role for w in self.workers if w.alive}
+        return self._started and not self._stopping and all(r in alive for r in roles)
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._started = True
+        for worker in self.workers:
+            self._spawn(self._poll_forever(worker))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        import ray
+
+        self.detach()
+        for worker in self.workers:
+            try:
+                ray.kill(worker.actor)
+            except Exception:  # already gone
+                pass
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def detach(self) -> None:
+        """Stop polling and fail what is in flight, but leave the workers running (they can serve
+        another client: tests reuse one deployment across event loops)."""
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        for t in list(self._tracked.values()):
+            self._fail(t, EngineStoppedError("the server is shutting down"))
+
+    def placement(self, request_id: str) -> str | None:
+        """The name of the worker holding the request now (None once it is done)."""
+        t = self._tracked.get(request_id)
+        return t.worker.name if t is not None and t.worker is not None else None
+
+    async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                          sink: asyncio.Queue, arrival_time: float | None = None) -> None:
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        bound = self.max_waiting_requests
+        if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) >= bound:
+            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
+        ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        role = "replica" if not self.disaggregated else ("prefill" if params.n == 1 else "decode")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        t = TrackedRequest(request_id, ids, params, sink, arrival, role, unfinished=params.n)
+        self._tracked[request_id] = t
+        try:
+            await self._submit(t)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._tracked.pop(request_id, None)
+            raise
+        self._report(StepReport(0, 0, 0.0, 0, None, num_prompt_tokens=len(ids)))
+
+    def abort(self, request_id: str) -> None:
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return
+        t.aborted = True
+        t.sink.put_nowait(Aborted(request_id))
+        self._report(StepReport(0, 0, 0.0, 0, None, num_aborted=1))
+        # Mid-handover the handover task aborts it on the decode side once that side has it.
+        if t.worker is not None and t.worker.alive and not (t.busy and t.streamed):
+            t.worker.actor.abort.remote(request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+
+    # --- submission, handover, faults -----------------------------------------------------------
+    async def _submit(self, t: TrackedRequest) -> None:
+        """Place the request on a live worker of its role, trying another if that one is dead."""
+        import ray
+
+        t.busy = True
+        try:
+            while True:
+                worker = pick(self.workers, t.role, self._tracked.values())
+                if worker is None:
+                    raise EngineStoppedError(f"no live {t.role} worker")
+                t.worker, t.attempts = worker, t.attempts + 1
+                try:
+                    await worker.actor.add.remote(t.request_id, t.prompt, t.params, t.role == "prefill")
+                    return
+                except ray.exceptions.RayTaskError as exc:  # the engine refused it (InvalidRequestError)
+                    raise exc.cause if isinstance(exc.cause, BaseException) else exc from None
+                except ray.exceptions.RayError:
+                    self._worker_died(worker)
+                    if t.attempts >= MAX_ATTEMPTS:
+                        raise EngineStoppedError(f"worker {worker.name} died before accepting the request") from None
+                    self.cluster.retries += 1
+        finally:
+            t.busy = False
+
+    async def _resubmit(self, t: TrackedRequest) -> None:
+        try:
+            await self._submit(t)
+        except Exception as exc:
+            self._fail(t, exc)
+
+    async def _handover(self, t: TrackedRequest, source: WorkerHandle, ready: HandoverReady) -> None:
+        """Export from the prefill worker straight into a decode worker (the front end only passes
+        the object ref), then let the prefill worker free its blocks."""
+        import ray
+
+        if t.aborted:  # the abort already reached the prefill worker, which freed the blocks
+            return
+        t.busy, error = True, None
+        tried: WorkerHandle | None = None
+        for _ in range(MAX_ATTEMPTS):
+            target = pick(self.workers, "decode", self._tracked.values(), exclude=tried)
+            if target is None:
+                error = WorkerDiedError("no live decode worker to take the request over")
+                break
+            t.worker, tried = target, target
+            try:
+                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id))
+                error = None
+                break
+            except ray.exceptions.RayError as exc:
+                error = exc
+                if not source.alive or not await self._responds(source):
+                    self._worker_died(source)
+                    break  # the KV is gone with it
+                if await self._responds(target):
+                    break  # not a death: the import itself failed
+                self._worker_died(target)
+        t.busy = False
+        if source.alive:
+            source.actor.release.remote(t.request_id)
+        if error is not None:
+            self._fail(t, error if isinstance(error, ConveyorError) else WorkerDiedError(f"KV handover failed: {error}"))
+            return
+        self.cluster.kv_transfers += 1
+        self.cluster.kv_transfer_bytes += ready.num_bytes
+        if t.aborted:
+            t.worker.actor.abort.remote(t.request_id)  # type: ignore[union-attr]
+
+    async def _responds(self, worker: WorkerHandle) -> bool:
+        try:
+            return await asyncio.wait_for(worker.actor.ping.remote(), 10.0)
+        except Exception:
+            return False
+
+    def _worker_died(self, worker: WorkerHandle) -> None:
+        if not worker.alive:
+            return
+        worker.alive = False
+        self.cluster.worker_failures += 1
+        log.error("worker %s died; failing or retrying the requests it held", worker.name)
+        for t in list(self._tracked.values()):
+            if t.worker is not worker or t.busy:
+                continue
+            if not t.streamed and t.attempts < MAX_ATTEMPTS and pick(self.workers, t.role, ()) is not None:
+                self.cluster.retries += 1
+                self._spawn(self._resubmit(t))
+            else:
+                self._fail(t, WorkerDiedError(f"worker {worker.name} died while serving this request"))
+
+    def _fail(self, t: TrackedRequest, error: BaseException) -> None:
+        if self._tracked.pop(t.request_id, None) is not None:
+            t.sink.put_nowait(Failed(t.request_id, error))
+
+    # --- outputs --------------------------------------------------------------------------------
+    async def _poll_forever(self, worker: WorkerHandle) -> None:
+        seen = 0  # events up to this number were handled; they are left out of the next answer
+        while not self._stopping and worker.alive:
+            try:
+                result: PollResult = await worker.actor.poll.remote(seen, POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # RayActorError and kin: the worker is gone
+                if not self._stopping:
+                    self._worker_died(worker)
+                return
+            self._handle(worker, result, seen)
+            seen = max(seen, result.last_seq)
+
+    def _handle(self, worker: WorkerHandle, result: PollResult, seen: int) -> None:
+        worker.last_load = result.load
+        outputs: list[RequestOutput] = []
+        first_seq = result.last_seq - len(result.events) + 1
+        for seq, event in enumerate(result.events, first_seq):
+            if seq <= seen:
+                continue  # already handled (the worker had not heard our acknowledgement)
+            t = self._tracked.get(event.request_id)
+            if t is None or t.worker is not worker:
+                continue  # aborted, failed, or a stale event of a dead attempt
+            if isinstance(event, TokenEvent):
+                outputs.append(self._deliver(t, event))
+            elif isinstance(event, HandoverReady):
+                self._spawn(self._handover(t, worker, event))
+            elif isinstance(event, RequestError):
+                self._fail(t, ConveyorError(event.message))
+        for num_requests, num_tokens in result.load.steps[:-1]:
+            self._report(StepReport(0, 0, 0.0, 0, StepStats(num_requests, num_tokens)))
+        last = result.load.steps[-1] if result.load.steps else None
+        self._report(StepReport(0, 0, 0.0, 0, StepStats(*last) if last else None, outputs=outputs))
+
+    def _deliver(self, t: TrackedRequest, event: TokenEvent) -> RequestOutput:
+        out = t.deliver(event)
+        if t.unfinished <= 0:
+            self._tracked.pop(t.request_id, None)
+        return out
+
+    def _report(self, report: StepReport) -> None:
+        summarize(report, self.workers, self._tracked.values(), self.cluster)
+        if self.on_report is not None:
+            try:
+                self.on_report(report)
+            except Exception:
+                log.exception("metrics update failed")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,86 @@
+"""What crosses the wire between the front end and the engine workers (all picklable, no Ray)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.sampling.params import SamplingParams
+
+ROLES = ("replica", "prefill", "decode")  # replica: prefill and decode together (colocated)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's engine as the front end needs to know it."""
+
+    name: str
+    role: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    kv_block_bytes: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sample's progress in one step: a slim RequestOutput (no prompt, no full token list)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class HandoverReady:
+    """A prefill worker computed the prompt and the first token; its KV blocks wait for a taker."""
+
+    request_id: str
+    num_blocks: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """The worker's engine failed this request (e.g. a step raised); nothing more will come."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class WorkerLoadReport:
+    """The worker's own view after its last iteration, for /metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_parked: int = 0  # prefilled requests whose KV waits for a decode worker
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (requests, tokens) per step since last poll
+
+
+@dataclass
+class PollResult:
+    events: list[Any]  # TokenEvent | HandoverReady | RequestError, in the order they happened
+    load: WorkerLoadReport
+    last_seq: int  # the number of the last event: the next poll passes it as `after`
+
+
+@dataclass
+class KVPayload:
+    """A request in the middle of its life: its tokens, where it stands, and its KV blocks' content."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    num_computed_tokens: int
+    kv: Any  # numpy array [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] (zero-copy in Ray)
+    kv_dtype: str  # "float32" or "bfloat16" (bf16 travels as int16 bits: numpy has no bf16)
+    sampler_state: Any = None  # the request's own generator state when it samples with a seed

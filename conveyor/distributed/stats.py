@@ -1,0 +1,48 @@
+"""Per-worker load and KV-transfer counters of a Ray deployment, as /metrics reports them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from conveyor.distributed.router import Assignment, WorkerHandle, outstanding_tokens
+
+
+@dataclass
+class WorkerStats:
+    name: str
+    role: str
+    alive: bool
+    outstanding_tokens: int  # what the router balances: queued prompt tokens + running requests
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+@dataclass
+class ClusterStats:
+    workers: list[WorkerStats] = field(default_factory=list)
+    kv_transfers: int = 0  # cumulative handovers that completed
+    kv_transfer_bytes: int = 0
+    worker_failures: int = 0
+    retries: int = 0  # requests resubmitted to another worker after theirs died
+
+
+def summarize(report: Any, workers: Sequence[WorkerHandle], requests: Iterable[Assignment],
+              cluster: ClusterStats) -> None:
+    """Fill a StepReport's engine-wide figures from the workers' last load reports (sums over the
+    live ones; preemptions are cumulative, so dead workers' count stays in) and attach `cluster`."""
+    requests = list(requests)
+    live = [w.last_load for w in workers if w.alive and w.last_load is not None]
+    report.num_running = sum(load.num_running for load in live)
+    report.num_waiting = sum(load.num_waiting for load in live)
+    report.kv_usage = sum(load.kv_usage for load in live) / max(1, len(live))
+    report.num_preemptions = sum(w.last_load.num_preemptions for w in workers if w.last_load is not None)
+    cluster.workers = [
+        WorkerStats(
+            w.name, w.role, w.alive, outstanding_tokens(w, requests),
+            w.last_load.num_running if w.last_load else 0, w.last_load.num_waiting if w.last_load else 0,
+            w.last_load.kv_usage if w.last_load else 0.0,
+        )
+        for w in workers
+    ]
+    report.cluster = cluster

@@ -1,0 +1,161 @@
+"""`conveyor simulate`: the real scheduler on a cost model, at GPU scale, in virtual time.
+
+    conveyor simulate --hardware h100 --model llama-3-8b --workload chat --rate 10 --policy continuous
+    conveyor simulate ... --sweep rate --slo ttft:500 tpot:50          # highest rate meeting P99 SLOs
+    conveyor simulate ... --sweep max-num-seqs --slo tpot:30           # best batch cap under the SLOs
+    conveyor simulate fit --num-threads 1 --output out/sim/profile.json  # measure this machine's engine
+    conveyor simulate --hardware this-machine --cost-model profiled --model smollm2-135m ...
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from conveyor.bench.cli import _add_workload_args, _workload
+from conveyor.bench.workloads import DATASETS
+from conveyor.config import SchedulerConfig
+from conveyor.sim.hardware import ALIASES, HARDWARE_NAMES
+from conveyor.sim.models import MODELS
+from conveyor.sim.profiled import DEFAULT_PROFILE
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """Every SchedulerConfig field the parser has (so scheduler options added later flow through)."""
+    kwargs = {name: getattr(args, name) for name in SchedulerConfig.__dataclass_fields__ if hasattr(args, name)}
+    kwargs["block_size"] = args.block_size
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported lazily)
+    from conveyor.bench.metrics import parse_goodput, parse_selection
+    from conveyor.sim.simulate import SimConfig
+
+    _, percentiles = parse_selection(None, args.metric_percentiles)
+    return SimConfig(
+        hardware=args.hardware, model=args.model, dtype=args.dtype, tp=args.tp, cost_model=args.cost_model,
+        profile=args.profile, roofline_json=args.roofline_json, efficiency=args.efficiency,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, workload=_workload(args),
+        request_rate=args.rate, burstiness=args.burstiness, rate_schedule=args.rate_schedule,
+        engine=_engine_kwargs(args),
+        percentiles=sorted({*percentiles, 99.0}), goodput=parse_goodput(args.goodput),
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from conveyor.bench.metrics import format_result, parse_selection
+    from conveyor.sim.report import write_outputs
+    from conveyor.sim.simulate import run_simulation
+    from conveyor.sim.sweep import format_sweep, parse_slos, sweep_max_num_seqs, sweep_rate
+
+    cfg = sim_config(args)
+    selected, _ = parse_selection(args.percentile_metrics, args.metric_percentiles)
+    wall0 = time.perf_counter()
+    if args.sweep:
+        slos = parse_slos(args.slo)
+        if not slos:
+            raise SystemExit("conveyor simulate: --sweep needs --slo KEY:MS ... (e.g. --slo ttft:500 tpot:50)")
+        if args.sweep == "rate":
+            result = sweep_rate(cfg, slos, args.sweep_values, args.slo_percentile, echo=print)
+        else:
+            caps = [int(v) for v in args.sweep_values or [8, 16, 32, 64, 128, 256, 512]]
+            result = sweep_max_num_seqs(cfg, slos, caps, args.slo_percentile, echo=print)
+        print(format_sweep(result, slos, args.slo_percentile))
+        runs = [p.run for p in result.points]
+        extra = {"sweep": {"knob": result.knob, "slos_ms": slos, "percentile": args.slo_percentile,
+                           "best": None if result.best is None else result.best.value}}
+    else:
+        run = run_simulation(cfg)
+        print(f"cost model: {run.cost_model}; KV pool {run.num_kv_blocks} blocks of {cfg.engine['block_size']} tokens")
+        print(format_result(run.result.metrics, selected, request_rate=cfg.request_rate))
+        runs, extra = [run], {}
+    steps = sum(r.num_steps for r in runs)
+    print(f"simulated {sum(r.result.metrics.completed for r in runs)} requests, {steps} engine steps "
+          f"in {time.perf_counter() - wall0:.1f} s wall time")
+    if args.output_dir:
+        written = write_outputs(cfg, runs, args.output_dir, plots=not args.no_plots, extra=extra)
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from conveyor.sim.profile_steps import ProfileGrid, profile_engine
+
+    grid = ProfileGrid(repeats=args.repeats)
+    if args.batch_sizes:
+        grid.batch_sizes = args.batch_sizes
+    if args.contexts:
+        grid.contexts = args.contexts
+    if args.prompt_lens:
+        grid.prompt_lens = args.prompt_lens
+    grid.chunk_episodes = args.chunk_episodes
+    kwargs = dict(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
+                  kv_cache_memory=args.kv_cache_memory, block_size=args.block_size)
+    print(f"measuring the real engine's step times ({len(grid.episodes())} episodes) ...")
+    profile = profile_engine(kwargs, grid)
+    path = profile.save(args.output)
+    terms = ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in profile.coefficients.items() if v)
+    print(f"fitted {profile.num_samples} steps (R^2 {profile.r2:.3f}, median |error| "
+          f"{100 * profile.median_abs_rel_error:.1f}%): {terms}\nwrote {path}")
+    return 0
+
+
+def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
+    fit = sub.add_parser("fit", help="measure the real engine's step times on this machine; fit the profiled model")
+    fit.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    fit.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fit.add_argument("--num-threads", type=int, default=1, help="torch threads; use what the engine will run with")
+    fit.add_argument("--kv-cache-memory", default="1GiB")
+    fit.add_argument("--block-size", type=int, default=16)
+    fit.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    fit.add_argument("--contexts", type=int, nargs="+", default=None)
+    fit.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="whole prompts measured alone")
+    fit.add_argument("--chunk-episodes", action=argparse.BooleanOptionalAction, default=True,
+                     help="also measure prompts cut into chunks beside running decodes")
+    fit.add_argument("--repeats", type=int, default=1, help="run the grid this many times (noisy machines)")
+    fit.add_argument("--output", default=DEFAULT_PROFILE)
+    fit.set_defaults(func=_fit)
+
+
+def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
+    # No abbreviations: the parent would otherwise claim `fit`'s options as prefixes of its own.
+    sim = commands.add_parser("simulate", help="simulate serving on described hardware with the real scheduler",
+                              allow_abbrev=False)
+    _add_fit_parser(sim.add_subparsers(dest="sim_command"))  # optional: `conveyor simulate fit`
+    hw = sim.add_argument_group("hardware, model and cost model")
+    hw.add_argument("--hardware", default="h100", choices=[*HARDWARE_NAMES, *ALIASES])
+    hw.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
+    hw.add_argument("--dtype", default=None, help="override the model description's dtype (bfloat16, fp8, float32)")
+    hw.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    hw.add_argument("--cost-model", default="roofline", choices=["roofline", "profiled"])
+    hw.add_argument("--profile", default=DEFAULT_PROFILE, help="the profiled model's JSON (`conveyor simulate fit`)")
+    hw.add_argument("--roofline-json", default=None, help="for --hardware this-machine (`conveyor bench roofline`)")
+    hw.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak FLOP/s and bandwidth")
+    hw.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    hw.add_argument("--kv-cache-memory", default=None,
+                    help="KV pool size (default: memory x utilization - weights; profiled: the engine's default 1GiB)")
+    hw.add_argument("--num-kv-blocks", type=int, default=None)
+    hw.add_argument("--max-model-len", type=int, default=None)
+    eng = sim.add_argument_group("engine (the real scheduler's knobs)")
+    eng.add_argument("--policy", default="continuous", choices=["continuous", "static"])
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument("--slo-tpot-ms", type=float, default=None,
+                     help="the SLO controller holds P99 TPOT under this (lowers the cap and budget under the two above)")
+    eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target: misses are counted, not dropped")
+    eng.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--rate", "--request-rate", dest="rate", type=float, default=math.inf,
+                     help="requests/s (Poisson, or gamma with --burstiness); inf = all at once")
+    _add_workload_args(sim)
+    sim.add_argument("--workload", dest="dataset", choices=DATASETS, default=argparse.SUPPRESS, help="same as --dataset")
+    plan = sim.add_argument_group("capacity planning")
+    plan.add_argument("--sweep", choices=["rate", "max-num-seqs"], default=None)
+    plan.add_argument("--sweep-values", type=float, nargs="+", default=None,
+                      help="rates or caps to try (rate default: double then bisect; caps default 8..512)")
+    plan.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS", help="e.g. --slo ttft:500 tpot:50")
+    plan.add_argument("--slo-percentile", type=float, default=99.0)
+    sim.add_argument("--output-dir", default=None, help="write table.txt, sim.json (trace, per request) and plots")
+    sim.add_argument("--no-plots", action="store_true")
+    sim.set_defaults(func=_run)

@@ -1,0 +1,155 @@
+"""Replicas and prefill/decode disaggregation on a local Ray instance: the same greedy tokens as one
+engine, streaming unchanged, and exact KV block accounting after many handovers."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conveyor.distributed.client import RayEngineClient
+from conveyor.distributed.deploy import DeploymentConfig, start_deployment
+from conveyor.sampling.params import SamplingParams
+from tests.distributed.conftest import (
+    local_ray,
+    make_prompts,
+    reference_outputs,
+    run_requests,
+    tiny_config,
+)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    with local_ray():
+        yield
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model):
+    return tiny_config(tiny_model)
+
+
+def _deploy(config, deployment: DeploymentConfig):
+    client = start_deployment(config, deployment)
+    yield client
+    client.stop()
+
+
+# worker_num_cpus=0: Ray reserves nothing, so three workers fit the test instance's CPUs.
+@pytest.fixture(scope="module")
+def replicas(ray_instance, config):
+    yield from _deploy(config, DeploymentConfig(replicas=2, worker_num_cpus=0))
+
+
+@pytest.fixture(scope="module")
+def disaggregated(ray_instance, config):
+    yield from _deploy(config, DeploymentConfig(prefill_workers=1, decode_workers=1, worker_num_cpus=0))
+
+
+def _client(deployment: RayEngineClient) -> RayEngineClient:
+    """A fresh front end over the module's workers: each test runs on its own event loop."""
+    client = RayEngineClient(deployment.workers, deployment.tokenizer)
+    client.start()
+    return client
+
+
+def _greedy(count: int, max_tokens: int = 10) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) for _ in range(count)]
+
+
+def test_two_replicas_match_one_engine_token_for_token(replicas, config) -> None:
+    prompts, params = make_prompts(8), _greedy(8)
+    expected = reference_outputs(config, prompts, params)
+
+    async def main():
+        client = _client(replicas)
+        run = asyncio.ensure_future(run_requests(client, prompts, params))
+        await asyncio.sleep(0)
+        while not client.placement("r7") and not run.done():
+            await asyncio.sleep(0.001)
+        placed = {client.placement(f"r{i}") for i in range(8)} - {None}
+        outcomes = await run
+        client.detach()
+        return outcomes, placed
+
+    outcomes, placed = asyncio.run(main())
+    assert {rid: o.tokens for rid, o in outcomes.items()} == expected
+    assert placed == {"replica-0", "replica-1"}  # the router spread them
+    for o in outcomes.values():  # streamed one token per event, in order, nothing lost or repeated
+        assert [t for event in o.streamed for t in event] == o.tokens[0]
+        assert all(len(event) == 1 for event in o.streamed)
+
+
+def test_prefill_decode_workers_match_one_engine_token_for_token(disaggregated, config) -> None:
+    prompts = make_prompts(9)
+    params = _greedy(9)
+    params[4] = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)  # seeded: draws move along
+    params[5] = SamplingParams(max_tokens=1, temperature=0)  # ends on the prefill worker: nothing to hand over
+    params[6] = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)  # n > 1 runs whole on decode
+    expected = reference_outputs(config, prompts, params)
+
+    async def main():
+        client = _client(disaggregated)
+        outcomes = await run_requests(client, prompts, params, prefix="r")
+        client.detach()
+        return outcomes, client.cluster
+
+    outcomes, cluster = asyncio.run(main())
+    assert {rid: o.tokens for rid, o in outcomes.items()} == expected
+    assert cluster.kv_transfers == 7  # all but the one-token request and the n=2 one
+    assert cluster.kv_transfer_bytes > 0
+
+
+def test_block_accounting_exact_after_100_handovers(disaggregated) -> None:
+    # 100 requests at once into 64-block pools: imports wait for blocks, prefill blocks wait for takers.
+    prompts = make_prompts(100, shortest=17, step=7)
+    params = _greedy(100, max_tokens=4)
+
+    async def main():
+        client = _client(disaggregated)
+        outcomes = await run_requests(client, prompts, params, prefix="acct")
+        client.detach()
+        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+        return outcomes, client.cluster, books
+
+    outcomes, cluster, books = asyncio.run(main())
+    assert all(o.error is None and len(o.tokens[0]) == 4 for o in outcomes.values())
+    assert cluster.kv_transfers == 100
+    for book in books:
+        assert book == {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
+
+
+class _Borrowed(RayEngineClient):
+    """The app stops its engine at shutdown; here that must leave the module's workers running."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.detach()
+
+
+def test_http_front_end_over_disaggregated_workers(disaggregated, config) -> None:
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from conveyor.api.app import ServerState, build_app
+    from conveyor.api.metrics import Metrics
+
+    prompts = make_prompts(3, shortest=40)
+    expected = reference_outputs(config, prompts, _greedy(3, max_tokens=6))
+    engine = _Borrowed(disaggregated.workers, disaggregated.tokenizer)
+    state = ServerState(engine, ["tiny"], Metrics("tiny"))
+    with TestClient(build_app(state)) as http:
+        whole = http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 6, "temperature": 0,
+                                                   "ignore_eos": True})
+        streamed = http.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True, "stream": True})
+        metrics = http.get("/metrics").text
+    assert whole.status_code == 200 and streamed.status_code == 200
+    tokenizer = disaggregated.tokenizer
+    assert whole.json()["choices"][0]["text"] == tokenizer.decode(expected["r0"][0])
+    chunks = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+    assert text == tokenizer.decode(expected["r1"][0])
+    assert 'conveyor:kv_transfers_total{model_name="tiny"} 2.0' in metrics
+    assert 'conveyor:worker_alive{model_name="tiny",role="decode",worker="decode-0"} 1.0' in metrics
