@@ -41,3 +41,12 @@ def hf_reference_model(smollm_gguf_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def hf_reference_tokenizer(smollm_gguf_path: Path) -> Any:
     return hf_gguf_tokenizer()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _built_kernels() -> None:
+    """Build the C++ kernels once, in this process, before any test starts a server or a Ray
+    worker: a cold build takes ~30 s, which must not land inside a subprocess's start-up timeout."""
+    from conveyor.model.kernels import paged_decode_kernel
+
+    paged_decode_kernel()

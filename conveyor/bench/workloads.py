@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conveyor.errors import ConfigError
+
 FIRST_REGULAR_ID = 10  # ids below are special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...)
 DATASETS = ("random", "uniform", "chat", "seed", "long-prompts")
 
@@ -140,12 +142,12 @@ def parse_rate_schedule(text: str) -> RateSchedule:
         try:
             start, rate = (float(x) for x in part.split(":"))
         except ValueError:
-            raise ValueError(f"cannot read rate schedule {text!r}: use START_S:RATE,... e.g. 0:1,120:4,240:1")
+            raise ConfigError(f"cannot read rate schedule {text!r}: use START_S:RATE,... e.g. 0:1,120:4,240:1")
         schedule.append((start, rate))
     if schedule[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])):
-        raise ValueError(f"rate schedule {text!r}: the first start must be 0 and starts must increase")
+        raise ConfigError(f"rate schedule {text!r}: the first start must be 0 and starts must increase")
     if any(not 0 <= r < math.inf for _, r in schedule) or schedule[-1][1] <= 0:
-        raise ValueError(f"rate schedule {text!r}: rates must be finite, >= 0, and the last one positive")
+        raise ConfigError(f"rate schedule {text!r}: rates must be finite, >= 0, and the last one positive")
     return schedule
 
 

@@ -8,7 +8,7 @@ a step's time is nearly linear in what it holds (conveyor/control/step_model.py)
 also carries about B x r prefill tokens, r = prefill tokens per decode token measured over recent
 steps (Little's law: prompts arrive as fast as outputs finish). The mean step at cap B is then
 
-    a + B x (b + c x r + d x longest_context)
+    a + B x (b + c x r + d x mean_context)
 
 and the cap is the largest B whose prediction stays under the step target, `a + gain x (TPOT
 target - a)`: the margin applies to the headroom above the empty-batch step `a`, so a target a
@@ -108,7 +108,7 @@ class SloController:
         self._step_target = self.feedback.gain * (config.tpot_target_s or 0.0)
         self._measured_ew = 0.0
         self._saturated = False
-        self._context = 0.0  # EW mean of the longest decode context per step
+        self._context = 0.0  # EW mean of the decode rows' mean context per step
         self._prefill_sum = self._decode_sum = 0.0  # EW sums, for prefill tokens per decode token
         self._request_tokens = 0.0  # EW mean of prompt + max_tokens of admitted requests
         self._lived: dict[str, list[int]] = {}  # request id -> [steps, steps with someone waiting]
@@ -144,7 +144,7 @@ class SloController:
             if request.num_computed_tokens == 0:
                 self._request_tokens = self._ew(self._request_tokens, request.max_total_tokens)
         if features.decode_rows:
-            self._context = self._ew(self._context, features.max_decode_context)
+            self._context = self._ew(self._context, features.decode_context)
         self._prefill_sum = lam * self._prefill_sum + features.prefill_tokens
         self._decode_sum = lam * self._decode_sum + features.decode_rows
 

@@ -1,13 +1,15 @@
 """An online model of one engine step's duration, fitted as the engine runs (pure Python).
 
-    step_seconds ~ a + b * decode_rows + c * prefill_tokens + d * decode_rows * longest_decode_context
+    step_seconds ~ a + b * decode_rows + c * prefill_tokens + d * decode_rows * mean_decode_context
 
 - `a`: what a step costs whatever it holds: reading every weight once (decode is bandwidth-bound),
   scheduling and launch overheads.
 - `b`, `c`: per-token compute through the layers; a decode row also pays the LM head and sampling, a
   prefill token mostly does not, so the two get their own slopes.
-- `d`: decode attention. conveyor's decode path pads every decode row to the longest context in the
-  batch (conveyor/model/attention.py), so what it reads is rows x longest context, not the sum.
+- `d`: decode attention, which reads each row's own context: rows x mean context = the sum of the
+  contexts (conveyor's C++ decode kernel reads blocks in place, conveyor/model/attention.py). The
+  torch fallback (bf16, or no compiler) pads rows to the longest context and so costs a little more
+  than this predicts; the controller's measured/predicted bias absorbs that.
 
 The fit is exponentially weighted least squares (old samples fade with `forgetting`, so the model
 follows a machine that slows down or speeds up), with a small ridge scaled by each feature's own
@@ -29,11 +31,11 @@ FEATURES = ("intercept", "decode_rows", "prefill_tokens", "decode_kv_reads")
 class StepFeatures:
     decode_rows: float = 0.0
     prefill_tokens: float = 0.0
-    max_decode_context: float = 0.0
+    decode_context: float = 0.0  # mean context of the decode rows
 
     @property
     def vector(self) -> tuple[float, float, float, float]:
-        return (1.0, self.decode_rows, self.prefill_tokens, self.decode_rows * self.max_decode_context)
+        return (1.0, self.decode_rows, self.prefill_tokens, self.decode_rows * self.decode_context)
 
     @property
     def num_tokens(self) -> float:
@@ -43,14 +45,14 @@ class StepFeatures:
 def step_features(out: SchedulerOutput) -> StepFeatures:
     """Features of a scheduled step, read before its results are applied. A one-token entry is a
     decode row, as the runner batches it (conveyor/runner/inputs.py)."""
-    rows = prefill = longest = 0
+    rows = prefill = context = 0
     for request, n in out.scheduled:
         if n == 1:
             rows += 1
-            longest = max(longest, request.num_computed_tokens + 1)
+            context += request.num_computed_tokens + 1
         else:
             prefill += n
-    return StepFeatures(rows, prefill, longest)
+    return StepFeatures(rows, prefill, context / rows if rows else 0.0)
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:

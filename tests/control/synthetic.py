@@ -28,7 +28,7 @@ class LinearCost:
 
     def __call__(self, f: StepFeatures) -> float:
         return self.scale * (self.a + self.b * f.decode_rows + self.c * f.prefill_tokens
-                             + self.d * f.decode_rows * f.max_decode_context)
+                             + self.d * f.decode_rows * f.decode_context)
 
 
 class VirtualClock:

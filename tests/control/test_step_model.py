@@ -68,12 +68,12 @@ def test_rescale_scales_every_prediction():
     assert model.predict(f) == pytest.approx(1.5 * before)
 
 
-def test_features_of_a_step_pad_decode_rows_to_the_longest_context():
+def test_features_of_a_step_count_each_decode_row_at_its_own_context():
     out = decode_step(rows=3, context=100, prefill=40)
-    out.scheduled[0][0].num_computed_tokens = 299  # one row at context 300
+    out.scheduled[0][0].num_computed_tokens = 299  # one row at context 300, two at 100
     f = step_features(out)
-    assert (f.decode_rows, f.prefill_tokens, f.max_decode_context) == (3, 40, 300)
-    assert f.vector == (1.0, 3, 40, 900)
+    assert (f.decode_rows, f.prefill_tokens, f.decode_context) == (3, 40, 500 / 3)
+    assert f.vector == pytest.approx((1.0, 3, 40, 500))
 
 
 def test_negative_durations_are_refused():

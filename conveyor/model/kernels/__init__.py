@@ -5,8 +5,10 @@ rounded. CONVEYOR_KERNELS=0 forces the fallback (A/B comparisons, debugging)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Callable
 
@@ -21,13 +23,25 @@ def kernels_enabled() -> bool:
     return os.environ.get("CONVEYOR_KERNELS", "1") != "0"
 
 
+def _cpu_tag() -> str:
+    """Short hash of the CPU's feature flags: the build uses -march=native, so a cache shared
+    across machines (a home directory on a cluster) must not hand one CPU another's binary."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags += next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
 @functools.cache
 def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import load
 
     try:
         return load(
-            name=f"conveyor_{name}",
+            name=f"conveyor_{name}_{_cpu_tag()}",
             sources=[str(_SOURCE_DIR / f"{name}.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
