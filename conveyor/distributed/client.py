@@ -18,9 +18,10 @@ from conveyor.distributed.messages import (
     PollResult,
     RequestError,
     TokenEvent,
+    WorkerLoopDied,
 )
 from conveyor.distributed.router import WorkerHandle, pick
-from conveyor.distributed.stats import ClusterStats, summarize
+from conveyor.distributed.stats import ClusterStats, step_stats, summarize
 from conveyor.distributed.tracking import TrackedRequest
 from conveyor.engine.async_engine import (
     Aborted,
@@ -29,7 +30,7 @@ from conveyor.engine.async_engine import (
     QueueFullError,
     StepReport,
 )
-from conveyor.engine.outputs import RequestOutput, StepStats
+from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConveyorError, InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
@@ -53,6 +54,7 @@ class RayEngineClient:
         self.cluster = ClusterStats()
         self.disaggregated = any(w.role == "prefill" for w in self.workers)
         self._tracked: dict[str, TrackedRequest] = {}
+        self._slo_misses: dict[str, float] = {}  # worker name -> its SLO controller's TTFT misses so far
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._started = False
@@ -100,6 +102,11 @@ class RayEngineClient:
         for task in list(self._tasks):
             task.cancel()
         for t in list(self._tracked.values()):
+            # Abort on the worker too: a prefill worker would otherwise keep a parked request's
+            # blocks for good, and a worker of another client would run it for nobody.
+            t.aborted = True
+            if t.worker is not None:
+                t.worker.tell("abort", t.request_id)
             self._fail(t, EngineStoppedError("the server is shutting down"))
 
     def placement(self, request_id: str) -> str | None:
@@ -139,8 +146,8 @@ class RayEngineClient:
         t.sink.put_nowait(Aborted(request_id))
         self._report(StepReport(0, 0, 0.0, 0, None, num_aborted=1))
         # Mid-handover the handover task aborts it on the decode side once that side has it.
-        if t.worker is not None and t.worker.alive and not (t.busy and t.streamed):
-            t.worker.actor.abort.remote(request_id)
+        if t.worker is not None and not (t.busy and t.streamed):
+            t.worker.tell("abort", request_id)
 
     def abort_all(self) -> None:
         for request_id in list(self._tracked):
@@ -153,21 +160,24 @@ class RayEngineClient:
 
         t.busy = True
         try:
-            while True:
+            while not t.aborted:  # an abort (or a detach) ends the retries: nobody waits for it
                 worker = pick(self.workers, t.role, self._tracked.values())
                 if worker is None:
                     raise EngineStoppedError(f"no live {t.role} worker")
                 t.worker, t.attempts = worker, t.attempts + 1
                 try:
                     await worker.actor.add.remote(t.request_id, t.prompt, t.params, t.role == "prefill")
-                    return
-                except ray.exceptions.RayTaskError as exc:  # the engine refused it (InvalidRequestError)
-                    raise exc.cause if isinstance(exc.cause, BaseException) else exc from None
-                except ray.exceptions.RayError:
+                except ray.exceptions.RayError as exc:  # a refusal (InvalidRequestError) or a death
+                    if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, WorkerLoopDied):
+                        raise exc.cause if isinstance(exc.cause, BaseException) else exc from None
                     self._worker_died(worker)
                     if t.attempts >= MAX_ATTEMPTS:
                         raise EngineStoppedError(f"worker {worker.name} died before accepting the request") from None
                     self.cluster.retries += 1
+                else:
+                    if t.aborted:  # the abort may have reached the worker before the add did
+                        worker.tell("abort", t.request_id)
+                    return
         finally:
             t.busy = False
 
@@ -180,40 +190,46 @@ class RayEngineClient:
     async def _handover(self, t: TrackedRequest, source: WorkerHandle, ready: HandoverReady) -> None:
         """Export from the prefill worker straight into a decode worker (the front end only passes
         the object ref), then let the prefill worker free its blocks."""
-        import ray
-
-        if t.aborted:  # the abort already reached the prefill worker, which freed the blocks
+        if t.aborted:  # the abort reached the prefill worker, which freed the blocks (release: idempotent)
+            source.tell("release", t.request_id)
             return
-        t.busy, error = True, None
-        tried: WorkerHandle | None = None
-        for _ in range(MAX_ATTEMPTS):
-            target = pick(self.workers, "decode", self._tracked.values(), exclude=tried)
-            if target is None:
-                error = WorkerDiedError("no live decode worker to take the request over")
-                break
-            t.worker, tried = target, target
-            try:
-                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id))
-                error = None
-                break
-            except ray.exceptions.RayError as exc:
-                error = exc
-                if not source.alive or not await self._responds(source):
-                    self._worker_died(source)
-                    break  # the KV is gone with it
-                if await self._responds(target):
-                    break  # not a death: the import itself failed
-                self._worker_died(target)
-        t.busy = False
-        if source.alive:
-            source.actor.release.remote(t.request_id)
+        t.busy = True
+        try:
+            error = await self._move_kv(t, source)
+        finally:  # cancelled (detach) or not: the parked blocks must not outlive the handover
+            t.busy = False
+            source.tell("release", t.request_id)
         if error is not None:
             self._fail(t, error if isinstance(error, ConveyorError) else WorkerDiedError(f"KV handover failed: {error}"))
             return
         self.cluster.kv_transfers += 1
         self.cluster.kv_transfer_bytes += ready.num_bytes
         if t.aborted:
-            t.worker.actor.abort.remote(t.request_id)  # type: ignore[union-attr]
+            t.worker.tell("abort", t.request_id)  # type: ignore[union-attr]
+
+    async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> BaseException | None:
+        """Import the request's KV into a live decode worker (a second one if the first died)."""
+        import ray
+
+        tried: WorkerHandle | None = None
+        error: BaseException | None = None
+        for _ in range(MAX_ATTEMPTS):
+            target = pick(self.workers, "decode", self._tracked.values(), exclude=tried)
+            if target is None:
+                return WorkerDiedError("no live decode worker to take the request over")
+            t.worker, tried = target, target
+            try:
+                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id))
+                return None
+            except ray.exceptions.RayError as exc:
+                if not source.alive or not await self._responds(source):
+                    self._worker_died(source)
+                    return exc  # the KV is gone with it
+                if await self._responds(target):
+                    return exc  # not a death: the import itself failed
+                self._worker_died(target)
+                error = exc
+        return error
 
     async def _responds(self, worker: WorkerHandle) -> bool:
         try:
@@ -263,18 +279,20 @@ class RayEngineClient:
             if seq <= seen:
                 continue  # already handled (the worker had not heard our acknowledgement)
             t = self._tracked.get(event.request_id)
-            if t is None or t.worker is not worker:
-                continue  # aborted, failed, or a stale event of a dead attempt
+            if t is None or t.worker is not worker:  # aborted, failed, or a stale event of a dead attempt
+                if isinstance(event, HandoverReady):  # nobody will take it over: free the parked blocks
+                    worker.tell("release", event.request_id)
+                continue
             if isinstance(event, TokenEvent):
                 outputs.append(self._deliver(t, event))
             elif isinstance(event, HandoverReady):
                 self._spawn(self._handover(t, worker, event))
             elif isinstance(event, RequestError):
                 self._fail(t, ConveyorError(event.message))
-        for num_requests, num_tokens in result.load.steps[:-1]:
-            self._report(StepReport(0, 0, 0.0, 0, StepStats(num_requests, num_tokens)))
-        last = result.load.steps[-1] if result.load.steps else None
-        self._report(StepReport(0, 0, 0.0, 0, StepStats(*last) if last else None, outputs=outputs))
+        stats = step_stats(worker.name, result.load.steps, self._slo_misses)
+        for step in stats[:-1]:
+            self._report(StepReport(0, 0, 0.0, 0, step))
+        self._report(StepReport(0, 0, 0.0, 0, stats[-1] if stats else None, outputs=outputs))
 
     def _deliver(self, t: TrackedRequest, event: TokenEvent) -> RequestOutput:
         out = t.deliver(event)
@@ -294,3 +312,4 @@ class RayEngineClient:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+

@@ -45,8 +45,26 @@ def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
     return blocks_for(payload.num_computed_tokens, engine.kv.block_size)
 
 
+def blocks_to_run(engine: LLMEngine, payload: KVPayload) -> int:
+    """What the request needs to run on the importer: its KV and the slot of its next token."""
+    return blocks_for(payload.num_computed_tokens + 1, engine.kv.block_size)
+
+
+def import_headroom(engine: LLMEngine) -> int:
+    """Free blocks an import may take. Imported requests wait in the scheduler's queue holding
+    their blocks; taking every free block for them would starve what is queued or running already
+    (the scheduler then has to evict imports, which costs a recompute), so leave what the waiting
+    requests need to be admitted and a block of growth for each running request."""
+    kv, scheduler = engine.kv, engine.scheduler
+    owed = scheduler.num_running
+    for request in scheduler.waiting:
+        held = len(kv.block_tables.get(request.request_id, ()))
+        owed += max(0, blocks_for(request.num_tokens, kv.block_size) - held)
+    return kv.num_free_blocks - owed
+
+
 def import_request(engine: LLMEngine, payload: KVPayload) -> Request:
-    """Allocate, write, queue. The caller checked `blocks_needed` against the free blocks."""
+    """Allocate, write, queue. The caller checked `blocks_to_run` against `import_headroom`."""
     expected = blocks_needed(engine, payload)
     if payload.kv.shape[2] != expected or payload.kv.shape[3] != engine.kv.block_size:
         raise InvalidRequestError(

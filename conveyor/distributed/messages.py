@@ -4,9 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.errors import ConveyorError
 from conveyor.sampling.params import SamplingParams
 
 ROLES = ("replica", "prefill", "decode")  # replica: prefill and decode together (colocated)
+
+
+class WorkerLoopDied(ConveyorError):
+    """A worker's loop thread is gone: nothing it holds will progress. Its methods raise this, and
+    the front end then handles the worker as dead."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ class WorkerLoadReport:
     num_parked: int = 0  # prefilled requests whose KV waits for a decode worker
     kv_usage: float = 0.0
     num_preemptions: int = 0
-    steps: list[tuple[int, int]] = field(default_factory=list)  # (requests, tokens) per step since last poll
+    # (requests, tokens, StepStats.extra: e.g. the SLO controller's state) per step since the last poll
+    steps: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
 
 
 @dataclass

@@ -7,8 +7,11 @@ thus steers the next requests away from the worker that is prefilling it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
+
+log = logging.getLogger("conveyor.distributed")
 
 
 @dataclass(eq=False)
@@ -19,6 +22,15 @@ class WorkerHandle:
     info: Any = None  # WorkerInfo, once started
     alive: bool = True
     last_load: Any = None  # the worker's last WorkerLoadReport
+
+    def tell(self, method: str, request_id: str) -> None:
+        """Fire and forget (abort, release): nothing waits for the answer, and a dead worker holds
+        nothing any more."""
+        if self.alive:
+            try:
+                getattr(self.actor, method).remote(request_id)
+            except Exception:  # Ray is shutting down: the workers go with it  # noqa: BLE001
+                log.debug("could not %s %s on %s", method, request_id, self.name)
 
 
 class Assignment(Protocol):

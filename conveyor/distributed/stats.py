@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from conveyor.distributed.router import Assignment, WorkerHandle, outstanding_tokens
+from conveyor.engine.outputs import StepStats
 
 
 @dataclass
@@ -46,3 +47,17 @@ def summarize(report: Any, workers: Sequence[WorkerHandle], requests: Iterable[A
         for w in workers
     ]
     report.cluster = cluster
+
+
+def step_stats(worker: str, steps: Sequence[tuple[int, int, dict[str, float]]],
+               slo_misses: dict[str, float]) -> list[StepStats]:
+    """A worker's steps as StepStats, their `extra` (the SLO controller's state) kept for /metrics.
+    The gauges show the reporting worker's state; TTFT misses, a per-worker running count, become
+    the sum over the workers (`slo_misses` remembers each one's last count)."""
+    out = []
+    for num_requests, num_tokens, extra in steps:
+        if "slo_ttft_misses" in extra:
+            slo_misses[worker] = extra["slo_ttft_misses"]
+            extra = {**extra, "slo_ttft_misses": sum(slo_misses.values())}
+        out.append(StepStats(num_requests, num_tokens, extra=extra))
+    return out

@@ -24,8 +24,9 @@ from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.distributed.handover import (
-    blocks_needed,
+    blocks_to_run,
     export_request,
+    import_headroom,
     import_request,
     request_blocks,
 )
@@ -37,13 +38,16 @@ from conveyor.distributed.messages import (
     TokenEvent,
     WorkerInfo,
     WorkerLoadReport,
+    WorkerLoopDied,
 )
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.distributed.worker")
+STALL_WAIT_S = 0.005  # a step that scheduled nothing: wait this long (or for a command) before the next
 
 
 @dataclass
@@ -70,7 +74,7 @@ class EngineWorker:
         # caller (e.g. a front end that went away mid-poll) loses nothing for the next one.
         self._events: list[Any] = []
         self._first_seq = 1  # sequence number of self._events[0]
-        self._steps: list[tuple[int, int]] = []
+        self._steps: list[tuple[int, int, dict[str, float]]] = []
         self._load = WorkerLoadReport()
         self._prefill_only: set[str] = set()
         self._parked: dict[str, tuple[Request, list[int]]] = {}  # loop thread writes; export reads
@@ -78,6 +82,7 @@ class EngineWorker:
         self._news: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._died: str | None = None  # why the loop thread died; then every method raises
 
     # --- actor methods (the actor's event loop) ----------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -87,6 +92,7 @@ class EngineWorker:
         return self.info
 
     async def ping(self) -> bool:
+        self._check_alive()
         return True
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -117,6 +123,7 @@ class EngineWorker:
     async def poll(self, after: int = 0, timeout: float = 1.0) -> PollResult:
         """Events numbered above `after` (the caller has every one up to it), and the load."""
         assert self._news is not None
+        self._check_alive()
         with self._outbox_lock:
             acknowledged = max(0, min(after - self._first_seq + 1, len(self._events)))
             del self._events[:acknowledged]
@@ -127,6 +134,7 @@ class EngineWorker:
                 await asyncio.wait_for(self._news.wait(), timeout)
             except TimeoutError:
                 pass
+        self._check_alive()  # the loop may have died while we waited (it sets the news then)
         self._news.clear()  # before taking: news published after this wakes the next poll
         with self._outbox_lock:
             events = list(self._events)
@@ -140,22 +148,33 @@ class EngineWorker:
         self._stopping = True
         self._wake.set()
 
+    def _check_alive(self) -> None:
+        if self._died is not None:
+            raise WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}")
+
     def _send(self, kind: str, *args: Any) -> None:
+        self._check_alive()
         self._commands.put(_Command(kind, args, None))
         self._wake.set()
 
     async def _call(self, kind: str, *args: Any) -> Any:
+        self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Command(kind, args, done))
         self._wake.set()
+        if self._died is not None:  # it died between the check and the put: nobody would answer
+            self._fail_commands()
         return await asyncio.wrap_future(done)
 
     # --- the loop thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        stalled = False
         try:
             while not self._stopping:
                 if not self.engine.has_unfinished_requests:
                     self._wake.wait(0.05 if self._pending_imports else None)
+                elif stalled:  # e.g. a prefill pool full of parked blocks: wait for a release, don't spin
+                    self._wake.wait(STALL_WAIT_S)
                 self._wake.clear()
                 events: list[Any] = []
                 self._drain()
@@ -167,9 +186,31 @@ class EngineWorker:
                     except Exception as exc:  # never leave a request in silence
                         log.exception("engine step failed on %s", self.name)
                         self._fail_all(exc, events)
+                stalled = stepped and self.engine.last_step.num_requests == 0
                 self._publish(events, stepped)
-        except BaseException:
+        except BaseException as exc:
             log.exception("the loop of %s died", self.name)
+            # Answer everyone who waits on the loop, and make poll/ping raise: the front end then
+            # handles this worker as dead (retry or fail its requests) instead of waiting forever.
+            self._died = repr(exc)
+            self._fail_commands()
+            if self._loop is not None and self._news is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._news.set)
+                except RuntimeError:  # the actor's loop is closed
+                    pass
+
+    def _fail_commands(self) -> None:
+        futures = [done for _, done in self._pending_imports]
+        self._pending_imports.clear()
+        while True:
+            try:
+                futures.append(self._commands.get_nowait().done)
+            except queue.Empty:
+                break
+        for done in futures:
+            if done is not None and not done.done():
+                done.set_exception(WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}"))
 
     def _drain(self) -> None:
         while not self._commands.empty():
@@ -216,7 +257,13 @@ class EngineWorker:
         # In arrival order; the head waits for blocks rather than being overtaken (no starvation).
         while self._pending_imports:
             payload, done = self._pending_imports[0]
-            if blocks_needed(self.engine, payload) > self.engine.kv.num_free_blocks:
+            needed = blocks_to_run(self.engine, payload)
+            if needed > self.engine.kv.num_blocks:  # it would wait forever
+                self._pending_imports.popleft()
+                done.set_exception(InvalidRequestError(f"request {payload.request_id!r} needs {needed} KV blocks; "
+                                                       f"this worker has {self.engine.kv.num_blocks}"))
+                continue
+            if needed > import_headroom(self.engine):
                 return
             self._pending_imports.popleft()
             try:
@@ -255,7 +302,7 @@ class EngineWorker:
         with self._outbox_lock:
             self._events.extend(events)
             if stepped and stats.num_requests:
-                self._steps.append((stats.num_requests, stats.num_tokens))
+                self._steps.append((stats.num_requests, stats.num_tokens, dict(stats.extra)))
             # A load change alone is news too (e.g. a release freed blocks): /metrics should see it.
             news = bool(self._events or self._steps) or load != self._load
             self._load = load

@@ -40,6 +40,8 @@ def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported 
         request_rate=args.rate, burstiness=args.burstiness, rate_schedule=args.rate_schedule,
         engine=_engine_kwargs(args),
         percentiles=sorted({*percentiles, 99.0}), goodput=parse_goodput(args.goodput),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, replicas=args.replicas,
+        kv_transfer_bandwidth=None if args.kv_transfer_bandwidth is None else args.kv_transfer_bandwidth * 1e9,
     )
 
 
@@ -67,7 +69,10 @@ def _run(args: argparse.Namespace) -> int:
                            "best": None if result.best is None else result.best.value}}
     else:
         run = run_simulation(cfg)
-        print(f"cost model: {run.cost_model}; KV pool {run.num_kv_blocks} blocks of {cfg.engine['block_size']} tokens")
+        print(f"cost model: {run.cost_model}; KV pool {run.num_kv_blocks} blocks of {cfg.engine['block_size']} tokens"
+              + (" per worker" if run.workers else ""))
+        if run.workers:
+            print(_deployment_line(cfg, run.result.offline.extra))
         print(format_result(run.result.metrics, selected, request_rate=cfg.request_rate))
         runs, extra = [run], {}
     steps = sum(r.num_steps for r in runs)
@@ -77,6 +82,16 @@ def _run(args: argparse.Namespace) -> int:
         written = write_outputs(cfg, runs, args.output_dir, plots=not args.no_plots, extra=extra)
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _deployment_line(cfg, extra: dict) -> str:  # noqa: ANN001 - SimConfig
+    devices = f"{extra['devices']} x {cfg.hardware}" + (f" (tp {cfg.tp} per worker)" if cfg.tp > 1 else "")
+    line = f"deployment: {extra['deployment']} on {devices}, {cfg.tp} for one colocated engine; requests per worker: "
+    line += ", ".join(f"{w['name']} {w['requests']}" for w in extra["workers"])
+    if extra["handovers"]:
+        line += (f"\nKV handover: {extra['handovers']} requests, {extra['kv_transfer_bytes'] / 1e9:.2f} GB at "
+                 f"{extra['kv_transfer_gbs']:g} GB/s per device, mean {extra['kv_transfer_ms_mean']:.2f} ms")
+    return line
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -146,6 +161,12 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
                      help="the SLO controller holds P99 TPOT under this (lowers the cap and budget under the two above)")
     eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target: misses are counted, not dropped")
     eng.add_argument("--block-size", type=int, default=16)
+    dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
+    dep.add_argument("--prefill-workers", type=int, default=0, help="prefill/decode disaggregation (with --decode-workers)")
+    dep.add_argument("--decode-workers", type=int, default=0)
+    dep.add_argument("--replicas", type=int, default=1, help="colocated engines sharing the arrivals (equal hardware)")
+    dep.add_argument("--kv-transfer-bandwidth", type=float, default=None, metavar="GB/S",
+                     help="prefill->decode KV link, gigabytes/s per device (default: the hardware's; h100 50)")
     sim.add_argument("--rate", "--request-rate", dest="rate", type=float, default=math.inf,
                      help="requests/s (Poisson, or gamma with --burstiness); inf = all at once")
     _add_workload_args(sim)

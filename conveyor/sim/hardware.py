@@ -25,6 +25,10 @@ class HardwareSpec:
     memory_bytes: float  # per device
     interconnect_bandwidth: float = 0.0  # bytes/s one way per device (NVLink, PCIe), for all-reduce
     allreduce_latency_s: float = 10e-6  # fixed cost of one all-reduce call
+    # Prefill -> decode KV handover (conveyor simulate --prefill-workers): bytes/s one way per device,
+    # each tp shard moving its slice over its own link. Default: the GPU's cross-node NIC (RDMA), the
+    # conservative path; P and D in one NVLink node would be nearer interconnect_bandwidth.
+    kv_transfer_bandwidth: float = 10e9
     step_overhead_s: float = 1e-3  # per engine step: scheduling, launches, sampling bookkeeping
     flops_efficiency: float = 1.0  # achieved / peak
     bandwidth_efficiency: float = 1.0
@@ -46,17 +50,20 @@ HARDWARE: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
         "h100", {"bfloat16": 989e12, "float16": 989e12, "fp8": 1979e12, "float32": 67e12},
         memory_bandwidth=3350 * GB, memory_bytes=80 * GB, interconnect_bandwidth=450 * GB,
-        note="H100 SXM5 80GB: HBM3 3.35 TB/s, NVLink 4 900 GB/s both ways",
+        kv_transfer_bandwidth=50 * GB,
+        note="H100 SXM5 80GB: HBM3 3.35 TB/s, NVLink 4 900 GB/s both ways, 400 Gb/s NIC per GPU",
     ),
     "a100": HardwareSpec(
         "a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
         memory_bandwidth=2039 * GB, memory_bytes=80 * GB, interconnect_bandwidth=300 * GB,
-        note="A100 SXM4 80GB: HBM2e 2.04 TB/s, NVLink 3 600 GB/s both ways",
+        kv_transfer_bandwidth=25 * GB,
+        note="A100 SXM4 80GB: HBM2e 2.04 TB/s, NVLink 3 600 GB/s both ways, 200 Gb/s NIC per GPU",
     ),
     "l4": HardwareSpec(
         "l4", {"bfloat16": 121e12, "float16": 121e12, "fp8": 242e12, "float32": 30.3e12},
         memory_bandwidth=300 * GB, memory_bytes=24 * GB, interconnect_bandwidth=32 * GB,
-        allreduce_latency_s=30e-6, note="L4 24GB: GDDR6 300 GB/s, PCIe Gen4 x16",
+        allreduce_latency_s=30e-6, kv_transfer_bandwidth=12.5 * GB,
+        note="L4 24GB: GDDR6 300 GB/s, PCIe Gen4 x16, 100 Gb/s Ethernet",
     ),
 }
 ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-80g": "a100", "cpu": "this-machine"}

@@ -29,7 +29,8 @@ def write_outputs(cfg: SimConfig, runs: Sequence[SimRun], out_dir: str | Path, p
     payload = {"config": config, "table": table, **(extra or {}), "runs": [
         {**r.result.summary(), "request_rate": _clean(r.result.rate), "engine": r.result.engine_kwargs,
          "cost_model": r.cost_model, "num_kv_blocks": r.num_kv_blocks, "num_steps": r.num_steps,
-         "wall_s": r.wall_s, "trace": r.result.offline.trace_dict(), **per_request_dict(r.result.offline.records)}
+         "wall_s": r.wall_s, **({"deployment": r.result.offline.extra} if r.workers else {}),
+         "trace": r.result.offline.trace_dict(), **per_request_dict(r.result.offline.records)}
         for r in runs
     ]}
     (out / "sim.json").write_text(json.dumps(payload, indent=1))

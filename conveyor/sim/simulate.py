@@ -48,6 +48,12 @@ class SimConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs options
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)
+    # Deployment (conveyor/sim/disagg.py): prefill/decode workers (0 = colocated), colocated replicas,
+    # and the handover link in bytes/s per device (None: the hardware description's).
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    replicas: int = 1
+    kv_transfer_bandwidth: float | None = None
 
 
 @dataclass
@@ -57,6 +63,7 @@ class SimRun:
     num_steps: int
     num_kv_blocks: int
     cost_model: str
+    workers: list[Any] = field(default_factory=list)  # disagg.Lane per engine of a multi-engine deployment
 
 
 def build_cost_model(cfg: SimConfig) -> tuple[CostModel, ModelSpec, HardwareSpec | None]:
@@ -104,6 +111,10 @@ def policy_label(engine_config: EngineConfig) -> str:
 
 
 def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -> SimRun:
+    if cfg.prefill_workers or cfg.decode_workers or cfg.replicas != 1:  # several engines: sweeps work too
+        from conveyor.sim.disagg import run_deployment
+
+        return run_deployment(cfg, requests)
     wall0 = time.perf_counter()
     cost_model, model, hardware = build_cost_model(cfg)
     engine_config = EngineConfig.from_kwargs(**cfg.engine)

@@ -119,6 +119,49 @@ def test_block_accounting_exact_after_100_handovers(disaggregated) -> None:
         assert book == {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
 
 
+_EMPTY_BOOKS = {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
+
+
+def test_long_outputs_through_a_small_decode_pool_all_finish(disaggregated) -> None:
+    # Outputs that outgrow the 64-block decode pool: imports queue for blocks, decodes preempt one
+    # another, and the decode worker must never keep a head it cannot admit with nothing running.
+    prompts = make_prompts(40, shortest=17, step=7)
+    params = _greedy(40, max_tokens=150)
+
+    async def main():
+        client = _client(disaggregated)
+        outcomes = await run_requests(client, prompts, params, prefix="long")
+        client.detach()
+        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+        return outcomes, client, books
+
+    outcomes, client, books = asyncio.run(main())
+    assert all(o.error is None and len(o.tokens[0]) == 150 for o in outcomes.values())
+    assert client.cluster.kv_transfers == 40
+    assert books == [_EMPTY_BOOKS, _EMPTY_BOOKS]
+
+
+def test_detach_mid_run_leaves_no_blocks_behind(disaggregated) -> None:
+    prompts = make_prompts(12, shortest=17, step=7)
+    params = _greedy(12, max_tokens=200)
+
+    async def main():
+        client = _client(disaggregated)
+        sinks = {f"gone{i}": asyncio.Queue() for i in range(len(prompts))}
+        await asyncio.gather(*(client.add_request(rid, p, sp, sinks[rid])
+                               for (rid, p, sp) in zip(sinks, prompts, params)))
+        await asyncio.wait_for(sinks["gone0"].get(), 60)  # some are decoding, others parked or queued
+        client.detach()  # without aborts the prefill worker would keep the parked blocks for good
+        for _ in range(400):
+            books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+            if books == [_EMPTY_BOOKS, _EMPTY_BOOKS]:
+                break
+            await asyncio.sleep(0.05)
+        return books
+
+    assert asyncio.run(main()) == [_EMPTY_BOOKS, _EMPTY_BOOKS]
+
+
 class _Borrowed(RayEngineClient):
     """The app stops its engine at shutdown; here that must leave the module's workers running."""
 

@@ -27,6 +27,22 @@ def replicas(tiny_model):
         client.stop()
 
 
+async def _until_dead(actor, timeout: float = 30.0) -> None:
+    import ray
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            await asyncio.wait_for(actor.ping.remote(), 1.0)
+        except ray.exceptions.RayActorError:
+            return
+        except TimeoutError:
+            continue
+        await asyncio.sleep(0.01)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_killed_replica_fails_or_retries_its_requests_and_the_rest_finish(replicas) -> None:
     import ray
 
@@ -48,8 +64,16 @@ def test_killed_replica_fails_or_retries_its_requests_and_the_rest_finish(replic
         placed = {rid: client.placement(rid) for rid in sinks}
         first = {rid: await asyncio.wait_for(sinks[rid].get(), 60) for rid in sinks}  # everyone has streamed
         victim = next(w for w in client.workers if w.name == "replica-0")
+        # What the assertions below rest on: the victim's requests are still decoding when it dies.
+        assert all(client.placement(rid) == name for rid, name in placed.items()), "finished too early"
         ray.kill(victim.actor)
-        # Sent right after the kill: the first may still reach the dead replica and be retried.
+        # ray.kill is asynchronous: until the victim is gone, and the front end knows it, a late
+        # request could still be accepted by it (and then fail with it).
+        await _until_dead(victim.actor)
+        for _ in range(3000):
+            if not victim.alive:
+                break
+            await asyncio.sleep(0.01)
         late = {f"late{i}": asyncio.Queue() for i in range(len(late_prompts))}
         await asyncio.gather(*(client.add_request(rid, p, sp, late[rid])
                                for (rid, p, sp) in zip(late, late_prompts, late_params)))

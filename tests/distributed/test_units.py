@@ -1,6 +1,7 @@
 """Router and KV handover without Ray: two in-process engines stand for the two workers."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -9,9 +10,11 @@ from conveyor.distributed.deploy import DeploymentConfig
 from conveyor.distributed.handover import (
     blocks_needed,
     export_request,
+    import_headroom,
     import_request,
     request_blocks,
 )
+from conveyor.distributed.messages import WorkerLoopDied
 from conveyor.distributed.router import WorkerHandle, outstanding_tokens, pick
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import ConfigError
@@ -85,3 +88,74 @@ def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_
                 got[out.request_id] = [list(out.token_ids)]
     assert got == expected
     assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+
+
+def test_imports_that_fill_the_pool_do_not_stall_the_decode_engine(tiny_model) -> None:
+    # Prompts of exactly two blocks: each import holds 2 blocks and needs a third for its next
+    # token. Four fill an 8-block pool, nothing runs, so no block would ever be freed unless the
+    # scheduler evicts a waiting import (recomputed later).
+    config = tiny_config(tiny_model)
+    prompts = [[(13 * i + 7 * j) % 2000 + 10 for j in range(32)] for i in range(4)]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    expected = reference_outputs(config, prompts, params)
+    prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(tiny_config(tiny_model, num_kv_blocks=8))
+    for request in _prefill(prefill, prompts, params).values():
+        import_request(decode, export_request(prefill, request))
+    assert decode.kv.num_free_blocks == 0
+    assert import_headroom(decode) == -4  # a worker would not have taken the last ones yet
+    got = {}
+    for _ in range(500):  # a stalled engine steps without end: bound it
+        if not decode.has_unfinished_requests:
+            break
+        for out in decode.step():
+            if out.finished:
+                got[out.request_id] = [list(out.token_ids)]
+    assert got == expected
+    assert decode.scheduler.num_preemptions > 0
+    assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+
+
+def test_a_dead_worker_loop_answers_its_callers_and_looks_dead(tiny_model) -> None:
+    from conveyor.distributed.worker import EngineWorker
+
+    worker = EngineWorker("w", "replica", tiny_config(tiny_model))
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    worker._drain = broken  # type: ignore[method-assign]  # the first command kills the loop
+
+    async def main() -> list[BaseException]:
+        await worker.start()
+        errors = []
+        for call in (worker.add("r0", [5, 6, 7], SamplingParams(max_tokens=2), False), worker.ping(),
+                     worker.poll(0, 0.1), worker.accounting()):
+            try:
+                await asyncio.wait_for(call, 10)
+            except (WorkerLoopDied, TimeoutError) as exc:
+                errors.append(exc)
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 4 and all(isinstance(e, WorkerLoopDied) for e in errors), errors
+
+
+def test_worker_steps_carry_the_slo_state(tiny_model) -> None:
+    from conveyor.distributed.worker import EngineWorker
+
+    worker = EngineWorker("w", "replica", tiny_config(tiny_model, slo_tpot_ms=50.0))
+
+    async def main() -> list:
+        await worker.start()
+        await worker.add("r0", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), False)
+        steps, seen = [], 0
+        for _ in range(50):  # its three steps, whatever polls they come in
+            result = await worker.poll(seen, 1.0)
+            seen, steps = result.last_seq, steps + result.load.steps
+            if len(steps) >= 3:
+                break
+        await worker.stop()
+        return steps
+
+    steps = asyncio.run(main())
+    assert steps and all("slo_batch_cap" in extra for _, _, extra in steps)
