@@ -51,16 +51,8 @@ def blocks_to_run(engine: LLMEngine, payload: KVPayload) -> int:
 
 
 def import_headroom(engine: LLMEngine) -> int:
-    """Free blocks an import may take. Imported requests wait in the scheduler's queue holding
-    their blocks; taking every free block for them would starve what is queued or running already
-    (the scheduler then has to evict imports, which costs a recompute), so leave what the waiting
-    requests need to be admitted and a block of growth for each running request."""
-    kv, scheduler = engine.kv, engine.scheduler
-    owed = scheduler.num_running
-    for request in scheduler.waiting:
-        held = len(kv.block_tables.get(request.request_id, ()))
-        owed += max(0, blocks_for(request.num_tokens, kv.block_size) - held)
-    return kv.num_free_blocks - owed
+    """Free blocks an import may take (Scheduler.uncommitted_free_blocks)."""
+    return engine.scheduler.uncommitted_free_blocks()
 
 
 def import_request(engine: LLMEngine, payload: KVPayload) -> Request:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from conveyor.config import SchedulerConfig
-from conveyor.kv.manager import KVCacheManager
+from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request, RequestStatus
 
 
@@ -95,6 +95,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def uncommitted_free_blocks(self) -> int:
+        """Free blocks not owed to requests already here: what each waiting request still needs to
+        be admitted, and a block of growth per running request. KV taken over from another engine
+        (disaggregation, conveyor/distributed and conveyor/sim) may only use these: taking every
+        free block would starve what is queued or running (the scheduler would then have to evict
+        the imports, which costs a recompute). Negative when already overcommitted."""
+        owed = self.num_running
+        for request in self.waiting:
+            held = len(self.kv.block_tables.get(request.request_id, ()))
+            owed += max(0, blocks_for(request.num_tokens, self.kv.block_size) - held)
+        return self.kv.num_free_blocks - owed
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -118,6 +130,8 @@ class Scheduler:
         """Give `request` slots for num_new tokens, preempting from the end of `victims` (the most
         recently admitted) until they fit. False if the request itself had to give way."""
         total = request.num_computed_tokens + num_new
+        if not self.kv.can_allocate(request.request_id, total):
+            self._evict_waiting(request, total, out)
         while not self.kv.can_allocate(request.request_id, total):
             victim = self._pick_victim(victims, out)
             if victim is None:
@@ -128,6 +142,27 @@ class Scheduler:
         self.kv.allocate(request.request_id, total)
         out.scheduled.append((request, num_new))
         return True
+
+    def _evict_waiting(self, head: Request, total: int, out: SchedulerOutput) -> None:
+        """Free the blocks of waiting requests (other than `head`), newest first, until `head`
+        has room for `total` tokens.
+
+        Only a request taken over with its KV (a decode worker's import) waits while holding
+        blocks, and preemption only reaches running requests: without this, a head that does not
+        fit with nothing running (one preempted for recompute, an import one block short) stalls
+        the engine for good, and a lone running request that needs those blocks preempts itself
+        over and over. They go first, before running requests are preempted: recomputed later
+        like any preempted request."""
+        for candidate in reversed(self.waiting):
+            if self.kv.can_allocate(head.request_id, total):
+                return
+            if candidate is head or candidate.request_id not in self.kv.block_tables:
+                continue
+            self.kv.free(candidate.request_id)
+            candidate.num_computed_tokens = 0
+            candidate.num_preemptions += 1
+            self.num_preemptions += 1
+            out.preempted.append(candidate)
 
     def _finish_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         """Branch off the extra samples of n > 1 requests that sample their first token now."""

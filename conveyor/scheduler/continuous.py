@@ -29,8 +29,6 @@ class ContinuousScheduler(Scheduler):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._tokens_to_schedule(request, budget)
-            if n and not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
-                self._evict_waiting(request, request.num_computed_tokens + n, out)
             if n and self._reserve(request, n, self.running, out):
                 budget -= n
 
@@ -54,27 +52,6 @@ class ContinuousScheduler(Scheduler):
             self._reserve(request, n, [], out)
             budget -= n
         return self._finish_schedule(out)
-
-    def _evict_waiting(self, head: Request, total: int, out: SchedulerOutput) -> None:
-        """Free the blocks of waiting requests (other than `head`), newest first, until `head`
-        has room for `total` tokens.
-
-        Only a request taken over with its KV (a decode worker's import) waits while holding
-        blocks, and preemption only reaches running requests: without this, a head that does not
-        fit with nothing running (one preempted for recompute, an import one block short) stalls
-        the engine for good, and a lone running request that needs those blocks preempts itself
-        over and over. They go first, before running requests are preempted: recomputed later
-        like any preempted request."""
-        for candidate in reversed(self.waiting):
-            if self.kv.can_allocate(head.request_id, total):
-                return
-            if candidate is head or candidate.request_id not in self.kv.block_tables:
-                continue
-            self.kv.free(candidate.request_id)
-            candidate.num_computed_tokens = 0
-            candidate.num_preemptions += 1
-            self.num_preemptions += 1
-            out.preempted.append(candidate)
 
     def _admit_fork(self, child: Request) -> None:
         self.running.append(child)

@@ -13,8 +13,9 @@ disaggregation runs in two passes over the same clock origin:
 2. Decode workers. Each request arrives at first token + KV transfer time (its computed blocks'
    bytes / (tp x kv_transfer_bandwidth): each shard moves its slice over its own link), goes to the
    decode worker with the fewest outstanding tokens, waits in its import queue until the blocks fit
-   (handover.import_headroom's rule), takes its own blocks from that worker's KV manager and enters
-   through LLMEngine.add_prefilled_request: prompt computed, first token known.
+   (Scheduler.uncommitted_free_blocks, the Ray workers' rule), takes its own blocks from that
+   worker's KV manager and enters through LLMEngine.add_prefilled_request: prompt computed, first
+   token known.
 
 A client's record joins the two: TTFT from the prefill worker, later tokens from the decode worker,
 so the first inter-token gap carries the transfer and any wait for the decode worker.
@@ -79,21 +80,12 @@ class Lane:
         self.parked = keep
 
 
-def import_headroom(engine: LLMEngine) -> int:
-    """conveyor/distributed/handover.py's rule, copied because that module imports torch: leave the
-    waiting requests' blocks and a block of growth per running request to what is already there."""
-    kv, scheduler = engine.kv, engine.scheduler
-    owed = scheduler.num_running
-    for request in scheduler.waiting:
-        owed += max(0, blocks_for(request.num_tokens, kv.block_size) - len(kv.block_tables.get(request.request_id, ())))
-    return kv.num_free_blocks - owed
-
-
 def take_imports(lane: Lane) -> None:
     engine = lane.engine
     while lane.imports:  # in arrival order: the head waits for blocks rather than being overtaken
         request = lane.imports[0]
-        if blocks_for(request.num_computed_tokens + 1, engine.kv.block_size) > import_headroom(engine):
+        needed = blocks_for(request.num_computed_tokens + 1, engine.kv.block_size)
+        if needed > engine.scheduler.uncommitted_free_blocks():
             return
         lane.imports.popleft()
         engine.kv.allocate(request.request_id, request.num_computed_tokens)
