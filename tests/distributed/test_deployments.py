@@ -100,42 +100,37 @@ def test_prefill_decode_workers_match_one_engine_token_for_token(disaggregated, 
     assert cluster.kv_transfer_bytes > 0
 
 
+_EMPTY_BOOKS = {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
+
+
+def _run_and_audit(deployment, prompts, params, prefix: str):
+    """Runs the requests, detaches, and returns (outcomes, client, each worker's block books)."""
+
+    async def main():
+        client = _client(deployment)
+        outcomes = await run_requests(client, prompts, params, prefix=prefix)
+        client.detach()
+        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+        return outcomes, client, books
+
+    return asyncio.run(main())
+
+
 def test_block_accounting_exact_after_100_handovers(disaggregated) -> None:
     # 100 requests at once into 64-block pools: imports wait for blocks, prefill blocks wait for takers.
     prompts = make_prompts(100, shortest=17, step=7)
-    params = _greedy(100, max_tokens=4)
-
-    async def main():
-        client = _client(disaggregated)
-        outcomes = await run_requests(client, prompts, params, prefix="acct")
-        client.detach()
-        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
-        return outcomes, client.cluster, books
-
-    outcomes, cluster, books = asyncio.run(main())
+    outcomes, client, books = _run_and_audit(disaggregated, prompts, _greedy(100, max_tokens=4), "acct")
     assert all(o.error is None and len(o.tokens[0]) == 4 for o in outcomes.values())
-    assert cluster.kv_transfers == 100
+    assert client.cluster.kv_transfers == 100
     for book in books:
-        assert book == {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
-
-
-_EMPTY_BOOKS = {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 0, "unfinished": 0}
+        assert book == _EMPTY_BOOKS
 
 
 def test_long_outputs_through_a_small_decode_pool_all_finish(disaggregated) -> None:
     # Outputs that outgrow the 64-block decode pool: imports queue for blocks, decodes preempt one
     # another, and the decode worker must never keep a head it cannot admit with nothing running.
     prompts = make_prompts(40, shortest=17, step=7)
-    params = _greedy(40, max_tokens=150)
-
-    async def main():
-        client = _client(disaggregated)
-        outcomes = await run_requests(client, prompts, params, prefix="long")
-        client.detach()
-        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
-        return outcomes, client, books
-
-    outcomes, client, books = asyncio.run(main())
+    outcomes, client, books = _run_and_audit(disaggregated, prompts, _greedy(40, max_tokens=150), "long")
     assert all(o.error is None and len(o.tokens[0]) == 150 for o in outcomes.values())
     assert client.cluster.kv_transfers == 40
     assert books == [_EMPTY_BOOKS, _EMPTY_BOOKS]
