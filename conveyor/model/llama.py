@@ -12,6 +12,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
+from conveyor.model.linear import Linear, linear, pack_weight
 from conveyor.model.rope import apply_rope, rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -30,10 +31,10 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
@@ -68,6 +69,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_packed: torch.Tensor | None = None
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 
@@ -88,6 +90,7 @@ class LlamaModel(nn.Module):
         model = model.to_empty(device="cpu").to(dtype)
         model._build_rope()
         model.load_weights(weights)
+        model.pack_weights()
         return model.eval()
 
     @torch.inference_mode()
@@ -107,8 +110,19 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        return linear(h, self.head_weight, self.head_packed).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_weights(self) -> None:
+        """Lays every projection out for the fast fp32 matmul (see conveyor.model.linear); call
+        after the weights are final."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.head_packed = pack_weight(self.head_weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them."""

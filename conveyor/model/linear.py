@@ -1,0 +1,59 @@
+"""Linear layers whose fp32 weights are pre-packed once for oneDNN.
+
+On this kind of CPU (AVX-512, no AMX), `F.linear` on a plain [out, in] fp32 weight reaches ~40-100
+GFLOP/s at the 8-64 rows a decode step has; the same product through oneDNN on a weight reordered
+once into its blocked layout reaches ~100-140, and the 49k-row vocabulary projection gains most
+(measured: `python benchmarks/packed_linear.py`). For a row or two the plain path is as fast or
+faster, so tiny batches keep it. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
+results then differ only in fp32 rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Below this many rows oneDNN's packed product is no faster than MKL's on the plain weight.
+MIN_PACKED_ROWS = 4
+# oneDNN picks the blocked layout for an expected number of rows; decode batches sit around here.
+_ROWS_HINT = 32
+
+
+def packing_enabled() -> bool:
+    return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where packing does not apply (non-fp32
+    weights, a torch built without oneDNN, or packing turned off)."""
+    if weight.dtype != torch.float32 or not packing_enabled() or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+    except (AttributeError, RuntimeError):  # a torch without the op: the plain path still works
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None and x.dtype == packed.dtype and x.shape[0] >= MIN_PACKED_ROWS and packing_enabled():
+        return _packed_product(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack()` is called after loading, runs on its packed weight.
+    The plain weight stays (tied embeddings, export, the fallback for small batches)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias)
