@@ -54,6 +54,14 @@ def test_kernel_matches_per_row_reference(kernel, context_lens):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.25), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])  # the compiled-in head sizes, not only the generic path
+@pytest.mark.parametrize("context_lens", [[37], [5, 1, 17, 8, 300, 70], [16] * 9])
+def test_kernel_specialised_head_dims(kernel, context_lens, head_dim):
+    q, k_cache, v_cache, tables, lens = _decode_batch(context_lens, block_size=16, heads=9, kv_heads=3, head_dim=head_dim)
+    out = kernel(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_and_fallback_agree_inside_paged_attention(kernel, monkeypatch):
     q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
     slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])

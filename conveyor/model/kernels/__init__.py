@@ -43,7 +43,7 @@ def _load(name: str) -> object | None:
         return load(
             name=f"conveyor_{name}_{_cpu_tag()}",
             sources=[str(_SOURCE_DIR / f"{name}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

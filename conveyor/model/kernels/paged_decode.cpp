@@ -1,30 +1,79 @@
 // Decode attention read straight from a paged KV cache: one query row per request, no gather,
-// no padding to the longest context. Each (request, kv head) pair is one task: its keys and values
-// are read once and shared by the query heads of its group (GQA).
+// no padding to the longest context. With enough rows, one task is one request with all its KV
+// heads, so each cache block is read as one contiguous run (the hardware prefetcher follows it and
+// the next block is prefetched by hand); with few rows a task is one (request, KV head) pair so
+// both cores still work. Keys and values are read once and shared by the query heads of their
+// group (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+// D is the head dimension when known at compile time (fully unrolled, no remainder), else 0.
+template <int64_t D>
 inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (D > 0) n = D;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
+template <int64_t D>
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  if constexpr (D > 0) n = D;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// exp(x) for x <= 0 (scores minus their maximum), written so the compiler vectorizes it: libm's
+// expf is a scalar call per score. 2^(x log2 e) = 2^n * 2^f with f in [-0.5, 0.5], 2^f by its
+// degree-7 Taylor polynomial (relative error ~1e-8, below fp32 rounding).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void softmax_in_place(float* s, int64_t n) {
+  const float peak = *std::max_element(s, s + n);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - peak);
+    total += s[t];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+inline void prefetch_run(const float* start, int64_t num_floats) {
+  for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(start + i);
+}
+
 }  // namespace
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+template <int64_t D>
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -40,6 +89,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t table_width = block_tables.size(1);
   const int64_t token_stride = kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
+  // Whole requests per task once there are a few rows per thread; otherwise one KV head per task.
+  const int64_t task_kv_heads = num_rows >= 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t tasks_per_row = kv_heads / task_kv_heads;
+  const int64_t task_heads = task_kv_heads * group;
 
   for (int64_t row = 0; row < num_rows; ++row) {  // checked here: no exceptions inside the parallel region
     const int64_t context = context_lens.data_ptr<int64_t>()[row];
@@ -54,43 +107,53 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
+    std::vector<float> acc(task_heads * head_dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, kv_head = task % kv_heads;
-      const int64_t context = lens[row];
-      const float* q_row = q_ptr + (row * num_heads + kv_head * group) * head_dim;
+      const int64_t row = task / tasks_per_row, first_kv_head = (task % tasks_per_row) * task_kv_heads;
+      const int64_t context = lens[row], num_blocks = (context + block_size - 1) / block_size;
+      const int64_t head_offset = first_kv_head * head_dim;  // this task's slice of each token
+      // Prefetching a block is only worth it when the task reads all of it.
+      const int64_t run = task_kv_heads == kv_heads ? block_stride : 0;
+      const float* q_rows = q_ptr + (row * num_heads + first_kv_head * group) * head_dim;
       const int64_t* table = tables + row * table_width;
-      scores.resize(group * context);
+      scores.resize(task_heads * context);
 
-      for (int64_t t = 0; t < context; t += block_size) {
-        const float* keys = k_ptr + table[t / block_size] * block_stride + kv_head * head_dim;
-        const int64_t n = std::min(block_size, context - t);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        if (b + 1 < num_blocks) prefetch_run(k_ptr + table[b + 1] * block_stride + head_offset, run);
+        const float* keys = k_ptr + table[b] * block_stride + head_offset;
+        const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
         for (int64_t j = 0; j < n; ++j)
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * context + t + j] = dot(q_row + g * head_dim, keys + j * token_stride, head_dim) * fscale;
+          for (int64_t h = 0; h < task_heads; ++h)
+            scores[h * context + t0 + j] =
+                dot<D>(q_rows + h * head_dim, keys + j * token_stride + (h / group) * head_dim, head_dim) * fscale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * context;
-        const float peak = *std::max_element(s, s + context);
-        float total = 0.f;
-        for (int64_t t = 0; t < context; ++t) total += (s[t] = std::exp(s[t] - peak));
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < context; ++t) s[t] *= inv;
-      }
+      for (int64_t h = 0; h < task_heads; ++h) softmax_in_place(scores.data() + h * context, context);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < context; t += block_size) {
-        const float* values = v_ptr + table[t / block_size] * block_stride + kv_head * head_dim;
-        const int64_t n = std::min(block_size, context - t);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        if (b + 1 < num_blocks) prefetch_run(v_ptr + table[b + 1] * block_stride + head_offset, run);
+        const float* values = v_ptr + table[b] * block_stride + head_offset;
+        const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
         for (int64_t j = 0; j < n; ++j)
-          for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * context + t + j], values + j * token_stride, acc.data() + g * head_dim, head_dim);
+          for (int64_t h = 0; h < task_heads; ++h)
+            axpy<D>(scores[h * context + t0 + j], values + j * token_stride + (h / group) * head_dim,
+                 acc.data() + h * head_dim, head_dim);
       }
-      std::copy(acc.begin(), acc.end(), out_ptr + (row * num_heads + kv_head * group) * head_dim);
+      std::copy(acc.begin(), acc.end(), out_ptr + (row * num_heads + first_kv_head * group) * head_dim);
     }
   });
   return out;
+}
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale) {
+  switch (q.size(-1)) {
+    case 64: return decode_attention<64>(q, k_cache, v_cache, block_tables, context_lens, scale);
+    case 128: return decode_attention<128>(q, k_cache, v_cache, block_tables, context_lens, scale);
+    default: return decode_attention<0>(q, k_cache, v_cache, block_tables, context_lens, scale);
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
