@@ -2,9 +2,9 @@
 
 On this kind of CPU (AVX-512, no AMX), `F.linear` on a plain [out, in] fp32 weight reaches ~40-100
 GFLOP/s at the 8-64 rows a decode step has; the same product through oneDNN on a weight reordered
-once into its blocked layout reaches ~100-140, and the 49k-row vocabulary projection gains most
-(measured: `python benchmarks/packed_linear.py`). For a row or two the plain path is as fast or
-faster, so tiny batches keep it. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
+once into its blocked layout reaches ~100-140, and the 49k-row vocabulary projection gains most.
+In whole decode steps the gap is widest at 2-8 rows, where MKL's plain path is slowest (batch 2:
+115 vs 56 ms; measured with `python benchmarks/packed_linear.py`). CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
 results then differ only in fp32 rounding.
 """
 from __future__ import annotations
@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Below this many rows oneDNN's packed product is no faster than MKL's on the plain weight.
-MIN_PACKED_ROWS = 4
 # oneDNN picks the blocked layout for an expected number of rows; decode batches sit around here.
 _ROWS_HINT = 32
 
@@ -37,7 +35,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None and x.dtype == packed.dtype and x.shape[0] >= MIN_PACKED_ROWS and packing_enabled():
+    if packed is not None and x.dtype == packed.dtype and packing_enabled():
         return _packed_product(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -48,7 +46,7 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()` is called after loading, runs on its packed weight.
-    The plain weight stays (tied embeddings, export, the fallback for small batches)."""
+    The plain weight stays (tied embeddings, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
 
     packed: torch.Tensor | None = None
 
