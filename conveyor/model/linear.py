@@ -4,7 +4,8 @@ On this kind of CPU (AVX-512, no AMX), `F.linear` on a plain [out, in] fp32 weig
 GFLOP/s at the 8-64 rows a decode step has; the same product through oneDNN on a weight reordered
 once into its blocked layout reaches ~100-140, and the 49k-row vocabulary projection gains most.
 In whole decode steps the gap is widest at 2-8 rows, where MKL's plain path is slowest (batch 2:
-115 vs 56 ms; measured with `python benchmarks/packed_linear.py`). CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
+115 vs 56 ms; measured with `python benchmarks/packed_linear.py`); prefill-sized products keep
+MKL's plain path, which is as fast there. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
 results then differ only in fp32 rounding.
 """
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# From prefill-sized batches up, MKL on the plain weight is as fast or a few % faster (measured
+# 0.92-0.99x at 512-2048 rows: benchmarks/packed_linear.py --matmuls --batch-sizes 512 2048).
+PLAIN_FROM_ROWS = 512
 # oneDNN picks the blocked layout for an expected number of rows; decode batches sit around here.
 _ROWS_HINT = 32
 
@@ -35,7 +39,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None and x.dtype == packed.dtype and packing_enabled():
+    if packed is not None and x.dtype == packed.dtype and x.shape[0] < PLAIN_FROM_ROWS and packing_enabled():
         return _packed_product(x, packed, bias)
     return F.linear(x, weight, bias)
 

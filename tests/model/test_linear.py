@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model import linear as linear_module
-from conveyor.model.linear import Linear, linear, pack_weight
+from conveyor.model.linear import PLAIN_FROM_ROWS, Linear, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="torch built without oneDNN")
 
@@ -17,7 +17,7 @@ def test_packed_product_matches_plain(rows: int) -> None:
     torch.testing.assert_close(linear(x, weight, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_packed_path_is_taken_for_fp32_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_path_is_taken_for_fp32_decode_batches_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(linear_module, "_packed_product", lambda *args: calls.append(1) or real(*args, "none", [], ""))
@@ -26,6 +26,8 @@ def test_packed_path_is_taken_for_fp32_unless_turned_off(monkeypatch: pytest.Mon
     linear(torch.randn(1, 32), weight, packed)
     assert len(calls) == 1
     linear(torch.randn(3, 32, dtype=torch.bfloat16), weight.bfloat16(), packed)  # dtype mismatch: plain path
+    assert len(calls) == 1
+    linear(torch.randn(PLAIN_FROM_ROWS, 32), weight, packed)  # prefill-sized: MKL on the plain weight
     assert len(calls) == 1
     monkeypatch.setenv("CONVEYOR_PACKED_LINEAR", "0")
     linear(torch.randn(1, 32), weight, packed)
