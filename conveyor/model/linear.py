@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # From prefill-sized batches up, MKL on the plain weight is as fast or a few % faster (measured
-# 0.92-0.99x at 512-2048 rows: benchmarks/packed_linear.py --matmuls --batch-sizes 512 2048).
+# 0.92-0.99x at 512-2048 rows: benchmarks/packed_linear.py --matmuls --matmul-rows 512 2048).
 PLAIN_FROM_ROWS = 512
 # oneDNN picks the blocked layout for an expected number of rows; decode batches sit around here.
 _ROWS_HINT = 32
@@ -40,11 +40,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     if packed is not None and x.dtype == packed.dtype and x.shape[0] < PLAIN_FROM_ROWS and packing_enabled():
-        return _packed_product(x, packed, bias)
+        return packed_product(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
-def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

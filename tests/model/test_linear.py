@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="t
 
 
 @pytest.mark.parametrize("rows", [1, 2, 33, 200])
-def test_packed_product_matches_plain(rows: int) -> None:
+def testpacked_product_matches_plain(rows: int) -> None:
     torch.manual_seed(0)
     weight, bias, x = torch.randn(960, 576), torch.randn(960), torch.randn(rows, 576)
     packed = pack_weight(weight)
@@ -20,7 +20,7 @@ def test_packed_product_matches_plain(rows: int) -> None:
 def test_packed_path_is_taken_for_fp32_decode_batches_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(linear_module, "_packed_product", lambda *args: calls.append(1) or real(*args, "none", [], ""))
+    monkeypatch.setattr(linear_module, "packed_product", lambda *args: calls.append(1) or real(*args, "none", [], ""))
     weight = torch.randn(64, 32)
     packed = pack_weight(weight)
     linear(torch.randn(1, 32), weight, packed)

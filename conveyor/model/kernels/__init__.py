@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).parent
 
 
+# gcc and clang default to 256-bit vectors even where AVX-512 exists; the flag is x86-only.
+_VECTOR_WIDTH_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+
+
 def kernels_enabled() -> bool:
     return os.environ.get("CONVEYOR_KERNELS", "1") != "0"
 
@@ -43,7 +47,7 @@ def _load(name: str) -> object | None:
         return load(
             name=f"conveyor_{name}_{_cpu_tag()}",
             sources=[str(_SOURCE_DIR / f"{name}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", *_VECTOR_WIDTH_FLAGS, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
