@@ -1,9 +1,9 @@
 // Decode attention read straight from a paged KV cache: one query row per request, no gather,
 // no padding to the longest context. With enough rows, one task is one request with all its KV
-// heads, so each cache block is read as one contiguous run (the hardware prefetcher follows it and
-// the next block is prefetched by hand); with few rows a task is one (request, KV head) pair so
-// both cores still work. Keys and values are read once and shared by the query heads of their
-// group (GQA).
+// heads, so each cache block is read as one contiguous run, which the hardware prefetcher follows
+// (prefetching the next block by hand measured slower); with few rows a task is one (request, KV
+// head) pair so both cores still work. Keys and values are read once and shared by the query
+// heads of their group (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -66,10 +66,6 @@ void softmax_in_place(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
-inline void prefetch_run(const float* start, int64_t num_floats) {
-  for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(start + i);
-}
-
 }  // namespace
 
 template <int64_t D>
@@ -114,31 +110,33 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       const int64_t row = task / tasks_per_row, first_kv_head = (task % tasks_per_row) * task_kv_heads;
       const int64_t context = lens[row], num_blocks = (context + block_size - 1) / block_size;
       const int64_t head_offset = first_kv_head * head_dim;  // this task's slice of each token
-      // Prefetching a block is only worth it when the task reads all of it.
-      const int64_t run = task_kv_heads == kv_heads ? block_stride : 0;
       const float* q_rows = q_ptr + (row * num_heads + first_kv_head * group) * head_dim;
       const int64_t* table = tables + row * table_width;
       scores.resize(task_heads * context);
 
       for (int64_t b = 0; b < num_blocks; ++b) {
-        if (b + 1 < num_blocks) prefetch_run(k_ptr + table[b + 1] * block_stride + head_offset, run);
         const float* keys = k_ptr + table[b] * block_stride + head_offset;
         const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t h = 0; h < task_heads; ++h)
-            scores[h * context + t0 + j] =
-                dot<D>(q_rows + h * head_dim, keys + j * token_stride + (h / group) * head_dim, head_dim) * fscale;
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
+            const float* key = keys + j * token_stride + kv * head_dim;
+            for (int64_t g = 0; g < group; ++g, ++h)
+              scores[h * context + t0 + j] = dot<D>(q_rows + h * head_dim, key, head_dim) * fscale;
+          }
+        }
       }
       for (int64_t h = 0; h < task_heads; ++h) softmax_in_place(scores.data() + h * context, context);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        if (b + 1 < num_blocks) prefetch_run(v_ptr + table[b + 1] * block_stride + head_offset, run);
         const float* values = v_ptr + table[b] * block_stride + head_offset;
         const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t h = 0; h < task_heads; ++h)
-            axpy<D>(scores[h * context + t0 + j], values + j * token_stride + (h / group) * head_dim,
-                 acc.data() + h * head_dim, head_dim);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
+            const float* value = values + j * token_stride + kv * head_dim;
+            for (int64_t g = 0; g < group; ++g, ++h)
+              axpy<D>(scores[h * context + t0 + j], value, acc.data() + h * head_dim, head_dim);
+          }
+        }
       }
       std::copy(acc.begin(), acc.end(), out_ptr + (row * num_heads + first_kv_head * group) * head_dim);
     }
