@@ -118,3 +118,21 @@ def test_async_engine_runs_aborts_and_bounds_its_queue():
     asyncio.run(main())
     assert reports[-1].num_running == 0 and reports[-1].kv_usage == 0.0
     assert any(r.num_aborted for r in reports)
+
+
+def test_async_engine_shortens_the_gil_switch_interval(monkeypatch: pytest.MonkeyPatch):
+    """The loop thread retakes the GIL after every torch op; the default 5 ms handoff stalls steps."""
+    import sys
+
+    from conveyor.engine.async_engine import GIL_SWITCH_INTERVAL_S
+
+    calls: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", calls.append)
+
+    async def main() -> None:
+        engine = make_async_engine()
+        engine.start()
+        engine.stop()
+
+    asyncio.run(main())
+    assert calls and calls[-1] <= GIL_SWITCH_INTERVAL_S
