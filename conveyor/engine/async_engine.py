@@ -106,8 +106,8 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         # The loop thread drops the GIL in every torch op and must take it back to issue the next;
         # when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch
-        # interval stalls the step with both cores idle. Measured on the 32-request chat benchmark:
-        # 86 -> 106 output tok/s served (offline, with no event loop: 114).
+        # interval stalls the step with both cores idle (docs/PERF.md, "Serving": 32-request chat
+        # benchmark served at 86 output tok/s with the default, 93-106 with 0.2 ms; offline 114).
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="conveyor-engine-loop", daemon=True)
         self._thread.start()
