@@ -1,12 +1,12 @@
 """Linear layers whose fp32 weights are pre-packed once for oneDNN.
 
-On this kind of CPU (AVX-512, no AMX), `F.linear` on a plain [out, in] fp32 weight reaches ~40-100
-GFLOP/s at the 8-64 rows a decode step has; the same product through oneDNN on a weight reordered
-once into its blocked layout reaches ~100-140, and the 49k-row vocabulary projection gains most.
-In whole decode steps the gap is widest at 2-8 rows, where MKL's plain path is slowest (batch 2:
-115 vs 56 ms; measured with `python benchmarks/packed_linear.py`); prefill-sized products keep
-MKL's plain path, which is as fast there. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
-results then differ only in fp32 rounding.
+On the 2-core AMD EPYC this was measured on (AVX2, no AMX), `F.linear` on a plain [out, in] fp32
+weight reaches ~10-100 GFLOP/s at the 1-64 rows a decode step has; the same product through oneDNN
+on a weight reordered once into its blocked layout reaches ~15-120, and the 49k-row vocabulary
+projection gains most. In whole decode steps the gap is widest at 2-8 rows, where MKL's plain
+path is slowest (batch 2: 115 vs 56 ms; `python benchmarks/packed_linear.py`). Prefill-sized
+products keep MKL's plain path, which is as fast there. CONVEYOR_PACKED_LINEAR=0 turns packing
+off (A/B runs, debugging); results then differ only in fp32 rounding.
 """
 from __future__ import annotations
 
