@@ -40,6 +40,7 @@ from conveyor.distributed.messages import (
     WorkerLoadReport,
     WorkerLoopDied,
 )
+from conveyor.engine.async_engine import shorten_gil_switch_interval
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
@@ -88,6 +89,7 @@ class EngineWorker:
     async def start(self) -> WorkerInfo:
         self._loop = asyncio.get_running_loop()
         self._news = asyncio.Event()
+        shorten_gil_switch_interval()  # the same two-thread shape as AsyncEngine
         threading.Thread(target=self._run, name=f"conveyor-{self.name}", daemon=True).start()
         return self.info
 

@@ -29,6 +29,16 @@ log = logging.getLogger("conveyor.engine")
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
+def shorten_gil_switch_interval() -> None:
+    """For a process that steps an engine on one thread beside an asyncio loop on another.
+
+    The engine thread drops the GIL in every torch op and must take it back to issue the next;
+    when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch interval
+    stalls the step with both cores idle (docs/PERF.md, "Serving": a 32-request chat benchmark
+    served at 86 output tok/s with the default, 93-106 with 0.2 ms; offline 114)."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+
+
 class QueueFullError(ConveyorError):
     """The waiting queue is at its bound: the caller should retry later (HTTP 503)."""
 
@@ -104,11 +114,7 @@ class AsyncEngine:
     # --- lifecycle (event loop side) ------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
-        # The loop thread drops the GIL in every torch op and must take it back to issue the next;
-        # when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch
-        # interval stalls the step with both cores idle (docs/PERF.md, "Serving": 32-request chat
-        # benchmark served at 86 output tok/s with the default, 93-106 with 0.2 ms; offline 114).
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        shorten_gil_switch_interval()
         self._thread = threading.Thread(target=self._run, name="conveyor-engine-loop", daemon=True)
         self._thread.start()
 
