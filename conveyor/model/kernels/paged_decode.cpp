@@ -114,30 +114,27 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       const int64_t* table = tables + row * table_width;
       scores.resize(task_heads * context);
 
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* keys = k_ptr + table[b] * block_stride + head_offset;
-        const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
-            const float* key = keys + j * token_stride + kv * head_dim;
-            for (int64_t g = 0; g < group; ++g, ++h)
-              scores[h * context + t0 + j] = dot<D>(q_rows + h * head_dim, key, head_dim) * fscale;
-          }
+      // Walks the task's cached tokens block by block, handing each (token, query head) pair the
+      // token's key or value vector for that head's KV group: the score and the value passes.
+      auto for_each_token_head = [&](const float* cache, auto&& visit) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const float* block = cache + table[b] * block_stride + head_offset;
+          const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
+              const float* vec = block + j * token_stride + kv * head_dim;
+              for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j, h, vec);
+            }
         }
-      }
+      };
+      for_each_token_head(k_ptr, [&](int64_t t, int64_t h, const float* key) {
+        scores[h * context + t] = dot<D>(q_rows + h * head_dim, key, head_dim) * fscale;
+      });
       for (int64_t h = 0; h < task_heads; ++h) softmax_in_place(scores.data() + h * context, context);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* values = v_ptr + table[b] * block_stride + head_offset;
-        const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
-            const float* value = values + j * token_stride + kv * head_dim;
-            for (int64_t g = 0; g < group; ++g, ++h)
-              axpy<D>(scores[h * context + t0 + j], value, acc.data() + h * head_dim, head_dim);
-          }
-        }
-      }
+      for_each_token_head(v_ptr, [&](int64_t t, int64_t h, const float* value) {
+        axpy<D>(scores[h * context + t], value, acc.data() + h * head_dim, head_dim);
+      });
       std::copy(acc.begin(), acc.end(), out_ptr + (row * num_heads + first_kv_head * group) * head_dim);
     }
   });
