@@ -70,10 +70,25 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, heads, d]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    return attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the new tokens once their keys and values are in the cache (see paged_attention)."""
     num_decode = meta.num_decode_tokens
+    kernel = paged_decode_kernel() if num_decode and q.dtype == torch.float32 else None
+    if kernel is not None and num_decode == q.shape[0]:  # a pure decode step: the kernel's output is all of it
+        return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if num_decode:
-        kernel = paged_decode_kernel() if q.dtype == torch.float32 else None
         if kernel is not None:  # reads each request's blocks in place, only up to its own length
             out[:num_decode] = kernel(q[:num_decode].contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                       meta.decode_context_lens, scale)

@@ -10,19 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import Linear, linear, pack_weight
-from conveyor.model.rope import apply_rope, rope_tables
+from conveyor.model.ops import LayerOps, layer_ops
+from conveyor.model.rope import rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operation order as HF's LlamaRMSNorm, so fp32 outputs agree bit for bit.
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -30,7 +24,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -42,23 +35,18 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+        ops: LayerOps,
     ) -> torch.Tensor:
-        cfg, n = self.cfg, x.shape[0]
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        q, k, v = self.qkv(h).split(self.split_sizes, dim=-1)
-        q = q.view(n, cfg.num_heads, cfg.head_dim)
-        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        x = x + self.o_proj(attn.view(n, -1))
-        h = rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        """Updates the residual stream x in place and returns it."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm, eps)
+        qkv = self.qkv(ops.rms_norm(x, self.input_norm, eps))
+        q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
+                                     cfg.num_kv_heads, qk_norm)
+        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale)
+        h = ops.add_rms_norm_(x, self.o_proj(attn.view(x.shape[0], -1)), self.post_attention_norm, eps)
+        return x.add_(self.down(ops.silu_and_mul(self.gate_up(h))))
 
 
 class LlamaModel(nn.Module):
@@ -104,12 +92,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns fp32 logits [len(logits_indices), vocab] for the rows that sample a token."""
         x = self.embed(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        ops = layer_ops(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta, ops)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
-        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        h = ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
         return linear(h, self.head_weight, self.head_packed).float()
 
     @property

@@ -21,6 +21,11 @@ _SOURCE_DIR = Path(__file__).parent
 
 # gcc and clang default to 256-bit vectors even where AVX-512 exists; the flag is x86-only.
 _VECTOR_WIDTH_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+# Without it gcc keeps floor() a scalar call (it would have to preserve FP exception flags), so
+# no loop calling fast_exp vectorizes; nothing here reads those flags.
+_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", *_VECTOR_WIDTH_FLAGS]
+# fused_ops rounds its products and sums one by one, as the torch ops it replaces do.
+_MODULE_FLAGS = {"fused_ops": ["-ffp-contract=off"]}
 
 
 def kernels_enabled() -> bool:
@@ -39,15 +44,23 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _headers_tag() -> str:
+    """torch's builder rebuilds when a source changes but does not look at the headers it includes."""
+    digest = hashlib.sha1()
+    for header in sorted(_SOURCE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 @functools.cache
 def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import load
 
     try:
         return load(
-            name=f"conveyor_{name}_{_cpu_tag()}",
+            name=f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}",
             sources=[str(_SOURCE_DIR / f"{name}.cpp")],
-            extra_cflags=["-O3", "-march=native", *_VECTOR_WIDTH_FLAGS, "-fopenmp"],
+            extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -66,3 +79,9 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
         return None
     module = _load("paged_decode")
     return None if module is None else module.paged_decode_attention  # type: ignore[attr-defined]
+
+
+def fused_ops() -> object | None:
+    """The module of fused per-layer ops (fused_ops.cpp: rms_norm, add_rms_norm_, rope_and_cache,
+    silu_and_mul; fp32 only), or None when unavailable or disabled."""
+    return _load("fused_ops") if kernels_enabled() else None

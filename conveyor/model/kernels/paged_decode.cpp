@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fast_math.h"
+
 namespace {
 
 // D is the head dimension when known at compile time (fully unrolled, no remainder), else 0.
@@ -32,33 +34,12 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), written so the compiler vectorizes it: libm's
-// expf is a scalar call per score. 2^(x log2 e) = 2^n * 2^f with f in [-0.5, 0.5], 2^f by its
-// degree-7 Taylor polynomial (relative error ~1e-8, below fp32 rounding).
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.4426950408889634f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.6931471805599453f;
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 void softmax_in_place(float* s, int64_t n) {
   const float peak = *std::max_element(s, s + n);
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - peak);
+    s[t] = conveyor::fast_exp(s[t] - peak);
     total += s[t];
   }
   const float inv = 1.f / total;

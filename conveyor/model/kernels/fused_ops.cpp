@@ -1,0 +1,171 @@
+// The small per-layer ops of a decoder layer, one pass over the rows each: RMSNorm (alone and
+// after the residual add), rotary embedding fused with the KV-cache write, and SiLU(gate) * up.
+// In torch each is 2-16 ops on tensors of a few KiB, so at decode sizes their dispatch costs more
+// than their arithmetic. Built with -ffp-contract=off: products and sums round as torch's
+// separate ops round them (rotary embedding matches torch bit for bit).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fast_math.h"
+
+namespace {
+
+// Below this many elements a task runs on the calling thread: waking the other costs more.
+constexpr int64_t kMinElementsPerTask = 1 << 14;
+constexpr int64_t kMaxHeadDim = 512;
+
+int64_t grain_rows(int64_t row_size) { return std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(row_size, 1)); }
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
+}
+
+void check_weight(const torch::Tensor& weight, int64_t n) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
+              "the norm weight must be a contiguous float32 vector of the row size");
+}
+
+// The order of HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then times the weight.
+inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  check_weight(weight, n);
+  auto out = torch::empty({rows, n}, x.options());
+  const float* x_ptr = x.data_ptr<float>();
+  const float* w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x_ptr + r * stride, w_ptr, out_ptr + r * n, n, eps);
+  });
+  return out;
+}
+
+// residual += delta (the residual stream is updated in place), then returns rms_norm(residual).
+torch::Tensor add_rms_norm_(torch::Tensor residual, const torch::Tensor& delta, const torch::Tensor& weight,
+                            double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta must have the same shape");
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  const int64_t res_stride = residual.stride(0), delta_stride = delta.stride(0);
+  check_weight(weight, n);
+  auto out = torch::empty({rows, n}, residual.options());
+  float* res_ptr = residual.data_ptr<float>();
+  const float* delta_ptr = delta.data_ptr<float>();
+  const float* w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = res_ptr + r * res_stride;
+      const float* d = delta_ptr + r * delta_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+      rms_norm_row(x, w_ptr, out_ptr + r * n, n, eps);
+    }
+  });
+  return out;
+}
+
+// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]): HF Llama's layout.
+inline void rotate(const float* x, float* out, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < 2 * half; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+// qkv: [T, (heads + 2 kv_heads) * d], the fused projection's output. Rotates each row's query
+// heads into a new contiguous [T, heads, d] (what the attention kernels read) and its key heads
+// in place (prefill chunks attend to them straight from qkv), then copies the row's keys and
+// values into the caches [blocks, block_size, kv_heads, d] at the row's flat slot.
+torch::Tensor rope_and_cache(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
+                             int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "caches must be contiguous float32 [blocks, block_size, kv_heads, d]");
+  const int64_t rows = qkv.size(0), d = k_cache.size(3), half = d / 2, stride = qkv.stride(0);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && d % 2 == 0 && d <= kMaxHeadDim, "cache head layout mismatch");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv row size must be (heads + 2 kv_heads) * d");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cos and sin must be contiguous float32 [T, d]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows, "one int64 slot per row");
+  const int64_t kv_row = num_kv_heads * d, num_slots = k_cache.numel() / kv_row;
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)  // checked here: no exceptions inside the parallel region
+    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < num_slots, "slot out of range");
+
+  auto q = torch::empty({rows, num_heads, d}, qkv.options());
+  float* qkv_ptr = qkv.data_ptr<float>();
+  float* q_ptr = q.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* k_cache_ptr = k_cache.data_ptr<float>();
+  float* v_cache_ptr = v_cache.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    float rotated[kMaxHeadDim];
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = qkv_ptr + r * stride;
+      const float* c = cos_ptr + r * d;
+      const float* s = sin_ptr + r * d;
+      for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, q_ptr + (r * num_heads + h) * d, c, s, half);
+      float* keys = row + num_heads * d;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotate(keys + h * d, rotated, c, s, half);
+        std::memcpy(keys + h * d, rotated, d * sizeof(float));
+      }
+      std::memcpy(k_cache_ptr + slot_ptr[r] * kv_row, keys, kv_row * sizeof(float));
+      std::memcpy(v_cache_ptr + slot_ptr[r] * kv_row, keys + kv_row, kv_row * sizeof(float));
+    }
+  });
+  return q;
+}
+
+// gate_up: [T, 2 I] (gate then up, the fused projection's output) -> silu(gate) * up, [T, I].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even row size");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* in_ptr = gate_up.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in_ptr + r * stride;
+      const float* up = gate + n;
+      float* o = out_ptr + r * n;
+      // Two passes: gcc's code for the one-pass loop measured 3x slower (3.1 vs 0.95 ns/element).
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = conveyor::fast_exp(-gate[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.f + o[i]) * up[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] tensor");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta in place, then RMSNorm of the residual");
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k from fused qkv rows, k and v into the cache");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over fused gate_up rows");
+}

@@ -1,0 +1,105 @@
+"""The fused C++ layer ops against their torch reference, alone and inside whole models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.kernels import fused_ops
+from conveyor.model.ops import FusedOps, ReferenceOps, layer_ops
+from conveyor.model.rope import rope_tables
+from tests.helpers import make_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def fused() -> FusedOps:
+    module = fused_ops()
+    if module is None:
+        pytest.skip("C++ kernels could not be built here (no compiler/ninja)")
+    return FusedOps(module)
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows: split across threads
+def test_rms_norm_and_residual_add(fused: FusedOps, rows: int) -> None:
+    wide, weight = _rand(rows, 700) * 3, _rand(576, seed=1)
+    x = wide[:, :576]  # rows with a stride, as a slice of a wider tensor
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), ReferenceOps.rms_norm(x, weight, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    delta = _rand(rows, 576, seed=2)
+    res_fused, res_ref = x.clone(), x.clone()
+    h_fused = fused.add_rms_norm_(res_fused, delta, weight, 1e-5)
+    h_ref = ReferenceOps.add_rms_norm_(res_ref, delta, weight, 1e-5)
+    assert torch.equal(res_fused, res_ref)  # the residual stream is updated in place, exactly
+    torch.testing.assert_close(h_fused, h_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
+def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int, heads: int, kv_heads: int) -> None:
+    rows, block_size, blocks = 11, 4, 8
+    qkv = _rand(rows, (heads + 2 * kv_heads) * head_dim)
+    cos_table, sin_table = rope_tables(head_dim, 64, 10000.0, None, torch.float32)
+    positions = torch.tensor([0, 5, 63, 1, 2, 3, 4, 30, 31, 32, 7])
+    cos, sin = cos_table[positions], sin_table[positions]
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows]
+    results = []
+    for ops in (fused, ReferenceOps()):
+        caches = [torch.zeros(blocks, block_size, kv_heads, head_dim) for _ in range(2)]
+        rows_in = qkv.clone()
+        q, k, v = ops.rope_and_cache(rows_in, cos, sin, *caches, slots, heads, kv_heads)
+        results.append((q, k, v, *caches))
+    for got, want in zip(*results):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert results[0][0].is_contiguous()  # what the decode kernel reads
+
+
+def test_silu_and_mul(fused: FusedOps) -> None:
+    gate_up = _rand(33, 2 * 1536) * 8  # wide enough to reach exp's clamped range
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), ReferenceOps.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
+
+
+def test_bad_inputs_raise_instead_of_writing_out_of_bounds(fused: FusedOps) -> None:
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.rope_and_cache(_rand(1, 24), cos, sin, *caches, torch.tensor([8]), 1, 1)
+    with pytest.raises(RuntimeError, match="row size"):
+        fused.rope_and_cache(_rand(1, 32), cos, sin, *caches, torch.tensor([0]), 1, 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.rms_norm(_rand(2, 8).double(), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="norm weight"):
+        fused.rms_norm(_rand(2, 8), torch.ones(9), 1e-6)
+    assert not any(c.any() for c in caches)
+
+
+def test_reference_ops_for_other_dtypes_or_when_turned_off(fused: FusedOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(layer_ops(torch.float32), FusedOps)
+    assert isinstance(layer_ops(torch.bfloat16), ReferenceOps)
+    monkeypatch.setenv("CONVEYOR_KERNELS", "0")
+    assert isinstance(layer_ops(torch.float32), ReferenceOps)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v bias; per-head q/k norms
+def test_whole_models_generate_what_transformers_generates(
+    fused: FusedOps, tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_hf_checkpoint(tmp_path, arch, num_layers=3)
+    prompts = [[1, 500 + 7 * i, 900, 33 + i, 4000, 12][: 3 + i] for i in range(4)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+                for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("CONVEYOR_KERNELS", kernels)
+        got = [list(out.token_ids) for out in LLM(str(folder), max_num_seqs=4).generate(prompts, params)]
+        assert got == want, f"CONVEYOR_KERNELS={kernels}"
