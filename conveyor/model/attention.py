@@ -59,20 +59,6 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return flat.transpose(-3, -2)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, heads, d]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return attend(q, k, v, k_cache, v_cache, meta, scale)
-
-
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,7 +68,8 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of the new tokens once their keys and values are in the cache (see paged_attention)."""
+    """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens, already written into the cache
+    at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d]."""
     num_decode = meta.num_decode_tokens
     kernel = paged_decode_kernel() if num_decode and q.dtype == torch.float32 else None
     if kernel is not None and num_decode == q.shape[0]:  # a pure decode step: the kernel's output is all of it

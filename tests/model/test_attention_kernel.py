@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.attention import AttentionMetadata, attend, write_kv
 from conveyor.model.kernels import paged_decode_kernel
 
 
@@ -62,7 +62,7 @@ def test_kernel_specialised_head_dims(kernel, context_lens, head_dim):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_and_fallback_agree_inside_paged_attention(kernel, monkeypatch):
+def test_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch):
     q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
     slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
     new_k = k_cache.view(-1, *k_cache.shape[2:])[slots].clone()  # rewriting the last token in place: a no-op
@@ -70,7 +70,9 @@ def test_kernel_and_fallback_agree_inside_paged_attention(kernel, monkeypatch):
 
     def run() -> torch.Tensor:
         meta = AttentionMetadata(slots, 4, tables, lens, prefills=[])
-        return paged_attention(q, new_k, new_v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+        caches = k_cache.clone(), v_cache.clone()
+        write_kv(*caches, new_k, new_v, slots)
+        return attend(q, new_k, new_v, *caches, meta, 0.125)
 
     with_kernel = run()
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
