@@ -7,7 +7,6 @@ Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels per laye
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, attend
