@@ -2,13 +2,14 @@
 KV-cache write, and SiLU(gate) * up.
 
 In torch each is 2-16 ops on tensors of a few KiB, so at decode batch sizes their dispatch costs
-more than their arithmetic (~1,300 ops a step for SmolLM2's 30 layers). `fused` runs each as one
-C++ pass over the rows (conveyor/model/kernels/fused_ops.cpp) for fp32; `reference` is the torch
+more than their arithmetic (~1,300 ops a step for SmolLM2's 30 layers). `FusedOps` runs each as one
+C++ pass over the rows (conveyor/model/kernels/fused_ops.cpp) for fp32; `ReferenceOps` is the torch
 version, used for other dtypes, where the extension cannot be built, and under CONVEYOR_KERNELS=0.
 The two agree within fp32 rounding (rotary embedding bit for bit).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -88,7 +89,15 @@ class FusedOps:
 LayerOps = ReferenceOps | FusedOps
 
 
+_REFERENCE = ReferenceOps()
+
+
+@functools.cache
+def _fused(module: Any) -> FusedOps:
+    return FusedOps(module)
+
+
 def layer_ops(dtype: torch.dtype) -> LayerOps:
     """Chosen once per forward pass, not per op."""
     module = fused_ops() if dtype == torch.float32 else None
-    return ReferenceOps() if module is None else FusedOps(module)
+    return _REFERENCE if module is None else _fused(module)

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="t
 
 
 @pytest.mark.parametrize("rows", [1, 2, 33, 200])
-def testpacked_product_matches_plain(rows: int) -> None:
+def test_packed_product_matches_plain(rows: int) -> None:
     torch.manual_seed(0)
     weight, bias, x = torch.randn(960, 576), torch.randn(960), torch.randn(rows, 576)
     packed = pack_weight(weight)
