@@ -6,7 +6,8 @@ alike. Switches:
 
 - `decode-kernel`: the C++ paged decode kernel vs gather + padded SDPA
 - `fused-ops`: the C++ per-layer ops (RMSNorm, residual add, RoPE + cache write, SiLU * up) vs torch's
-- `packed-linear`: oneDNN on weights packed at load vs `F.linear` on the plain weights
+- `packed-linear`: the matmul on weights packed at load vs `F.linear` on the plain weights
+- `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
@@ -22,7 +23,9 @@ from typing import Callable
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.model import attention, llama
+import torch
+
+from conveyor.model import attention, linear, llama
 from conveyor.model.ops import ReferenceOps
 
 CHAT_CONTEXTS = [124, 140, 160, 185, 185, 200, 250, 300, 519]
@@ -42,11 +45,21 @@ def _patch_switch(module: object, attr: str, off: Callable) -> Callable[[bool], 
     return switch
 
 
-SWITCHES: dict[str, Callable[[], Callable[[bool], None]]] = {
-    "decode-kernel": lambda: _patch_switch(attention, "paged_decode_kernel", lambda: None),
-    "fused-ops": lambda: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
-    "packed-linear": lambda: _env_switch("CONVEYOR_PACKED_LINEAR"),
-    "kernels": lambda: _env_switch("CONVEYOR_KERNELS"),
+def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
+    """Off: every panel-packed weight of `model` runs through oneDNN on a copy in oneDNN's layout."""
+    plain = {id(m.packed): m.weight for m in model.modules() if getattr(m, "packed", None) is not None}
+    plain[id(model.head_packed)] = model.head_weight
+    onednn = {key: torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32) for key, w in plain.items()}
+    return _patch_switch(linear, "packed_product", lambda x, packed, bias: torch.ops.mkldnn._linear_pointwise(
+        x, onednn[id(packed)], bias, "none", [], ""))
+
+
+SWITCHES: dict[str, Callable[[torch.nn.Module], Callable[[bool], None]]] = {
+    "decode-kernel": lambda model: _patch_switch(attention, "paged_decode_kernel", lambda: None),
+    "fused-ops": lambda model: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
+    "packed-linear": lambda model: _env_switch("CONVEYOR_PACKED_LINEAR"),
+    "kernels": lambda model: _env_switch("CONVEYOR_KERNELS"),
+    "panel-gemm": _onednn_switch,
 }
 
 
@@ -105,7 +118,7 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     llm = LLM(None, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
-    switch = SWITCHES[args.switch]()
+    switch = SWITCHES[args.switch](llm.engine.runner.model)
     ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats)
 
 

@@ -1,58 +1,83 @@
-"""Linear layers whose fp32 weights are pre-packed once for oneDNN.
+"""Linear layers whose fp32 weights are laid out once, at load, for the few rows of a decode step.
 
-On the 2-core AMD EPYC this was measured on (AVX2, no AMX), `F.linear` on a plain [out, in] fp32
-weight reaches ~10-100 GFLOP/s at the 1-64 rows a decode step has; the same product through oneDNN
-on a weight reordered once into its blocked layout reaches ~15-120, and the 49k-row vocabulary
-projection gains most. In whole decode steps the gap is widest at 2-8 rows, where MKL's plain
-path is slowest (batch 2: 115 vs 56 ms; `python benchmarks/packed_linear.py`). Prefill-sized
-products keep MKL's plain path, which is as fast there. CONVEYOR_PACKED_LINEAR=0 turns packing
-off (A/B runs, debugging); results then differ only in fp32 rounding.
+A decode step multiplies 1-64 rows by every weight matrix, streaming the weights from memory.
+On the 2-core AMD EPYC this was measured on (AVX2, no AVX-512/AMX), `F.linear` (MKL) on the plain
+[out, in] weight reaches ~10-100 GFLOP/s at those rows and oneDNN on its own blocked layout ~15-120;
+conveyor's panel kernel (kernels/panel_gemm.cpp) reads each weight once as one stream and reaches
+the memory bandwidth at 1-8 rows and ~150 GFLOP/s at 32: all 30 layers plus the vocabulary
+projection in 17 vs 24 ms at batch 1 and 57 vs 80 ms at 32 against oneDNN (docs/PERF.md).
+It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain path runs. Where the kernel can't be built, weights are
+packed for oneDNN instead. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
+results then differ only in fp32 rounding.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# From prefill-sized batches up, MKL on the plain weight is as fast or a few % faster (measured
-# 0.92-0.99x at 512-2048 rows: benchmarks/packed_linear.py --matmuls --matmul-rows 512 2048).
-PLAIN_FROM_ROWS = 512
-# oneDNN picks the blocked layout for an expected number of rows; decode batches sit around here.
-_ROWS_HINT = 32
+from conveyor.model.kernels import panel_gemm
+
+# From these rows up MKL on the plain weight is as fast or faster (measured: the panel kernel
+# 1.0-1.6x MKL from 32 to 2048 rows, 0.9x at 4096; oneDNN 0.92-0.99x MKL at 512-2048).
+PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512}
+# oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
+_ONEDNN_ROWS_HINT = 32
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor
+    out_features: int
+    layout: str  # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout
 
 
 def packing_enabled() -> bool:
     return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, or None where packing does not apply (non-fp32
-    weights, a torch built without oneDNN, or packing turned off)."""
-    if weight.dtype != torch.float32 or not packing_enabled() or not torch.backends.mkldnn.is_available():
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight laid out for the decode-sized matmul, or None where packing does not apply
+    (non-fp32 weights, neither the kernel nor oneDNN available, or packing turned off)."""
+    if weight.dtype != torch.float32 or not packing_enabled():
+        return None
+    weight = weight.detach()
+    kernel = panel_gemm()
+    if kernel is not None:
+        return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels")  # type: ignore[attr-defined]
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT), weight.shape[0], "onednn")
     except (AttributeError, RuntimeError):  # a torch without the op: the plain path still works
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None and x.dtype == packed.dtype and x.shape[0] < PLAIN_FROM_ROWS and packing_enabled():
-        return packed_product(x, packed, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (packed is not None and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] < PLAIN_FROM_ROWS[packed.layout] and packing_enabled()):
+        y = packed_product(x, packed, bias)
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
 
 
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """None when the panel kernel was turned off after packing (CONVEYOR_KERNELS=0 in an A/B run)."""
+    if packed.layout == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    kernel = panel_gemm()
+    return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()` is called after loading, runs on its packed weight.
-    The plain weight stays (tied embeddings, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
+    The plain weight stays (tied embeddings, prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)

@@ -11,7 +11,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import Linear, linear, pack_weight
+from conveyor.model.linear import Linear, PackedWeight, linear, pack_weight
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import rope_tables
 
@@ -56,7 +56,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head_packed: torch.Tensor | None = None
+        self.head_packed: PackedWeight | None = None
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 

@@ -3,35 +3,77 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model import linear as linear_module
+from conveyor.model.kernels import panel_gemm
 from conveyor.model.linear import PLAIN_FROM_ROWS, Linear, linear, pack_weight
 
-pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="neither the panel kernel nor oneDNN")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 33, 200])
-def test_packed_product_matches_plain(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 33, 200, 600])
+@pytest.mark.parametrize("out_features", [960, 1000])  # 1000: the last panel holds 8 real columns
+def test_packed_product_matches_plain(rows: int, out_features: int) -> None:
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(960, 576), torch.randn(960), torch.randn(rows, 576)
+    weight, bias, x = torch.randn(out_features, 576), torch.randn(out_features), torch.randn(rows, 576)
     packed = pack_weight(weight)
     assert packed is not None
-    torch.testing.assert_close(linear(x, weight, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, weight, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight), rtol=1e-5, atol=2e-4)
 
 
-def test_packed_path_is_taken_for_fp32_decode_batches_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_of_a_wider_tensor_need_no_copy() -> None:
+    torch.manual_seed(1)
+    weight, wide = torch.randn(48, 64), torch.randn(9, 200)
+    x = wide[:, 10:74]  # row stride 200, columns contiguous
+    packed = pack_weight(weight)
+    torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x.t().contiguous().t(), weight, packed), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(panel_gemm() is None, reason="panel kernel not built here")
+def test_panel_kernel_rejects_mismatched_shapes() -> None:
+    kernel = panel_gemm()
+    packed = kernel.pack_panels(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.panel_matmul(torch.randn(3, 31), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernel.panel_matmul(torch.randn(3, 32), packed, 60, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.panel_matmul(torch.randn(3, 32), packed, 40, torch.randn(39))
+    assert kernel.panel_matmul(torch.randn(0, 32), packed, 40, None).shape == (0, 40)
+
+
+def test_packed_path_is_taken_for_fp32_batches_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(linear_module, "packed_product", lambda *args: calls.append(1) or real(*args, "none", [], ""))
+    real = linear_module.packed_product
+    monkeypatch.setattr(linear_module, "packed_product", lambda *args: calls.append(1) or real(*args))
     weight = torch.randn(64, 32)
     packed = pack_weight(weight)
     linear(torch.randn(1, 32), weight, packed)
     assert len(calls) == 1
     linear(torch.randn(3, 32, dtype=torch.bfloat16), weight.bfloat16(), packed)  # dtype mismatch: plain path
     assert len(calls) == 1
-    linear(torch.randn(PLAIN_FROM_ROWS, 32), weight, packed)  # prefill-sized: MKL on the plain weight
+    linear(torch.randn(PLAIN_FROM_ROWS[packed.layout], 32), weight, packed)  # MKL's size: the plain weight
     assert len(calls) == 1
     monkeypatch.setenv("CONVEYOR_PACKED_LINEAR", "0")
     linear(torch.randn(1, 32), weight, packed)
     assert len(calls) == 1
+
+
+def test_kernels_turned_off_after_packing_fall_back_to_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, x = torch.randn(40, 24), torch.randn(4, 24)
+    packed = pack_weight(weight)
+    monkeypatch.setenv("CONVEYOR_KERNELS", "0")
+    torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight))
+
+
+def test_onednn_layout_where_the_kernel_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(linear_module, "panel_gemm", lambda: None)
+    weight, x = torch.randn(72, 40), torch.randn(5, 40)
+    packed = pack_weight(weight)
+    assert packed is not None and packed.layout == "onednn"
+    torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 def test_no_packing_for_bf16_or_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

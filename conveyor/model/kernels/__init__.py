@@ -85,3 +85,9 @@ def fused_ops() -> object | None:
     """The module of fused per-layer ops (fused_ops.cpp: rms_norm, add_rms_norm_, rope_and_cache,
     silu_and_mul; fp32 only), or None when unavailable or disabled."""
     return _load("fused_ops") if kernels_enabled() else None
+
+
+def panel_gemm() -> object | None:
+    """The module of the skinny fp32 matmul (panel_gemm.cpp: pack_panels, panel_matmul; x86 with
+    AVX2 and FMA), or None when unavailable or disabled."""
+    return _load("panel_gemm") if kernels_enabled() else None
