@@ -90,10 +90,12 @@ def run_server(
         engine_client = start_deployment(config, deployment, max_waiting_requests)
         log.info("Ray deployment ready: %s", ", ".join(w.name for w in engine_client.workers))
     else:
-        engine = LLMEngine.from_config(config)
+        # Built on the thread that will step it: one thread does all the torch work (async_engine.py).
+        local = AsyncEngine.build(lambda: LLMEngine.from_config(config), max_waiting_requests=max_waiting_requests)
+        engine = local.engine
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
                  engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
-        engine_client = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+        engine_client = local
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
     app = build_app(state)
     uv_config = uvicorn.Config(

@@ -6,6 +6,12 @@ between steps; after every iteration the loop thread hands the step's outputs ba
 `call_soon_threadsafe`, which puts each output into the asyncio queue of the request it belongs to.
 When there is nothing to run the loop thread sleeps on an event; it never polls. Tokenisation and
 detokenisation happen on the caller's side: the loop thread only ever sees token ids.
+
+`AsyncEngine.build` also builds the engine on the loop thread, so one thread does all of the
+process's torch work: libgomp keeps a team of worker threads per thread that starts parallel
+regions, and with two teams (loading on the main thread, stepping on another) it has more threads
+than this 2-core machine has cores and stops spinning at barriers; every parallel region then
+waits for a sleeping worker. Steps ran ~25% slower that way (docs/PERF.md, "Serving").
 """
 from __future__ import annotations
 
@@ -110,23 +116,61 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._go = threading.Event()  # build(): the loop thread waits here for start()
+
+    @classmethod
+    def build(cls, make_engine: Callable[[], LLMEngine], max_waiting_requests: int | None = None,
+              on_report: Callable[[StepReport], None] | None = None) -> "AsyncEngine":
+        """Builds the engine on a new loop thread (blocking until it is built; the factory's
+        exception is raised here) and keeps that thread to step it once `start` is called."""
+        ready = threading.Event()
+        outcome: list[AsyncEngine | BaseException] = []
+
+        def thread_main() -> None:
+            try:
+                outcome.append(cls(make_engine(), max_waiting_requests, on_report))
+            except BaseException as exc:  # raised again by build() on the caller's thread
+                outcome.append(exc)
+                return
+            finally:
+                ready.set()
+            engine = outcome[0]
+            assert isinstance(engine, AsyncEngine)
+            engine._go.wait()
+            if not engine._stopping:
+                engine._run()
+
+        thread = threading.Thread(target=thread_main, name="conveyor-engine-loop", daemon=True)
+        thread.start()
+        ready.wait()
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            thread.join()
+            raise result
+        result._thread = thread
+        return result
 
     # --- lifecycle (event loop side) ------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         shorten_gil_switch_interval()
+        if self._thread is not None:  # built by build(): its thread is waiting for the go
+            self._go.set()
+            return
         self._thread = threading.Thread(target=self._run, name="conveyor-engine-loop", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wake.set()
+        self._go.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._loop is not None and self._thread is not None and self._thread.is_alive()
+                and not self._stopping)
 
     # --- what the front end reads (conveyor.engine.client.EngineClient) ----------------------
     @property

@@ -136,3 +136,42 @@ def test_async_engine_shortens_the_gil_switch_interval(monkeypatch: pytest.Monke
 
     asyncio.run(main())
     assert calls and calls[-1] <= GIL_SWITCH_INTERVAL_S
+
+
+def test_build_makes_the_engine_on_the_thread_that_steps_it():
+    import threading
+
+    seen: dict[str, str] = {}
+
+    def make() -> LLMEngine:
+        seen["built on"] = threading.current_thread().name
+        config = EngineConfig.from_kwargs(max_num_seqs=2)
+        return LLMEngine(config, FakeRunner(), num_kv_blocks=64, max_model_len=128, vocab_size=1000)
+
+    async def main() -> None:
+        engine = AsyncEngine.build(make)
+        assert not engine.is_running  # built, waiting for start()
+        engine.start()
+        try:
+            sink = Collector(engine)
+            await sink.add("a", [1, 2, 3], max_tokens=3)
+            events = await sink.until_finished()
+            assert events[-1].finish_reason == "length"
+            assert seen["built on"] == engine._thread.name == "conveyor-engine-loop"
+        finally:
+            engine.stop()
+        assert not engine._thread.is_alive()
+
+    asyncio.run(main())
+
+
+def test_build_raises_the_factorys_error_and_a_never_started_engine_stops():
+    def broken() -> LLMEngine:
+        raise InvalidRequestError("no such model")
+
+    with pytest.raises(InvalidRequestError, match="no such model"):
+        AsyncEngine.build(broken)
+    config = EngineConfig.from_kwargs(max_num_seqs=2)
+    engine = AsyncEngine.build(lambda: LLMEngine(config, FakeRunner(), num_kv_blocks=8, max_model_len=32, vocab_size=100))
+    engine.stop(timeout=5)
+    assert not engine._thread.is_alive()

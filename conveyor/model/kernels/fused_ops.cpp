@@ -163,9 +163,14 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 }  // namespace
 
+// The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] tensor");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta in place, then RMSNorm of the residual");
-  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k from fused qkv rows, k and v into the cache");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over fused gate_up rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] tensor",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta in place, then RMSNorm of the residual",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k from fused qkv rows, k and v into the cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over fused gate_up rows",
+        py::call_guard<py::gil_scoped_release>());
 }

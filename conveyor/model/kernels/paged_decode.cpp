@@ -132,6 +132,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   }
 }
 
+// The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32)",
+        py::call_guard<py::gil_scoped_release>());
 }

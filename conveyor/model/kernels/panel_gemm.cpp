@@ -122,7 +122,10 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& packed, 
   return y;
 }
 
+// The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_panels", &pack_panels, "fp32 [N, K] weight -> [ceil(N/16), K, 16] panels");
-  m.def("panel_matmul", &panel_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_panels");
+  m.def("pack_panels", &pack_panels, "fp32 [N, K] weight -> [ceil(N/16), K, 16] panels",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_matmul", &panel_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_panels",
+        py::call_guard<py::gil_scoped_release>());
 }
