@@ -1,8 +1,10 @@
-"""Engine decode steps with oneDNN pre-packed fp32 weights vs plain `F.linear` (MKL on the plain weight).
+"""Engine decode steps on fp32 weights packed at load vs plain `F.linear` (MKL on the plain weight).
+
+The packed path is the panel kernel (kernels/panel_gemm.cpp), or oneDNN where it cannot be built.
 
 Whole engine steps as `python benchmarks/ab_steps.py --switch packed-linear` times them (B requests
 with chat-like mixed contexts, packing toggled between pairs of steps in the same process).
-`--matmuls` also times the model's single products (rows x in -> out) the same way, oneDNN on
+`--matmuls` also times the model's single products (rows x in -> out) the same way, the packed path on
 the packed weight against `F.linear` on the plain one, at `--matmul-rows` (default: the batch sizes).
 
     python benchmarks/packed_linear.py --batch-sizes 1 8 32 64 --repeats 10 --matmuls

@@ -1,0 +1,68 @@
+"""Every product of one SmolLM2-135M decode step, cold: the panel kernel vs oneDNN vs MKL.
+
+Builds 30 layers' worth of distinct fp32 weights of the model's shapes (fused QKV 576->960, O
+576->576, fused gate/up 576->3072, down 1536->576) plus the 576->49,152 vocabulary projection, 538
+MB in all against a 32 MiB L3, and times one pass over all of them at each row count: conveyor's
+panel kernel (kernels/panel_gemm.cpp), oneDNN on its own packed layout, and `F.linear` (MKL) on
+the plain weight, the three alternated repeat by repeat so drift hits all alike.
+
+    python benchmarks/panel_gemm.py --rows 1 2 4 8 16 32 64 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.model.kernels import panel_gemm
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    kernel = panel_gemm()
+    if kernel is None:
+        raise SystemExit("the panel kernel is not available here (no compiler, no AVX2/FMA, or CONVEYOR_KERNELS=0)")
+    weights = [torch.randn(n, k) for k, n in SHAPES]
+    panels = [kernel.pack_panels(w) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    weight_bytes = sum(w.numel() * 4 for w in weights)
+    flops_per_row = sum(2 * w.numel() for w in weights)
+    print(f"{len(weights)} products, {weight_bytes / 1e6:.0f} MB of fp32 weights, {args.num_threads} threads")
+    print("| rows | panels ms (min / median) | oneDNN ms | MKL plain ms | oneDNN / panels | MKL / panels "
+          "| panels GFLOP/s | panels GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        modes = {
+            "panels": lambda: [kernel.panel_matmul(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                               for w, p in zip(weights, onednn)],
+            "mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+        }
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        for run in modes.values():
+            run()  # warm-up
+        for _ in range(args.repeats):
+            for mode, run in modes.items():
+                start = time.perf_counter()
+                run()
+                times[mode].append((time.perf_counter() - start) * 1e3)
+        med = {mode: statistics.median(t) for mode, t in times.items()}
+        best = min(times["panels"]) / 1e3
+        print(f"| {rows} | {min(times['panels']):.1f} / {med['panels']:.1f} | {med['onednn']:.1f} | {med['mkl']:.1f} "
+              f"| {med['onednn'] / med['panels']:.2f}x | {med['mkl'] / med['panels']:.2f}x "
+              f"| {rows * flops_per_row / best / 1e9:.0f} | {weight_bytes / best / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
