@@ -16,6 +16,7 @@ waits for a sleeping worker. Steps ran ~25% slower that way (docs/PERF.md, "Serv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -123,30 +124,22 @@ class AsyncEngine:
               on_report: Callable[[StepReport], None] | None = None) -> "AsyncEngine":
         """Builds the engine on a new loop thread (blocking until it is built; the factory's
         exception is raised here) and keeps that thread to step it once `start` is called."""
-        ready = threading.Event()
-        outcome: list[AsyncEngine | BaseException] = []
+        built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
 
         def thread_main() -> None:
             try:
-                outcome.append(cls(make_engine(), max_waiting_requests, on_report))
+                engine = cls(make_engine(), max_waiting_requests, on_report)
             except BaseException as exc:  # raised again by build() on the caller's thread
-                outcome.append(exc)
+                built.set_exception(exc)
                 return
-            finally:
-                ready.set()
-            engine = outcome[0]
-            assert isinstance(engine, AsyncEngine)
+            built.set_result(engine)
             engine._go.wait()
             if not engine._stopping:
                 engine._run()
 
         thread = threading.Thread(target=thread_main, name="conveyor-engine-loop", daemon=True)
         thread.start()
-        ready.wait()
-        result = outcome[0]
-        if isinstance(result, BaseException):
-            thread.join()
-            raise result
+        result = built.result()  # raises the factory's exception
         result._thread = thread
         return result
 
