@@ -47,7 +47,9 @@ def kernel():
     return fn
 
 
-@pytest.mark.parametrize("context_lens", [[1], [5, 1, 17, 8], [64, 3, 33, 4, 4, 120]])
+# Fewer rows than two per thread cut each context into slices merged at the end (split-K): the
+# long single rows below go through that path, the wider batches through one task per row.
+@pytest.mark.parametrize("context_lens", [[1], [5, 1, 17, 8], [64, 3, 33, 4, 4, 120], [300], [1000, 7], [130, 261, 9]])
 def test_kernel_matches_per_row_reference(kernel, context_lens):
     q, k_cache, v_cache, tables, lens = _decode_batch(context_lens)
     out = kernel(q, k_cache, v_cache, tables, lens, 0.25)
@@ -55,7 +57,7 @@ def test_kernel_matches_per_row_reference(kernel, context_lens):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])  # the compiled-in head sizes, not only the generic path
-@pytest.mark.parametrize("context_lens", [[37], [5, 1, 17, 8, 300, 70], [16] * 9])
+@pytest.mark.parametrize("context_lens", [[37], [5, 1, 17, 8, 300, 70], [16] * 9, [1500]])
 def test_kernel_specialised_head_dims(kernel, context_lens, head_dim):
     q, k_cache, v_cache, tables, lens = _decode_batch(context_lens, block_size=16, heads=9, kv_heads=3, head_dim=head_dim)
     out = kernel(q, k_cache, v_cache, tables, lens, head_dim**-0.5)

@@ -1,13 +1,15 @@
 // Decode attention read straight from a paged KV cache: one query row per request, no gather,
-// no padding to the longest context. With enough rows, one task is one request with all its KV
-// heads, so each cache block is read as one contiguous run, which the hardware prefetcher follows
-// (prefetching the next block by hand measured slower); with few rows a task is one (request, KV
-// head) pair so both cores still work. Keys and values are read once and shared by the query
-// heads of their group (GQA).
+// no padding to the longest context. A task covers all KV heads of a run of a request's blocks,
+// so each cache block is read as one contiguous run, which the hardware prefetcher follows
+// (prefetching the next block by hand measured slower). With enough rows a task is a whole
+// request; with fewer rows than two per thread, requests are cut into slices of their context
+// and the slices' partial softmax sums merged, so both cores work on one long request too. Keys
+// and values are read once and shared by the query heads of their group (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,25 +36,67 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-void softmax_in_place(float* s, int64_t n) {
-  const float peak = *std::max_element(s, s + n);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = conveyor::fast_exp(s[t] - peak);
-    total += s[t];
-  }
-  const float inv = 1.f / total;
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-}
-
 }  // namespace
+
+// One task: query row `row` against its cached tokens [first_block * block_size, ...) over
+// `num_blocks` blocks, all KV heads. Leaves per head the running max and sum of exp(score - max)
+// and the unnormalised weighted sum of values: [max, sum, out[head_dim]].
+template <int64_t D>
+struct Span {
+  const float *q, *k, *v;
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t num_heads, head_dim, group, block_size, kv_heads, table_width, token_stride, block_stride;
+  float scale;
+
+  void operator()(int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores,
+                  float* result) const {
+    const int64_t t_begin = first_block * block_size;
+    const int64_t n = std::min(num_blocks * block_size, lens[row] - t_begin);  // tokens of this span
+    const float* q_row = q + row * num_heads * head_dim;
+    const int64_t* table = tables + row * table_width + first_block;
+    scores.resize(num_heads * n);
+
+    // Walks the span block by block, handing each (token, query head) pair the token's key or
+    // value vector for that head's KV group: the score and the value passes.
+    auto for_each_token_head = [&](const float* cache, auto&& visit) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const float* block = cache + table[b] * block_stride;
+        const int64_t t0 = b * block_size, count = std::min(block_size, n - t0);
+        for (int64_t j = 0; j < count; ++j)
+          for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
+            const float* vec = block + j * token_stride + kv * head_dim;
+            for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j, h, vec);
+          }
+      }
+    };
+    for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
+      scores[h * n + t] = dot<D>(q_row + h * head_dim, key, head_dim) * scale;
+    });
+    const int64_t stride = head_dim + 2;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* s = scores.data() + h * n;
+      const float peak = *std::max_element(s, s + n);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = conveyor::fast_exp(s[t] - peak);
+        total += s[t];
+      }
+      result[h * stride] = peak;
+      result[h * stride + 1] = total;
+      std::fill(result + h * stride + 2, result + (h + 1) * stride, 0.f);
+    }
+    for_each_token_head(v, [&](int64_t t, int64_t h, const float* value) {
+      axpy<D>(scores[h * n + t], value, result + h * stride + 2, head_dim);
+    });
+  }
+};
 
 template <int64_t D>
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
+                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
@@ -62,63 +106,75 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head layout mismatch");
   TORCH_CHECK(block_tables.size(0) == num_rows && context_lens.size(0) == num_rows, "one table per row");
-  const int64_t group = num_heads / kv_heads;
   const int64_t table_width = block_tables.size(1);
-  const int64_t token_stride = kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  // Whole requests per task once there are a few rows per thread; otherwise one KV head per task.
-  const int64_t task_kv_heads = num_rows >= 2 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t tasks_per_row = kv_heads / task_kv_heads;
-  const int64_t task_heads = task_kv_heads * group;
-
-  for (int64_t row = 0; row < num_rows; ++row) {  // checked here: no exceptions inside the parallel region
-    const int64_t context = context_lens.data_ptr<int64_t>()[row];
-    TORCH_CHECK(context > 0 && (context + block_size - 1) / block_size <= table_width, "bad context length");
-  }
-  auto out = torch::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row)  // checked here: no exceptions inside the parallel region
+    TORCH_CHECK(lens[row] > 0 && (lens[row] + block_size - 1) / block_size <= table_width, "bad context length");
+
+  const Span<D> span{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                     block_tables.data_ptr<int64_t>(), lens, num_heads, head_dim, num_heads / kv_heads,
+                     block_size, kv_heads, table_width, kv_heads * head_dim, block_size * kv_heads * head_dim,
+                     static_cast<float>(scale)};
+  const int64_t stride = head_dim + 2, threads = at::get_num_threads();
+  auto out = torch::empty_like(q);
   float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  auto blocks_of = [&](int64_t row) { return (lens[row] + block_size - 1) / block_size; };
 
-  at::parallel_for(0, num_rows * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(task_heads * head_dim);
+  // Enough rows for every thread: one task per row. Fewer: each row's context is cut into slices
+  // (about four per thread) whose partial results are merged, as flash-decoding does on GPUs.
+  std::vector<std::array<int64_t, 3>> tasks;  // (row, first block, blocks)
+  if (num_rows >= 2 * threads) {
+    for (int64_t row = 0; row < num_rows; ++row) tasks.push_back({row, 0, blocks_of(row)});
+  } else {
+    int64_t total_blocks = 0;
+    for (int64_t row = 0; row < num_rows; ++row) total_blocks += blocks_of(row);
+    const int64_t min_slice = (64 + block_size - 1) / block_size;  // at least 64 tokens a slice
+    const int64_t slice = std::max(min_slice, (total_blocks + 4 * threads - 1) / (4 * threads));
+    for (int64_t row = 0; row < num_rows; ++row)
+      for (int64_t b = 0; b < blocks_of(row); b += slice) tasks.push_back({row, b, std::min(slice, blocks_of(row) - b)});
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const bool sliced = num_tasks > num_rows;
+  std::vector<float> results(sliced ? num_tasks * num_heads * stride : 0);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, own(sliced ? 0 : num_heads * stride);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / tasks_per_row, first_kv_head = (task % tasks_per_row) * task_kv_heads;
-      const int64_t context = lens[row], num_blocks = (context + block_size - 1) / block_size;
-      const int64_t head_offset = first_kv_head * head_dim;  // this task's slice of each token
-      const float* q_rows = q_ptr + (row * num_heads + first_kv_head * group) * head_dim;
-      const int64_t* table = tables + row * table_width;
-      scores.resize(task_heads * context);
-
-      // Walks the task's cached tokens block by block, handing each (token, query head) pair the
-      // token's key or value vector for that head's KV group: the score and the value passes.
-      auto for_each_token_head = [&](const float* cache, auto&& visit) {
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          const float* block = cache + table[b] * block_stride + head_offset;
-          const int64_t t0 = b * block_size, n = std::min(block_size, context - t0);
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t kv = 0, h = 0; kv < task_kv_heads; ++kv) {
-              const float* vec = block + j * token_stride + kv * head_dim;
-              for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j, h, vec);
-            }
-        }
-      };
-      for_each_token_head(k_ptr, [&](int64_t t, int64_t h, const float* key) {
-        scores[h * context + t] = dot<D>(q_rows + h * head_dim, key, head_dim) * fscale;
-      });
-      for (int64_t h = 0; h < task_heads; ++h) softmax_in_place(scores.data() + h * context, context);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token_head(v_ptr, [&](int64_t t, int64_t h, const float* value) {
-        axpy<D>(scores[h * context + t], value, acc.data() + h * head_dim, head_dim);
-      });
-      std::copy(acc.begin(), acc.end(), out_ptr + (row * num_heads + first_kv_head * group) * head_dim);
+      const auto [row, first_block, num_blocks] = tasks[task];
+      float* result = sliced ? results.data() + task * num_heads * stride : own.data();
+      span(row, first_block, num_blocks, scores, result);
+      if (sliced) continue;
+      for (int64_t h = 0; h < num_heads; ++h) {  // the whole context: normalise straight into out
+        const float* r = result + h * stride;
+        const float inv = 1.f / r[1];
+        float* o = out_ptr + (row * num_heads + h) * head_dim;
+        for (int64_t c = 0; c < head_dim; ++c) o[c] = r[2 + c] * inv;
+      }
     }
   });
+  if (!sliced) return out;
+
+  // Each row: rescale its slices' sums to their common max and normalise.
+  std::vector<float> weights;
+  for (int64_t first = 0, last; first < num_tasks; first = last) {
+    const int64_t row = tasks[first][0];
+    for (last = first + 1; last < num_tasks && tasks[last][0] == row; ++last) {}
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float peak = -INFINITY, total = 0.f;
+      for (int64_t t = first; t < last; ++t) peak = std::max(peak, results[(t * num_heads + h) * stride]);
+      weights.assign(last - first, 0.f);
+      for (int64_t t = first; t < last; ++t) {
+        const float* r = results.data() + (t * num_heads + h) * stride;
+        weights[t - first] = std::exp(r[0] - peak);
+        total += weights[t - first] * r[1];
+      }
+      float* o = out_ptr + (row * num_heads + h) * head_dim;
+      for (int64_t c = 0; c < head_dim; ++c) {
+        float sum = 0.f;
+        for (int64_t t = first; t < last; ++t) sum += weights[t - first] * results[(t * num_heads + h) * stride + 2 + c];
+        o[c] = sum / total;
+      }
+    }
+  }
   return out;
 }
 
