@@ -48,8 +48,10 @@ def kernel():
 
 
 # Fewer rows than two per thread cut each context into slices merged at the end (split-K): the
-# long single rows below go through that path, the wider batches through one task per row.
-@pytest.mark.parametrize("context_lens", [[1], [5, 1, 17, 8], [64, 3, 33, 4, 4, 120], [300], [1000, 7], [130, 261, 9]])
+# long single rows below go through that path, the wider batches through one task per row, shared
+# out by token count ([1000, 1, 1, 1]: one thread gets no task at all).
+@pytest.mark.parametrize("context_lens", [[1], [5, 1, 17, 8], [64, 3, 33, 4, 4, 120], [300], [1000, 7], [130, 261, 9],
+                                          [1000, 1, 1, 1]])
 def test_kernel_matches_per_row_reference(kernel, context_lens):
     q, k_cache, v_cache, tables, lens = _decode_batch(context_lens)
     out = kernel(q, k_cache, v_cache, tables, lens, 0.25)

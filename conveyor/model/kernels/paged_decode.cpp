@@ -3,7 +3,9 @@
 // so each cache block is read as one contiguous run, which the hardware prefetcher follows
 // (prefetching the next block by hand measured slower). With enough rows a task is a whole
 // request; with fewer rows than two per thread, requests are cut into slices of their context
-// and the slices' partial softmax sums merged, so both cores work on one long request too. Keys
+// and the slices' partial softmax sums merged, so both cores work on one long request too. Each
+// thread takes a run of consecutive tasks holding about its share of the cached tokens (an even
+// split by count left one core idle for much of a step whose long requests sat together). Keys
 // and values are read once and shared by the query heads of their group (GQA).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -136,9 +138,19 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const bool sliced = num_tasks > num_rows;
   std::vector<float> results(sliced ? num_tasks * num_heads * stride : 0);
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a run of consecutive tasks holding about its share of the blocks.
+  int64_t total_blocks = 0;
+  for (const auto& task : tasks) total_blocks += task[2];
+  std::vector<int64_t> bounds{0};  // a task goes to the thread whose share holds its midpoint
+  for (int64_t task = 0, sum = 0; task < num_tasks; sum += tasks[task++][2]) {
+    for (int64_t next = static_cast<int64_t>(bounds.size());
+         next < threads && (2 * sum + tasks[task][2]) * threads > 2 * total_blocks * next; ++next)
+      bounds.push_back(task);
+  }
+  bounds.push_back(num_tasks);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t group_begin, int64_t group_end) {
     std::vector<float> scores, own(sliced ? 0 : num_heads * stride);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = bounds[group_begin]; task < bounds[group_end]; ++task) {
       const auto [row, first_block, num_blocks] = tasks[task];
       float* result = sliced ? results.data() + task * num_heads * stride : own.data();
       span(row, first_block, num_blocks, scores, result);
