@@ -25,7 +25,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.engine.llm_engine import LLMEngine
 import torch
 
-from conveyor.model import attention, linear, llama
+from conveyor.model import linear, llama
 from conveyor.model.ops import ReferenceOps
 
 CHAT_CONTEXTS = [124, 140, 160, 185, 185, 200, 250, 300, 519]
@@ -50,12 +50,12 @@ def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
     plain = {id(m.packed): m.weight for m in model.modules() if getattr(m, "packed", None) is not None}
     plain[id(model.head_packed)] = model.head_weight
     onednn = {key: torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32) for key, w in plain.items()}
-    return _patch_switch(linear, "packed_product", lambda x, packed, bias: torch.ops.mkldnn._linear_pointwise(
+    return _patch_switch(linear, "packed_product", lambda x, packed, bias, kernel: torch.ops.mkldnn._linear_pointwise(
         x, onednn[id(packed)], bias, "none", [], ""))
 
 
 SWITCHES: dict[str, Callable[[torch.nn.Module], Callable[[bool], None]]] = {
-    "decode-kernel": lambda model: _patch_switch(attention, "paged_decode_kernel", lambda: None),
+    "decode-kernel": lambda model: _patch_switch(llama, "paged_decode_kernel", lambda: None),
     "fused-ops": lambda model: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
     "packed-linear": lambda model: _env_switch("CONVEYOR_PACKED_LINEAR"),
     "kernels": lambda model: _env_switch("CONVEYOR_KERNELS"),

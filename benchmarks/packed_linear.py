@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ab_steps import CHAT_CONTEXTS, SWITCHES, ab_steps, time_pairs
 
 from conveyor import LLM
+from conveyor.model.kernels import panel_gemm
 from conveyor.model.linear import packed_product, pack_weight
 
 
@@ -40,7 +41,7 @@ def matmuls(llm: LLM, rows: list[int], repeats: int) -> None:
         for name, weight in shapes.items():
             packed = pack_weight(weight)
             x = torch.randn(batch, weight.shape[1])
-            runs = {"packed": lambda: packed_product(x, packed, None), "plain": lambda: F.linear(x, weight)}
+            runs = {"packed": lambda: packed_product(x, packed, None, panel_gemm()), "plain": lambda: F.linear(x, weight)}
             label = f"{name} {batch} x {weight.shape[1]} -> {weight.shape[0]}"
             print(row(label, time_pairs(runs, repeats * 3), 2.0 * x.numel() * weight.shape[0]))
 

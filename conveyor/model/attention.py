@@ -9,11 +9,12 @@ which are few and large, one SDPA call each.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import paged_decode_kernel
+from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
 
 
 @dataclass
@@ -67,11 +68,16 @@ def attend(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_kernel: PagedDecodeKernel | None | Literal["resolve"] = "resolve",
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens, already written into the cache
-    at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d]."""
+    at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d].
+    `decode_kernel`: paged_decode_kernel() as the caller resolved it once per forward pass (None:
+    the torch fallback), or "resolve" to look it up here."""
     num_decode = meta.num_decode_tokens
-    kernel = paged_decode_kernel() if num_decode and q.dtype == torch.float32 else None
+    if isinstance(decode_kernel, str):
+        decode_kernel = paged_decode_kernel()
+    kernel = decode_kernel if num_decode and q.dtype == torch.float32 else None
     if kernel is not None and num_decode == q.shape[0]:  # a pure decode step: the kernel's output is all of it
         return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,20 +57,34 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
         return None
 
 
+Matmul = Callable[[torch.Tensor, torch.Tensor, "PackedWeight | None", "torch.Tensor | None"], torch.Tensor]
+
+
+def matmul_path() -> Matmul:
+    """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
+    resolves it once per forward pass, not on each of a step's ~120 products."""
+    packing, kernel = packing_enabled(), panel_gemm()
+
+    def product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (packing and packed is not None and x.dtype == torch.float32 and x.dim() == 2
+                and x.shape[0] < PLAIN_FROM_ROWS[packed.layout]):
+            y = packed_product(x, packed, bias, kernel)
+            if y is not None:
+                return y
+        return F.linear(x, weight, bias)
+    return product
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (packed is not None and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] < PLAIN_FROM_ROWS[packed.layout] and packing_enabled()):
-        y = packed_product(x, packed, bias)
-        if y is not None:
-            return y
-    return F.linear(x, weight, bias)
+    return matmul_path()(x, weight, packed, bias)
 
 
-def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """None when the panel kernel was turned off after packing (CONVEYOR_KERNELS=0 in an A/B run)."""
+def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None) -> torch.Tensor | None:
+    """None when the panel kernel (`kernel`, from panel_gemm()) was turned off after packing
+    (CONVEYOR_KERNELS=0 in an A/B run)."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
-    kernel = panel_gemm()
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
@@ -82,5 +97,5 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.bias)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+        return (matmul or matmul_path())(x, self.weight, self.packed, self.bias)

@@ -11,7 +11,8 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import Linear, PackedWeight, linear, pack_weight
+from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
+from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import rope_tables
 
@@ -35,17 +36,18 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
-        ops: LayerOps,
+        ops: LayerOps, matmul: Matmul, decode_kernel: PagedDecodeKernel | None,
     ) -> torch.Tensor:
-        """Updates the residual stream x in place and returns it."""
+        """Updates the residual stream x in place and returns it. `ops`, `matmul` and
+        `decode_kernel` are resolved once per forward pass (the env switches are not read per op)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm, eps)
-        qkv = self.qkv(ops.rms_norm(x, self.input_norm, eps))
+        qkv = self.qkv.forward(ops.rms_norm(x, self.input_norm, eps), matmul)
         q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
                                      cfg.num_kv_heads, qk_norm)
-        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale)
-        h = ops.add_rms_norm_(x, self.o_proj(attn.view(x.shape[0], -1)), self.post_attention_norm, eps)
-        return x.add_(self.down(ops.silu_and_mul(self.gate_up(h))))
+        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel)
+        h = ops.add_rms_norm_(x, self.o_proj.forward(attn.view(x.shape[0], -1), matmul), self.post_attention_norm, eps)
+        return x.add_(self.down.forward(ops.silu_and_mul(self.gate_up.forward(h, matmul)), matmul))
 
 
 class LlamaModel(nn.Module):
@@ -93,12 +95,13 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        ops = layer_ops(x.dtype)
+        ops, matmul = layer_ops(x.dtype), matmul_path()
+        decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, ops)
+            x = layer.forward(x, cos, sin, kv, meta, ops, matmul, decode_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         h = ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
-        return linear(h, self.head_weight, self.head_packed).float()
+        return matmul(h, self.head_weight, self.head_packed, None).float()
 
     @property
     def head_weight(self) -> torch.Tensor:
