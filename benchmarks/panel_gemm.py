@@ -7,6 +7,10 @@ panel kernel (kernels/panel_gemm.cpp), oneDNN on its own packed layout, and `F.l
 the plain weight, the three alternated repeat by repeat so drift hits all alike.
 
     python benchmarks/panel_gemm.py --rows 1 2 4 8 16 32 64 --repeats 5
+    python benchmarks/panel_gemm.py --baseline fa25266~1 --rows 1 2 4 6 8 12 16 32 --repeats 16   # a kernel change
+
+With `--baseline REV` it times the working tree's panel kernel against the same kernel built from
+its source at git revision REV (same packed weights), alternating the two repeat by repeat.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from kernel_at import kernel_at
 
 from conveyor.model.kernels import panel_gemm
 
@@ -27,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--baseline", help="git revision whose panel kernel to time beside the working tree's")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     kernel = panel_gemm()
@@ -34,6 +41,8 @@ def main() -> None:
         raise SystemExit("the panel kernel is not available here (no compiler, no AVX2/FMA, or CONVEYOR_KERNELS=0)")
     weights = [torch.randn(n, k) for k, n in SHAPES]
     panels = [kernel.pack_panels(w) for w in weights]
+    if args.baseline:
+        return against_baseline(kernel, kernel_at(args.baseline, "panel_gemm"), args.baseline, weights, panels, args)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     weight_bytes = sum(w.numel() * 4 for w in weights)
     flops_per_row = sum(2 * w.numel() for w in weights)
@@ -62,6 +71,27 @@ def main() -> None:
         print(f"| {rows} | {min(times['panels']):.1f} / {med['panels']:.1f} | {med['onednn']:.1f} | {med['mkl']:.1f} "
               f"| {med['onednn'] / med['panels']:.2f}x | {med['mkl'] / med['panels']:.2f}x "
               f"| {rows * flops_per_row / best / 1e9:.0f} | {weight_bytes / best / 1e9:.1f} |")
+
+
+def against_baseline(kernel: object, baseline: object, revision: str, weights: list[torch.Tensor],
+                     panels: list[torch.Tensor], args: argparse.Namespace) -> None:
+    print(f"| rows | this tree ms (min / median) | {revision} ms (min / median) | {revision} / this tree |")
+    print("|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        runs = {name: (lambda m=module: [m.panel_matmul(xs[w.shape[1]], p, w.shape[0], None)  # type: ignore[attr-defined]
+                                         for w, p in zip(weights, panels)])
+                for name, module in (("tree", kernel), ("base", baseline))}
+        torch.testing.assert_close(runs["tree"]()[0], runs["base"]()[0])
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        tree, base = times["tree"], times["base"]
+        print(f"| {rows} | {min(tree):.1f} / {statistics.median(tree):.1f} | {min(base):.1f} / {statistics.median(base):.1f} "
+              f"| {statistics.median(base) / statistics.median(tree):.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

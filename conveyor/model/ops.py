@@ -81,9 +81,7 @@ class FusedOps:
                        qk_norm: QKNorm | None = None) -> QKV:
         if qk_norm is not None:  # per-head norms before the rotation: not fused
             return ReferenceOps.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, qk_norm)
-        q = self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)
-        _, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])  # k was rotated in place
-        return q, k, v
+        return self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)  # k rotated in place
 
 
 LayerOps = ReferenceOps | FusedOps

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 #include "fast_math.h"
 
@@ -92,8 +93,10 @@ inline void rotate(const float* x, float* out, const float* cos, const float* si
 // qkv: [T, (heads + 2 kv_heads) * d], the fused projection's output. Rotates each row's query
 // heads into a new contiguous [T, heads, d] (what the attention kernels read) and its key heads
 // in place (prefill chunks attend to them straight from qkv), then copies the row's keys and
-// values into the caches [blocks, block_size, kv_heads, d] at the row's flat slot.
-torch::Tensor rope_and_cache(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+// values into the caches [blocks, block_size, kv_heads, d] at the row's flat slot. Returns q and
+// views of the rotated keys and the values inside qkv, [T, kv_heads, d] each (made here: a
+// Python split costs more than this whole op at batch 1).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
                              int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
@@ -135,7 +138,9 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, const torch::Tensor& cos, const 
       std::memcpy(v_cache_ptr + slot_ptr[r] * kv_row, keys + kv_row, kv_row * sizeof(float));
     }
   });
-  return q;
+  auto k = qkv.narrow(1, num_heads * d, kv_row).view({rows, num_kv_heads, d});
+  auto v = qkv.narrow(1, num_heads * d + kv_row, kv_row).view({rows, num_kv_heads, d});
+  return {q, k, v};
 }
 
 // gate_up: [T, 2 I] (gate then up, the fused projection's output) -> silu(gate) * up, [T, I].
