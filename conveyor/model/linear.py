@@ -57,7 +57,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
         return None
 
 
-Matmul = Callable[[torch.Tensor, torch.Tensor, "PackedWeight | None", "torch.Tensor | None"], torch.Tensor]
+Matmul = Callable[[torch.Tensor, torch.Tensor, PackedWeight | None, torch.Tensor | None], torch.Tensor]
 
 
 def matmul_path() -> Matmul:
