@@ -82,7 +82,8 @@ def against_baseline(kernel: object, baseline: object, revision: str, weights: l
         runs = {name: (lambda m=module: [m.panel_matmul(xs[w.shape[1]], p, w.shape[0], None)  # type: ignore[attr-defined]
                                          for w, p in zip(weights, panels)])
                 for name, module in (("tree", kernel), ("base", baseline))}
-        torch.testing.assert_close(runs["tree"]()[0], runs["base"]()[0])
+        # as tests/model/test_linear.py: a change may round differently (another order of the sums)
+        torch.testing.assert_close(runs["tree"]()[0], runs["base"]()[0], rtol=1e-5, atol=2e-4)
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, run in runs.items():
