@@ -2,7 +2,7 @@
 
 The actor is asynchronous (its methods are coroutines on the actor's event loop) so that a long
 poll, an add waiting for validation and a KV import waiting for free blocks never tie up a thread.
-Exactly one thread, the loop thread, touches the engine: methods send it commands through a
+Exactly one thread, the loop thread, builds and steps the engine: methods send it commands through a
 thread-safe queue and await the answer. Outputs pile up in an outbox that the front end drains
 with `poll` (a long poll: it returns as soon as there is something, or after the timeout).
 
@@ -61,7 +61,17 @@ class _Command:
 class EngineWorker:
     def __init__(self, name: str, role: str, config: EngineConfig) -> None:
         self.name, self.role = name, role
-        self.engine = LLMEngine.from_config(config)
+        self._stopping = False
+        self._go = threading.Event()  # the loop thread waits here for start() after building
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        # The engine is built on the thread that will step it, as AsyncEngine.build does: libgomp
+        # keeps one team of worker threads per thread that starts parallel regions, and a second
+        # team (loading here, stepping there) oversubscribes the cores when a worker has several
+        # torch threads.
+        self._thread = threading.Thread(target=self._build_then_run, args=(config, built),
+                                        name=f"conveyor-{name}", daemon=True)
+        self._thread.start()
+        self.engine = built.result()  # raises what building raised
         runner = self.engine.runner
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
@@ -82,7 +92,6 @@ class EngineWorker:
         self._pending_imports: deque[tuple[KVPayload, concurrent.futures.Future]] = deque()
         self._news: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
         self._died: str | None = None  # why the loop thread died; then every method raises
 
     # --- actor methods (the actor's event loop) ----------------------------------------------------
@@ -90,7 +99,7 @@ class EngineWorker:
         self._loop = asyncio.get_running_loop()
         self._news = asyncio.Event()
         shorten_gil_switch_interval()  # the same two-thread shape as AsyncEngine
-        threading.Thread(target=self._run, name=f"conveyor-{self.name}", daemon=True).start()
+        self._go.set()
         return self.info
 
     async def ping(self) -> bool:
@@ -149,6 +158,7 @@ class EngineWorker:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        self._go.set()
 
     def _check_alive(self) -> None:
         if self._died is not None:
@@ -169,6 +179,17 @@ class EngineWorker:
         return await asyncio.wrap_future(done)
 
     # --- the loop thread --------------------------------------------------------------------------
+    def _build_then_run(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+        try:
+            engine = LLMEngine.from_config(config)
+        except BaseException as exc:  # raised again by __init__ on the caller's thread
+            built.set_exception(exc)
+            return
+        built.set_result(engine)
+        self._go.wait()
+        if not self._stopping:
+            self._run()
+
     def _run(self) -> None:
         stalled = False
         try:

@@ -159,3 +159,51 @@ def test_worker_steps_carry_the_slo_state(tiny_model) -> None:
 
     steps = asyncio.run(main())
     assert steps and all("slo_batch_cap" in extra for _, _, extra in steps)
+
+
+def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One thread doing all of a worker's torch work keeps libgomp to one team of threads.
+    import threading
+
+    from conveyor.distributed.worker import EngineWorker
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+    build, step = LLMEngine.from_config, LLMEngine.step
+
+    def recording_build(config):  # type: ignore[no-untyped-def]
+        threads["build"].add(threading.get_ident())
+        return build(config)
+
+    def recording_step(self):  # type: ignore[no-untyped-def]
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(recording_build))
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    worker = EngineWorker("w", "replica", tiny_config(tiny_model))
+
+    async def main() -> None:
+        await worker.start()
+        await worker.add("r0", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), False)
+        seen, finished = 0, False
+        for _ in range(50):
+            result = await worker.poll(seen, 1.0)
+            seen = result.last_seq
+            finished = finished or any(getattr(e, "finished", False) for e in result.events)
+            if finished:
+                break
+        await worker.stop()
+        assert finished
+
+    asyncio.run(main())
+    assert len(threads["build"]) == 1 and threads["build"] == threads["step"]
+    assert threading.get_ident() not in threads["build"]
+
+
+def test_a_worker_whose_engine_cannot_be_built_raises_from_its_constructor(tmp_path) -> None:
+    from conveyor.distributed.worker import EngineWorker
+
+    from conveyor.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="missing"):
+        EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
