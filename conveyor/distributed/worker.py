@@ -40,7 +40,7 @@ from conveyor.distributed.messages import (
     WorkerLoadReport,
     WorkerLoopDied,
 )
-from conveyor.engine.async_engine import shorten_gil_switch_interval
+from conveyor.engine.async_engine import build_on_own_thread, shorten_gil_switch_interval
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
@@ -63,15 +63,9 @@ class EngineWorker:
         self.name, self.role = name, role
         self._stopping = False
         self._go = threading.Event()  # the loop thread waits here for start() after building
-        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
-        # The engine is built on the thread that will step it, as AsyncEngine.build does: libgomp
-        # keeps one team of worker threads per thread that starts parallel regions, and a second
-        # team (loading here, stepping there) oversubscribes the cores when a worker has several
-        # torch threads.
-        self._thread = threading.Thread(target=self._build_then_run, args=(config, built),
-                                        name=f"conveyor-{name}", daemon=True)
-        self._thread.start()
-        self.engine = built.result()  # raises what building raised
+        # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
+        self.engine, self._thread = build_on_own_thread(lambda: LLMEngine.from_config(config), f"conveyor-{name}",
+                                                        lambda _: self._wait_then_run())
         runner = self.engine.runner
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
@@ -179,13 +173,7 @@ class EngineWorker:
         return await asyncio.wrap_future(done)
 
     # --- the loop thread --------------------------------------------------------------------------
-    def _build_then_run(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
-        try:
-            engine = LLMEngine.from_config(config)
-        except BaseException as exc:  # raised again by __init__ on the caller's thread
-            built.set_exception(exc)
-            return
-        built.set_result(engine)
+    def _wait_then_run(self) -> None:
         self._go.wait()
         if not self._stopping:
             self._run()

@@ -23,7 +23,7 @@ import queue
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput, StepStats
@@ -44,6 +44,33 @@ def shorten_gil_switch_interval() -> None:
     stalls the step with both cores idle (docs/PERF.md, "Serving": a 32-request chat benchmark
     served at 86 output tok/s with the default, 93-106 with 0.2 ms; offline 114)."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+
+
+Built = TypeVar("Built")
+
+
+def build_on_own_thread(build: Callable[[], Built], name: str,
+                        then: Callable[[Built], None]) -> tuple[Built, threading.Thread]:
+    """Runs `build` on a new daemon thread and returns what it built with the thread (raising what
+    building raised); the thread goes on to `then(built)`, typically to wait for a go and step.
+
+    So that one thread does all of an engine's torch work: libgomp keeps a team of worker threads
+    per thread that starts parallel regions, and two teams on a 2-core machine make every parallel
+    region wait for a sleeping worker (docs/PERF.md, "Serving")."""
+    built: concurrent.futures.Future[Built] = concurrent.futures.Future()
+
+    def thread_main() -> None:
+        try:
+            result = build()
+        except BaseException as exc:  # raised again on the caller's thread
+            built.set_exception(exc)
+            return
+        built.set_result(result)
+        then(result)
+
+    thread = threading.Thread(target=thread_main, name=name, daemon=True)
+    thread.start()
+    return built.result(), thread
 
 
 class QueueFullError(ConveyorError):
@@ -124,24 +151,15 @@ class AsyncEngine:
               on_report: Callable[[StepReport], None] | None = None) -> "AsyncEngine":
         """Builds the engine on a new loop thread (blocking until it is built; the factory's
         exception is raised here) and keeps that thread to step it once `start` is called."""
-        built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
-
-        def thread_main() -> None:
-            try:
-                engine = cls(make_engine(), max_waiting_requests, on_report)
-            except BaseException as exc:  # raised again by build() on the caller's thread
-                built.set_exception(exc)
-                return
-            built.set_result(engine)
+        def wait_then_run(engine: AsyncEngine) -> None:
             engine._go.wait()
             if not engine._stopping:
                 engine._run()
 
-        thread = threading.Thread(target=thread_main, name="conveyor-engine-loop", daemon=True)
-        thread.start()
-        result = built.result()  # raises the factory's exception
-        result._thread = thread
-        return result
+        engine, thread = build_on_own_thread(lambda: cls(make_engine(), max_waiting_requests, on_report),
+                                             "conveyor-engine-loop", wait_then_run)
+        engine._thread = thread
+        return engine
 
     # --- lifecycle (event loop side) ------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

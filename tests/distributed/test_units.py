@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -17,7 +18,7 @@ from conveyor.distributed.handover import (
 from conveyor.distributed.messages import WorkerLoopDied
 from conveyor.distributed.router import WorkerHandle, outstanding_tokens, pick
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, ModelLoadError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import make_prompts, reference_outputs, tiny_config
 
@@ -163,8 +164,6 @@ def test_worker_steps_carry_the_slo_state(tiny_model) -> None:
 
 def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
     # One thread doing all of a worker's torch work keeps libgomp to one team of threads.
-    import threading
-
     from conveyor.distributed.worker import EngineWorker
 
     threads: dict[str, set[int]] = {"build": set(), "step": set()}
@@ -202,8 +201,6 @@ def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monk
 
 def test_a_worker_whose_engine_cannot_be_built_raises_from_its_constructor(tmp_path) -> None:
     from conveyor.distributed.worker import EngineWorker
-
-    from conveyor.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="missing"):
         EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
