@@ -1,8 +1,8 @@
 // Decode attention read straight from a paged KV cache: one query row per request, no gather,
 // no padding to the longest context. A task covers all KV heads of a run of a request's blocks,
-// so each cache block is read as one contiguous run, which the hardware prefetcher follows
-// (prefetching the next block by hand measured slower). With enough rows a task is a whole
-// request; with fewer rows than two per thread, requests are cut into slices of their context
+// so each cache block is read as one contiguous run, which the hardware prefetcher follows (the
+// kernel also prefetches a few tokens ahead, across block boundaries). With enough rows a task is
+// a whole request; with fewer rows than two per thread, requests are cut into slices of their context
 // and the slices' partial softmax sums merged, so both cores work on one long request too. Each
 // thread takes a run of consecutive tasks holding about its share of the cached tokens (an even
 // split by count left one core idle for much of a step whose long requests sat together). Keys
@@ -20,6 +20,13 @@
 #include "fast_math.h"
 
 namespace {
+
+// A token's keys (or values) for all KV heads are 768 bytes (12 cache lines) for SmolLM2. A
+// token's arithmetic (nine dot products, or nine updates of an output row) is long enough that
+// the out-of-order core reaches too few of the next lines by itself; prefetching the token 4 ahead
+// (into the next block at a block's end) read the cold cache 1.10-1.20x faster. A whole block
+// ahead gained nothing.
+constexpr int64_t kPrefetchTokens = 4;
 
 // D is the head dimension when known at compile time (fully unrolled, no remainder), else 0.
 template <int64_t D>
@@ -65,11 +72,18 @@ struct Span {
       for (int64_t b = 0; b < num_blocks; ++b) {
         const float* block = cache + table[b] * block_stride;
         const int64_t t0 = b * block_size, count = std::min(block_size, n - t0);
-        for (int64_t j = 0; j < count; ++j)
+        const float* next_block = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t a = j + kPrefetchTokens;
+          const float* ahead = a < block_size ? block + a * token_stride
+                               : next_block ? next_block + (a - block_size) * token_stride : nullptr;
+          if (ahead)
+            for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(ahead + line, 0, 3);
           for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
             const float* vec = block + j * token_stride + kv * head_dim;
             for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j, h, vec);
           }
+        }
       }
     };
     for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
