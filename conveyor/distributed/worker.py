@@ -64,8 +64,8 @@ class EngineWorker:
         self._stopping = False
         self._go = threading.Event()  # the loop thread waits here for start() after building
         # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
-        self.engine, self._thread = build_on_own_thread(lambda: LLMEngine.from_config(config), f"conveyor-{name}",
-                                                        lambda _: self._wait_then_run())
+        self.engine, _ = build_on_own_thread(lambda: LLMEngine.from_config(config), f"conveyor-{name}",
+                                             lambda _: self._wait_then_run())
         runner = self.engine.runner
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,

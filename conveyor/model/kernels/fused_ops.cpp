@@ -96,9 +96,9 @@ inline void rotate(const float* x, float* out, const float* cos, const float* si
 // values into the caches [blocks, block_size, kv_heads, d] at the row's flat slot. Returns q and
 // views of the rotated keys and the values inside qkv, [T, kv_heads, d] each (made here: a
 // Python split costs more than this whole op at batch 1).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                             torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
-                             int64_t num_heads, int64_t num_kv_heads) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
+    torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
+    torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
