@@ -13,6 +13,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs, named as vLLM names them."""
     parser.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dequantize-weights", action="store_true",
+                        help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
     parser.add_argument("--policy", default="continuous", choices=["continuous", "static"])
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -33,6 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
+        dequantize_weights=args.dequantize_weights,
         policy=args.policy,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

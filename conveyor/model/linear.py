@@ -9,6 +9,10 @@ projection in 17 vs 24 ms at batch 1 and 57 vs 80 ms at 32 against oneDNN (docs/
 It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain path runs. Where the kernel can't be built, weights are
 packed for oneDNN instead. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
 results then differ only in fp32 rounding.
+
+A weight the checkpoint stores in GGUF Q4_1 / Q8_0 blocks is packed from those blocks instead
+(kernels/quant_gemm.cpp): the same panels at 0.625 / 1.06 bytes a weight, expanded to fp32 in
+registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.kernels import panel_gemm
+from conveyor.model.kernels import panel_gemm, quant_gemm
+from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 
 # From these rows up MKL on the plain weight is as fast or faster (measured: the panel kernel
 # 1.0-1.6x MKL from 32 to 2048 rows, 0.9x at 4096; oneDNN 0.92-0.99x MKL at 512-2048).
-PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512}
+PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "Q4_1": 4096, "Q8_0": 4096}
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
 
@@ -33,19 +38,27 @@ _ONEDNN_ROWS_HINT = 32
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    layout: str  # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout
+    layout: str  # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; "Q4_1" / "Q8_0": GGUF blocks in panels
 
 
 def packing_enabled() -> bool:
     return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None) -> PackedWeight | None:
     """The weight laid out for the decode-sized matmul, or None where packing does not apply
-    (non-fp32 weights, neither the kernel nor oneDNN available, or packing turned off)."""
+    (non-fp32 weights, neither the kernel nor oneDNN available, or packing turned off).
+    `quantized`: the same weight as the checkpoint's blocks, packed as such where the kernel builds."""
     if weight.dtype != torch.float32 or not packing_enabled():
         return None
     weight = weight.detach()
+    quant_kernel = quant_gemm() if quantized is not None else None
+    if quant_kernel is not None and quantized is not None:
+        if quantized.blocks.shape[0] != weight.shape[0] or quantized.in_features != weight.shape[1]:
+            raise ValueError(f"{quantized.qtype} blocks of a {tuple(quantized.blocks.shape)} weight do not match "
+                             f"its fp32 shape {tuple(weight.shape)}")
+        data = quant_kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
+        return PackedWeight(data, weight.shape[0], quantized.qtype)
     kernel = panel_gemm()
     if kernel is not None:
         return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels")  # type: ignore[attr-defined]
@@ -63,13 +76,13 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, PackedWeight | None, torch.Tensor
 def matmul_path() -> Matmul:
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
     resolves it once per forward pass, not on each of a step's ~120 products."""
-    packing, kernel = packing_enabled(), panel_gemm()
+    packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
 
     def product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         if (packing and packed is not None and x.dtype == torch.float32 and x.dim() == 2
                 and x.shape[0] < PLAIN_FROM_ROWS[packed.layout]):
-            y = packed_product(x, packed, bias, kernel)
+            y = packed_product(x, packed, bias, kernel, quant_kernel)
             if y is not None:
                 return y
         return F.linear(x, weight, bias)
@@ -80,22 +93,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
     return matmul_path()(x, weight, packed, bias)
 
 
-def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None) -> torch.Tensor | None:
-    """None when the panel kernel (`kernel`, from panel_gemm()) was turned off after packing
-    (CONVEYOR_KERNELS=0 in an A/B run)."""
+def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None,
+                   quant_kernel: object | None = None) -> torch.Tensor | None:
+    """None when the panel kernel (`kernel`, from panel_gemm(); `quant_kernel` from quant_gemm())
+    was turned off after packing (CONVEYOR_KERNELS=0 in an A/B run)."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    if packed.layout in KERNEL_QTYPE:
+        if quant_kernel is None:
+            return None
+        return quant_kernel.quantized_matmul(x, packed.data, packed.out_features, bias, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()` is called after loading, runs on its packed weight.
-    The plain weight stays (tied embeddings, prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
+    """nn.Linear that, once `pack()` is called after loading, runs on its packed weight (from the
+    checkpoint's blocks where `quantized` holds them). The plain weight stays (tied embeddings, prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
 
     packed: PackedWeight | None = None
+    quantized: QuantizedWeight | None = None  # the checkpoint's blocks, set by the loader before pack()
 
     def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, self.quantized)
 
     def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
         return (matmul or matmul_path())(x, self.weight, self.packed, self.bias)

@@ -14,6 +14,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
 from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight
 from conveyor.model.ops import LayerOps, layer_ops
+from conveyor.model.quantized import QuantizedWeight
 from conveyor.model.rope import rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -59,6 +60,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: PackedWeight | None = None
+        self.head_quantized: QuantizedWeight | None = None
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 
@@ -71,14 +73,16 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int | None = None
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int | None = None,
+        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> "LlamaModel":
+        """`quantized`: HF names -> the checkpoint's blocks, which the matmuls then stream."""
         # Build on the meta device so no time goes into random init of weights we overwrite.
         with torch.device("meta"):
             model = cls(cfg, max_positions)
         model = model.to_empty(device="cpu").to(dtype)
         model._build_rope()
-        model.load_weights(weights)
+        model.load_weights(weights, quantized)
         model.pack_weights()
         return model.eval()
 
@@ -113,11 +117,17 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.head_packed = pack_weight(self.head_weight)
+        self.head_packed = pack_weight(self.head_weight, self.head_quantized)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them."""
+    def load_weights(self, weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them. `quantized`
+        blocks are fused alike and kept for pack_weights."""
         own = dict(self.named_parameters())
+        blocks = quantized or {}
+        modules = dict(self.named_modules())
+
+        def put_blocks(linear: str, names: list[str]) -> None:
+            modules[linear].quantized = QuantizedWeight.cat([blocks.get(n) for n in names])  # type: ignore[union-attr]
 
         def put(name: str, tensor: torch.Tensor) -> None:
             own[name].data = tensor.to(own[name].dtype).contiguous()
@@ -126,16 +136,21 @@ class LlamaModel(nn.Module):
         put("norm", weights["model.norm.weight"])
         if self.lm_head is not None:
             put("lm_head.weight", weights["lm_head.weight"])
+        self.head_quantized = blocks.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         for i in range(self.cfg.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
             put(dst + "qkv.weight", torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
+            put_blocks(dst + "qkv", [f"{attn}{p}_proj.weight" for p in "qkv"])
             if self.cfg.attention_bias:
                 put(dst + "qkv.bias", torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))
             put(dst + "o_proj.weight", weights[attn + "o_proj.weight"])
+            put_blocks(dst + "o_proj", [attn + "o_proj.weight"])
             mlp = src + "mlp."
             put(dst + "gate_up.weight", torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+            put_blocks(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
             put(dst + "down.weight", weights[mlp + "down_proj.weight"])
+            put_blocks(dst + "down", [mlp + "down_proj.weight"])
             put(dst + "input_norm", weights[src + "input_layernorm.weight"])
             put(dst + "post_attention_norm", weights[src + "post_attention_layernorm.weight"])
             if self.cfg.qk_norm:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -11,6 +11,7 @@ from conveyor.errors import ModelLoadError
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_loader import load_gguf
 from conveyor.model.hf_loader import load_hf_folder
+from conveyor.model.quantized import QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -28,6 +29,8 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
     tokenizer: Tokenizer
     source: str  # the resolved file or folder
+    # HF names -> the checkpoint's own blocks, where the matmul kernel can read them (GGUF Q4_1 / Q8_0)
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def _smollm_gguf() -> Path:
@@ -64,6 +67,8 @@ def resolve_model_path(name: str | None) -> Path:
 
 def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
     path = resolve_model_path(name_or_path)
-    load = load_gguf if path.is_file() else load_hf_folder
-    config, weights, tokenizer = load(path, dtype)
+    if path.is_file():
+        config, weights, tokenizer, quantized = load_gguf(path, dtype)
+        return LoadedCheckpoint(config, weights, tokenizer, str(path), quantized)
+    config, weights, tokenizer = load_hf_folder(path, dtype)
     return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))

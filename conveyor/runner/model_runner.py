@@ -45,7 +45,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
-    model = LlamaModel.from_weights(cfg, checkpoint.weights, DTYPES[config.dtype])
+    quantized = {} if config.dequantize_weights else checkpoint.quantized
+    model = LlamaModel.from_weights(cfg, checkpoint.weights, DTYPES[config.dtype], quantized=quantized)
     return LoadedModel(model, checkpoint.tokenizer)
 
 

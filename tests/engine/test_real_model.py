@@ -93,3 +93,29 @@ def test_batching_does_not_change_greedy_tokens(make_engine, prompt_ids, hf_gree
         assert engine.scheduler.num_preemptions > 0
     for i, (ours, ref) in enumerate(zip(outputs, hf_greedy)):
         assert ours == ref, f"{case}: prompt {i} {PROMPTS[i][:30]!r} diverged"
+
+
+def test_gguf_blocks_give_the_dense_fp32_results_bit_for_bit(make_engine, default_model, default_checkpoint, prompt_ids):
+    """The default model's matmuls stream its Q4_1 / Q8_0 blocks; an engine on dense fp32 panels
+    of the same weights computes the same logprobs exactly."""
+    from conveyor.config import EngineConfig
+    from conveyor.model.llama import LlamaModel
+    from conveyor.runner.model_runner import LoadedModel
+
+    model = default_model.model
+    assert model.layers[0].qkv.packed.layout == "Q4_1" and model.head_packed.layout == "Q8_0"
+    dense_model = LlamaModel.from_weights(model.cfg, default_checkpoint.weights, torch.float32)
+    assert dense_model.layers[0].qkv.packed.layout == "panels"
+    dense = LLMEngine.from_config(EngineConfig(), LoadedModel(dense_model, default_model.tokenizer))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def logprobs(engine: LLMEngine) -> list:
+        ids = [engine.add_request(p, params) for p in prompt_ids[:6]]
+        steps: dict[str, list] = {i: [] for i in ids}
+        while engine.has_unfinished_requests:
+            for out in engine.step():
+                steps[out.request_id] += out.logprobs  # each output carries its new tokens' logprobs
+        assert all(len(s) == params.max_tokens for s in steps.values())
+        return [steps[i] for i in ids]
+
+    assert logprobs(make_engine()) == logprobs(dense)

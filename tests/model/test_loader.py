@@ -46,6 +46,7 @@ def test_default_load_is_fast_and_dtype(smollm_gguf_path: Path) -> None:
     ckpt = load_checkpoint(None, dtype=torch.bfloat16)
     elapsed = time.perf_counter() - start
     assert all(w.dtype == torch.bfloat16 for w in ckpt.weights.values())
+    assert ckpt.quantized == {}  # the block kernel computes in fp32 only
     assert elapsed < 10, f"default model took {elapsed:.1f}s to load"  # ~1 s on an idle 2-core box
 
 

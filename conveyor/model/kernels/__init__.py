@@ -91,3 +91,9 @@ def panel_gemm() -> object | None:
     """The module of the skinny fp32 matmul (panel_gemm.cpp: pack_panels, panel_matmul; x86 with
     AVX2 and FMA), or None when unavailable or disabled."""
     return _load("panel_gemm") if kernels_enabled() else None
+
+
+def quant_gemm() -> object | None:
+    """The module of the matmul on GGUF Q4_1 / Q8_0 blocks (quant_gemm.cpp: pack_quantized,
+    quantized_matmul; x86 with AVX2, FMA and F16C), or None when unavailable or disabled."""
+    return _load("quant_gemm") if kernels_enabled() else None

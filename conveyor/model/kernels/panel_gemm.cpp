@@ -13,73 +13,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cstdint>
+#include "panel_tile.h"
 
-#include <immintrin.h>
-
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "panel_gemm needs AVX2 and FMA"  // the loader then falls back to oneDNN / MKL
-#endif
-
-namespace {
-
-constexpr int64_t kPanel = 16;
-constexpr int kMaxTileRows = 6;
-constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel stream
-
-template <int R, bool kPrefetch>
-inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
-                 float* y, int64_t y_stride, int64_t cols) {
-  __m256 lo[R], hi[R];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    lo[r] = _mm256_setzero_ps();
-    hi[r] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const __m256 w_lo = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w_hi = _mm256_loadu_ps(panel + k * kPanel + 8);
-    // One panel step is one 64-byte line; prefetching past the panel's end reads the next panel,
-    // which this thread takes next (and a prefetch past the weight's end cannot fault).
-    if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
-      lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
-    }
-  }
-  alignas(32) float row[kPanel];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(row, lo[r]);
-    _mm256_store_ps(row + 8, hi[r]);
-    float* out = y + r * y_stride;
-    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
-  }
-}
-
-// Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
-// The first tile streams the panel from memory; the others find it in L2.
-void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const float* panel, int64_t k_dim,
-                      const float* bias, float* y, int64_t y_stride, int64_t cols) {
-  const bool prefetch = m > 2;
-  for (int64_t r = 0; r < m; r += kMaxTileRows) {
-    const float* xr = x + r * x_stride;
-    float* yr = y + r * y_stride;
-    const bool stream = prefetch && r == 0;
-#define CONVEYOR_TILE(R)                                                                  \
-  case R:                                                                                 \
-    if (stream) tile<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);      \
-    else tile<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);            \
-    break;
-    switch (std::min<int64_t>(kMaxTileRows, m - r)) {
-      CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
-      default: break;
-    }
-#undef CONVEYOR_TILE
-  }
-}
-
-}  // namespace
+using namespace conveyor_panels;
 
 // [N, K] fp32 -> [ceil(N/16), K, 16]; the columns past N in the last panel are zero.
 torch::Tensor pack_panels(const torch::Tensor& weight) {
