@@ -25,15 +25,18 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[300], help="prompt lengths drawn per request")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--dequantize-weights", action="store_true", help="dense fp32 matmuls, not the GGUF's blocks")
     args = parser.parse_args()
-    llm = LLM(None, max_num_seqs=max(args.batch, 1), num_threads=args.num_threads)
+    llm = LLM(None, max_num_seqs=max(args.batch, 1), num_threads=args.num_threads,
+              dequantize_weights=args.dequantize_weights)
     start_decode_batch(llm.engine, args.batch, args.contexts, args.steps + 2)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         llm.engine.step()
         times.append((time.perf_counter() - start) * 1e3)
-    print(f"{conveyor.__file__.rsplit('/conveyor/', 1)[0]}: batch {args.batch}, contexts {args.contexts}: step ms min {min(times):.1f} / median {statistics.median(times):.1f} "
+    weights = "dense fp32" if args.dequantize_weights else "GGUF blocks"
+    print(f"{conveyor.__file__.rsplit('/conveyor/', 1)[0]} ({weights}): batch {args.batch}, contexts {args.contexts}: step ms min {min(times):.1f} / median {statistics.median(times):.1f} "
           f"over {args.steps} steps")
 
 
