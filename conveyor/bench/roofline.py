@@ -51,11 +51,24 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
 
 
 def model_costs(engine: LLMEngine) -> tuple[int, int]:
-    """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only)."""
+    """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
+    projection streams its packed form: a GGUF's Q4_1 / Q8_0 blocks are 4-6x smaller than fp32."""
+    from conveyor.model.linear import Linear
+
     model = engine.runner.model  # type: ignore[attr-defined]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
-    return weight_bytes, 2 * matmul_params  # the embedding matrix doubles as the tied LM head
+
+    def streamed(weight: torch.Tensor, packed: object | None) -> int:
+        data = getattr(packed, "data", None)
+        return data.numel() * data.element_size() if data is not None else weight.numel() * weight.element_size()
+
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    # Vectors (norms, biases) are read whole; the embedding only by the rows looked up, so it
+    # counts once, as the vocabulary projection (tied or not).
+    vectors = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    weight_bytes = vectors + sum(streamed(m.weight, m.packed) for m in projections)
+    weight_bytes += streamed(model.head_weight, model.head_packed)
+    matmul_params = sum(m.weight.numel() for m in projections) + model.head_weight.numel()
+    return weight_bytes, 2 * matmul_params
 
 
 def decode_step_time(engine: LLMEngine, batch: int, context: int, steps: int) -> float:

@@ -38,7 +38,8 @@ _ONEDNN_ROWS_HINT = 32
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    layout: str  # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; "Q4_1" / "Q8_0": GGUF blocks in panels
+    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; "Q4_1" / "Q8_0": GGUF blocks in panels
+    layout: str
 
 
 def packing_enabled() -> bool:
@@ -102,13 +103,15 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     if packed.layout in KERNEL_QTYPE:
         if quant_kernel is None:
             return None
-        return quant_kernel.quantized_matmul(x, packed.data, packed.out_features, bias, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
+        qtype = KERNEL_QTYPE[packed.layout]
+        return quant_kernel.quantized_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()` is called after loading, runs on its packed weight (from the
-    checkpoint's blocks where `quantized` holds them). The plain weight stays (tied embeddings, prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
+    checkpoint's blocks where `quantized` holds them). The plain weight stays (tied embeddings,
+    prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
 
     packed: PackedWeight | None = None
     quantized: QuantizedWeight | None = None  # the checkpoint's blocks, set by the loader before pack()

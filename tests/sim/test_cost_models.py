@@ -34,7 +34,7 @@ def test_published_model_sizes() -> None:
     assert get_model("llama-3-8b").num_params == pytest.approx(8.03e9, rel=0.005)
     assert get_model("llama-2-13b").num_params == pytest.approx(13.02e9, rel=0.005)
     assert get_model("llama-3-70b").num_params == pytest.approx(70.6e9, rel=0.005)
-    assert get_model("smollm2-135m").weight_bytes == 538_060_032  # what `bench roofline` measures, fp32
+    assert get_model("smollm2-135m").weight_bytes == 538_060_032  # `bench roofline --dequantize-weights`: fp32
     assert get_model("llama-3-8b").kv_bytes_per_token == 128 * 1024  # 32 layers x 8 heads x 128 x 2 x bf16
 
 
