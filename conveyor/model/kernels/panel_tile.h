@@ -17,14 +17,34 @@ constexpr int64_t kPanel = 16;
 constexpr int kMaxTileRows = 6;
 constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel stream
 
-template <int R, bool kPrefetch>
-inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
-                 float* y, int64_t y_stride, int64_t cols) {
-  __m256 lo[R], hi[R];
+// A tile's sums: row r's 16 columns in lo[r] (columns 0-7) and hi[r] (8-15). Full unrolling
+// keeps the arrays in registers.
+template <int R>
+inline void zero_sums(__m256 (&lo)[R], __m256 (&hi)[R]) {
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
     lo[r] = _mm256_setzero_ps();
     hi[r] = _mm256_setzero_ps();
   }
+}
+
+// Rows [0, R) of y = the sums (+ bias); only the first `cols` columns are real.
+template <int R>
+inline void store_sums(const __m256 (&lo)[R], const __m256 (&hi)[R], const float* bias, float* y, int64_t y_stride,
+                       int64_t cols) {
+  alignas(32) float row[kPanel];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(row, lo[r]);
+    _mm256_store_ps(row + 8, hi[r]);
+    float* out = y + r * y_stride;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
+  }
+}
+
+template <int R, bool kPrefetch>
+inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
+                 float* y, int64_t y_stride, int64_t cols) {
+  __m256 lo[R], hi[R];
+  zero_sums<R>(lo, hi);
   for (int64_t k = 0; k < k_dim; ++k) {
     const __m256 w_lo = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w_hi = _mm256_loadu_ps(panel + k * kPanel + 8);
@@ -37,19 +57,13 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k
       hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
     }
   }
-  alignas(32) float row[kPanel];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(row, lo[r]);
-    _mm256_store_ps(row + 8, hi[r]);
-    float* out = y + r * y_stride;
-    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
-  }
+  store_sums<R>(lo, hi, bias, y, y_stride, cols);
 }
 
 // Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
 // The first tile streams the panel from memory; the others find it in L2.
 inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const float* panel, int64_t k_dim,
-                      const float* bias, float* y, int64_t y_stride, int64_t cols, bool from_memory = true) {
+                             const float* bias, float* y, int64_t y_stride, int64_t cols, bool from_memory = true) {
   const bool prefetch = from_memory && m > 2;
   for (int64_t r = 0; r < m; r += kMaxTileRows) {
     const float* xr = x + r * x_stride;

@@ -86,10 +86,7 @@ template <QType T, int R>
 void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t k_blocks, const float* bias,
                 float* y, int64_t y_stride, int64_t cols) {
   __m256 lo[R], hi[R];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    lo[r] = _mm256_setzero_ps();
-    hi[r] = _mm256_setzero_ps();
-  }
+  zero_sums<R>(lo, hi);
   for (int64_t kb = 0; kb < k_blocks; ++kb, src += PanelBlock<T>::kBytes) {
     const PanelBlock<T> block(src);
     const float* xk = x + kb * kBlockK;
@@ -103,13 +100,7 @@ void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t k_
       }
     }
   }
-  alignas(32) float row[kPanel];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(row, lo[r]);
-    _mm256_store_ps(row + 8, hi[r]);
-    float* out = y + r * y_stride;
-    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
-  }
+  store_sums<R>(lo, hi, bias, y, y_stride, cols);
 }
 
 template <QType T>
