@@ -90,7 +90,9 @@ def test_streams_are_timed_per_chunk_and_payloads_are_vllm_shaped() -> None:
     for req, r in zip(requests, records):
         assert r.success and r.prompt_len == 3 and r.output_len == req.output_len
         assert len(r.itl) == req.output_len - 1  # the finish-only chunk is not a token
-        assert r.ttft == pytest.approx(FIRST_S, abs=0.04)
+        # Never before the server's own delay; the slack above it is for a loaded 2-core CI box
+        # (a first connection there has taken 90 ms more).
+        assert FIRST_S - 0.005 <= r.ttft < FIRST_S + 0.15
         assert all(gap == pytest.approx(GAP_S, abs=0.03) for gap in r.itl)
         assert r.latency == pytest.approx(r.ttft + sum(r.itl))
         assert r.tpot == pytest.approx(GAP_S, abs=0.02)

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -52,13 +53,47 @@ def _headers_tag() -> str:
     return digest.hexdigest()[:8]
 
 
+# A build killed half-way (Ctrl-C during a server's first start) leaves torch's lock file behind,
+# and torch then waits on it forever, silently. A kernel builds in well under a minute here, so a
+# lock this old is stale.
+STALE_LOCK_SECONDS = 300.0
+
+
+def wait_for_build_lock(extension_name: str, stale_after: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> bool:
+    """Waits while another process builds the extension; removes the lock once it is `stale_after`
+    seconds old and returns True if it did."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(extension_name, verbose=False)) / "lock"
+    except (ImportError, OSError):  # a torch without the helper: torch's own wait applies
+        return False
+    warned = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock: nobody is building
+            return False
+        if age >= stale_after:
+            logger.warning("conveyor: removing stale build lock %s (%.0f s old; a build was interrupted)", lock, age)
+            lock.unlink(missing_ok=True)
+            return True
+        if not warned:
+            logger.warning("conveyor: waiting for build lock %s (another process is building, or one was "
+                           "interrupted: it counts as stale after %.0f s)", lock, stale_after)
+            warned = True
+        time.sleep(poll)
+
+
 @functools.cache
 def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import load
 
+    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}"
+    wait_for_build_lock(extension_name)
     try:
         return load(
-            name=f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}",
+            name=extension_name,
             sources=[str(_SOURCE_DIR / f"{name}.cpp")],
             extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])],
             extra_ldflags=["-fopenmp"],
