@@ -101,7 +101,7 @@ def make_engine(
     return engine, runner
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def solo(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     """The request's tokens when it runs alone in a roomy engine."""
     total = len(prompt) + max_tokens
