@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve generate test bench-step clean
+.PHONY: install install-test serve generate lint test bench-step clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,12 @@ serve: install
 generate: install
 	$(VENV)/bin/conveyor generate --model $(MODEL) "The capital of France is"
 
-test: install-test
+# Static checks (configured in pyproject.toml): ruff over the tree, mypy over the package.
+lint: install-test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 bench-step: install-test

@@ -35,13 +35,15 @@ def matmuls(llm: LLM, rows: list[int], repeats: int) -> None:
     layer = model.layers[0]
     shapes = {"qkv": layer.qkv.weight, "o_proj": layer.o_proj.weight, "gate_up": layer.gate_up.weight,
               "down": layer.down.weight, "lm_head": model.head_weight}
-    print("\n| product (rows x in -> out) | packed ms (min / median) | plain ms (min / median) | plain / packed | GFLOP/s packed / plain |")
+    print("\n| product (rows x in -> out) | packed ms (min / median) | plain ms (min / median) | plain / packed "
+          "| GFLOP/s packed / plain |")
     print("|---|---:|---:|---:|---:|")
     for batch in rows:
         for name, weight in shapes.items():
             packed = pack_weight(weight)
             x = torch.randn(batch, weight.shape[1])
-            runs = {"packed": lambda: packed_product(x, packed, None, panel_gemm()), "plain": lambda: F.linear(x, weight)}
+            runs = {"packed": lambda x=x, packed=packed: packed_product(x, packed, None, panel_gemm()),
+                    "plain": lambda x=x, weight=weight: F.linear(x, weight)}
             label = f"{name} {batch} x {weight.shape[1]} -> {weight.shape[0]}"
             print(row(label, time_pairs(runs, repeats * 3), 2.0 * x.numel() * weight.shape[0]))
 

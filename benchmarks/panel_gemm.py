@@ -53,10 +53,11 @@ def main() -> None:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
         modes = {
-            "panels": lambda: [kernel.panel_matmul(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)],
-            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                               for w, p in zip(weights, onednn)],
-            "mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+            "panels": lambda xs=xs: [kernel.panel_matmul(xs[w.shape[1]], p, w.shape[0], None)
+                                     for w, p in zip(weights, panels)],
+            "onednn": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                     for w, p in zip(weights, onednn)],
+            "mkl": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
         }
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         for run in modes.values():
@@ -79,8 +80,8 @@ def against_baseline(kernel: object, baseline: object, revision: str, weights: l
     print("|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
-        runs = {name: (lambda m=module: [m.panel_matmul(xs[w.shape[1]], p, w.shape[0], None)  # type: ignore[attr-defined]
-                                         for w, p in zip(weights, panels)])
+        runs = {name: (lambda m=module, xs=xs: [m.panel_matmul(xs[w.shape[1]], p, w.shape[0], None)  # type: ignore[attr-defined]
+                                                for w, p in zip(weights, panels)])
                 for name, module in (("tree", kernel), ("base", baseline))}
         # as tests/model/test_linear.py: a change may round differently (another order of the sums)
         torch.testing.assert_close(runs["tree"]()[0], runs["base"]()[0], rtol=1e-5, atol=2e-4)

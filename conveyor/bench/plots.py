@@ -64,7 +64,7 @@ def plot_occupancy(results: Sequence["RunResult"], path: Path) -> Path | None:
                 continue
             t = [s.t - s.duration for s in trace] + [trace[-1].t]  # each value spans its step
 
-            def series(values: list[int]) -> list[float]:
+            def series(values: list[int], cap: int = cap) -> list[float]:
                 return [v / cap for v in values] + [values[-1] / cap]
 
             ax.step(t, series([s.running for s in trace]), where="post", color=COLORS[run.policy],
@@ -90,7 +90,8 @@ def plot_itl_over_time(results: Sequence["RunResult"], path: Path) -> Path | Non
     for ax, rate in zip(axes[:, 0], rates):
         for policy in pair:
             run = _pick(results, policy, rate)
-            times, gaps = [], []
+            times: list[float] = []
+            gaps: list[float] = []
             for rec in run.offline.records:  # type: ignore[union-attr]
                 token_times = rec.token_times()
                 times += token_times[1:]

@@ -45,7 +45,7 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
     for dtype in (torch.float32, torch.bfloat16):
         # The shape decode runs: a batch of rows against an MLP weight, not a square GEMM.
         x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, intermediate, dtype=dtype)
-        seconds = _best_of(lambda: [x @ w for _ in range(20)], repeats) / 20
+        seconds = _best_of(lambda x=x, w=w: [x @ w for _ in range(20)], repeats) / 20
         flops[dtype] = 2 * 64 * hidden * intermediate / seconds / 1e9
     return MachinePeaks(data.numel() * 4 / read_s / 1e9, flops[torch.float32], flops[torch.bfloat16])
 

@@ -149,7 +149,7 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple
         await wait_until_ready(client, cfg)
 
         async def one(req: BenchRequest) -> RequestRecord:
-            async with semaphore:  # type: ignore[attr-defined]
+            async with semaphore:
                 record = await send_request(client, cfg, req)
             if bar is not None:
                 bar.update(1)

@@ -142,7 +142,7 @@ def parse_rate_schedule(text: str) -> RateSchedule:
         try:
             start, rate = (float(x) for x in part.split(":"))
         except ValueError:
-            raise ConfigError(f"cannot read rate schedule {text!r}: use START_S:RATE,... e.g. 0:1,120:4,240:1")
+            raise ConfigError(f"cannot read rate schedule {text!r}: use START_S:RATE,... e.g. 0:1,120:4,240:1") from None
         schedule.append((start, rate))
     if schedule[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])):
         raise ConfigError(f"rate schedule {text!r}: the first start must be 0 and starts must increase")

@@ -205,7 +205,7 @@ class RayEngineClient:
         self.cluster.kv_transfers += 1
         self.cluster.kv_transfer_bytes += ready.num_bytes
         if t.aborted:
-            t.worker.tell("abort", t.request_id)  # type: ignore[union-attr]
+            t.worker.tell("abort", t.request_id)
 
     async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> BaseException | None:
         """Import the request's KV into a live decode worker (a second one if the first died)."""

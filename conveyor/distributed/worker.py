@@ -212,7 +212,7 @@ class EngineWorker:
                     pass
 
     def _fail_commands(self) -> None:
-        futures = [done for _, done in self._pending_imports]
+        futures: list[concurrent.futures.Future | None] = [done for _, done in self._pending_imports]
         self._pending_imports.clear()
         while True:
             try:

@@ -11,7 +11,7 @@ detokenisation happen on the caller's side: the loop thread only ever sees token
 process's torch work: libgomp keeps a team of worker threads per thread that starts parallel
 regions, and with two teams (loading on the main thread, stepping on another) it has more threads
 than this 2-core machine has cores and stops spinning at barriers; every parallel region then
-waits for a sleeping worker. Steps ran ~25% slower that way (docs/PERF.md, "Serving").
+waits for a sleeping worker, and steps run measurably slower (docs/PERF.md, "Serving").
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ def shorten_gil_switch_interval() -> None:
 
     The engine thread drops the GIL in every torch op and must take it back to issue the next;
     when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch interval
-    stalls the step with both cores idle (docs/PERF.md, "Serving": a 32-request chat benchmark
-    served at 86 output tok/s with the default, 93-106 with 0.2 ms; offline 114)."""
+    stalls the step with both cores idle (docs/PERF.md, "Serving", has the measurement)."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
 

@@ -1,7 +1,7 @@
 """Offline batch generation: LLM(model, **config).generate(prompts, sampling_params)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -26,7 +26,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; results come back in the order of `prompts`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [cast(Prompt, prompts)]  # one prompt: a string or a list of token ids
+        prompts = cast(Sequence[Prompt], prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -44,6 +45,6 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
+            conversations = [cast(list[dict[str, str]], conversations)]
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params)

@@ -68,6 +68,7 @@ class LLMEngine:
         from conveyor.runner.model_runner import ModelRunner  # torch only where tensors are built
 
         runner = ModelRunner.from_config(config, loaded)  # type: ignore[arg-type]
+        assert runner.tokenizer is not None  # from_config loads the checkpoint's tokenizer
         return cls(
             config,
             runner,

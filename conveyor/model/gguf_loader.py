@@ -1,9 +1,9 @@
 """GGUF checkpoints -> (ModelConfig, HF-named fp weights, Tokenizer, HF-named quantised blocks).
 
 The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds numpy views for
-each of the ~100k vocabulary strings and takes ~5 s on the default model; this parse takes ~0.1 s.
+each of the vocabulary strings, which takes seconds; this parse is far quicker (docs/PERF.md).
 Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
-to `gguf.quants.dequantize` and ~3x faster), the rest fall back to `gguf.quants.dequantize`.
+to `gguf.quants.dequantize` and faster), the rest fall back to `gguf.quants.dequantize`.
 Q4_1 and Q8_0 matrices are also kept as their raw blocks, which the matmul kernel streams.
 """
 from __future__ import annotations
@@ -155,8 +155,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """Dequantising is hundreds of small ops; on a shared 2-core box intra-op threads spin at every
-    barrier, and we measured 2 threads 5-15x slower than 1 when other processes were busy."""
+    """Dequantising is hundreds of small ops; when other processes share the cores, intra-op threads
+    spin at every barrier and several threads are much slower than one (docs/PERF.md)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,14 +1,13 @@
 """Linear layers whose fp32 weights are laid out once, at load, for the few rows of a decode step.
 
 A decode step multiplies 1-64 rows by every weight matrix, streaming the weights from memory.
-On the 2-core AMD EPYC this was measured on (AVX2, no AVX-512/AMX), `F.linear` (MKL) on the plain
-[out, in] weight reaches ~10-100 GFLOP/s at those rows and oneDNN on its own blocked layout ~15-120;
-conveyor's panel kernel (kernels/panel_gemm.cpp) reads each weight once as one stream and reaches
-the memory bandwidth at 1-8 rows and ~150 GFLOP/s at 32: all 30 layers plus the vocabulary
-projection in 17 vs 24 ms at batch 1 and 57 vs 80 ms at 32 against oneDNN (docs/PERF.md).
-It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain path runs. Where the kernel can't be built, weights are
-packed for oneDNN instead. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
-results then differ only in fp32 rounding.
+At those rows `F.linear` (MKL) on the plain [out, in] weight and oneDNN on its own blocked layout
+fall well short of the machine's bandwidth and FMA peak; conveyor's panel kernel
+(kernels/panel_gemm.cpp) reads each weight once as one stream and gets close to both (figures in
+docs/PERF.md). It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain
+path runs. Where the kernel can't be built, weights are packed for oneDNN instead.
+CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging); results then differ only in fp32
+rounding.
 
 A weight the checkpoint stores in GGUF Q4_1 / Q8_0 blocks is packed from those blocks instead
 (kernels/quant_gemm.cpp): the same panels at 0.625 / 1.06 bytes a weight, expanded to fp32 in
@@ -27,8 +26,8 @@ from torch import nn
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 
-# From these rows up MKL on the plain weight is as fast or faster (measured: the panel kernel
-# 1.0-1.6x MKL from 32 to 2048 rows, 0.9x at 4096; oneDNN 0.92-0.99x MKL at 512-2048).
+# From these rows up MKL on the plain weight is as fast or faster (measured: docs/PERF.md, "the
+# panel kernel").
 PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "Q4_1": 4096, "Q8_0": 4096}
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32

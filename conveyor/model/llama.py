@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         """Updates the residual stream x in place and returns it. `ops`, `matmul` and
         `decode_kernel` are resolved once per forward pass (the env switches are not read per op)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm, eps)
+        qk_norm = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm, eps)
         qkv = self.qkv.forward(ops.rms_norm(x, self.input_norm, eps), matmul)
         q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
                                      cfg.num_kv_heads, qk_norm)
@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
         modules = dict(self.named_modules())
 
         def put_blocks(linear: str, names: list[str]) -> None:
-            modules[linear].quantized = QuantizedWeight.cat([blocks.get(n) for n in names])  # type: ignore[union-attr]
+            modules[linear].quantized = QuantizedWeight.cat([blocks.get(n) for n in names])
 
         def put(name: str, tensor: torch.Tensor) -> None:
             own[name].data = tensor.to(own[name].dtype).contiguous()

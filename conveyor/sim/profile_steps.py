@@ -110,7 +110,8 @@ def run_episode(engine: LLMEngine, episode: Episode, recorder: ShapeRecorder, sa
     return samples
 
 
-def measure(engine: LLMEngine, grid: ProfileGrid, echo: Callable[[str], None] = print) -> list[tuple[StepShape, float]]:
+def measure(engine: LLMEngine, grid: ProfileGrid,
+            echo: Callable[[str], None] | None = print) -> list[tuple[StepShape, float]]:
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     run_episode(engine, Episode([Wave([32, 48], 4)]), recorder)  # warm-up, not recorded

@@ -129,7 +129,7 @@ def test_logprobs_shapes(client):
     lp = full.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert "".join(lp.tokens) == full.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the chosen token is the best
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0

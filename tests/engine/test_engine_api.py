@@ -27,7 +27,8 @@ def test_stop_reasons(make_engine):
 
     stop_at = full.token_ids[3]
     ids = {
-        "token": engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])),
+        "token": engine.add_request("The capital of France is",
+                                    SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])),
         "string": engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"])),
         "kept": engine.add_request(
             "The capital of France is",
@@ -100,7 +101,8 @@ def test_seeded_sampling_is_reproducible_across_batches(make_engine):
     batched_id = engine.add_request("Tell me a story", params)
     assert finish_all(engine)[batched_id].token_ids == alone
     other = make_engine()
-    other_id = other.add_request("Tell me a story", SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True))
+    other_id = other.add_request("Tell me a story",
+                                 SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True))
     assert finish_all(other)[other_id].token_ids != alone
 
 
@@ -114,7 +116,8 @@ def test_timestamps_are_ordered(make_engine):
 
 def test_logprobs_come_with_each_token(make_engine):
     engine = make_engine()
-    rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True))
+    rid = engine.add_request("The capital of France is",
+                             SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True))
     per_token = []
     while engine.has_unfinished_requests:
         for out in engine.step():

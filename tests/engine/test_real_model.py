@@ -64,11 +64,6 @@ def run(engine: LLMEngine, prompts: list[list[int]], arrive_every: int = 0) -> l
     return [results[i] for i in ids]
 
 
-def test_prompts_have_different_lengths(prompt_ids):
-    lengths = sorted(len(p) for p in prompt_ids)
-    assert len(set(lengths)) >= 8 and lengths[0] < 5 and lengths[-1] > 100
-
-
 def test_alone_matches_transformers(make_engine, prompt_ids, hf_greedy):
     engine = make_engine()
     alone = [run(engine, [p])[0] for p in prompt_ids]

@@ -94,7 +94,8 @@ def test_bad_sampling_params_raise_typed_error(kwargs):
 
 def test_logprobs_report_chosen_and_top_alternatives():
     logits = torch.randn(3, 40)
-    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, logprobs=0)]
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, logprobs=0)]
     out = Sampler(seed=5)(logits, requests(*params))
     assert out.logprobs is not None and out.logprobs[1] is None
     expected = torch.log_softmax(logits, dim=-1)

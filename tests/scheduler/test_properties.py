@@ -25,7 +25,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler import ContinuousScheduler, StaticScheduler, make_scheduler
+from conveyor.scheduler import ContinuousScheduler, make_scheduler
 
 from tests.fakes import FakeRunner
 
@@ -101,7 +101,7 @@ def make_engine(
     return engine, runner
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def solo(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     """The request's tokens when it runs alone in a roomy engine."""
     total = len(prompt) + max_tokens
@@ -501,14 +501,6 @@ def test_a_tiny_pool_really_preempts() -> None:
 
 
 # --- the schedulers on their own --------------------------------------------------------------------
-def test_make_scheduler_picks_the_policy() -> None:
-    from conveyor.kv.manager import KVCacheManager
-
-    kv = KVCacheManager(4, 2)
-    assert isinstance(make_scheduler(SchedulerConfig(policy="continuous"), kv), ContinuousScheduler)
-    assert isinstance(make_scheduler(SchedulerConfig(policy="static"), kv), StaticScheduler)
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     policy=st.sampled_from(["continuous", "static"]),

@@ -156,7 +156,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
       const float* gate = in_ptr + r * stride;
       const float* up = gate + n;
       float* o = out_ptr + r * n;
-      // Two passes: gcc's code for the one-pass loop measured 3x slower (3.1 vs 0.95 ns/element).
+      // Two passes: gcc's code for the one-pass loop measured several times slower (docs/PERF.md).
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) o[i] = conveyor::fast_exp(-gate[i]);
 #pragma omp simd

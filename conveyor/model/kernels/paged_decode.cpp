@@ -24,8 +24,8 @@ namespace {
 // A token's keys (or values) for all KV heads are 768 bytes (12 cache lines) for SmolLM2. A
 // token's arithmetic (nine dot products, or nine updates of an output row) is long enough that
 // the out-of-order core reaches too few of the next lines by itself; prefetching the token 4 ahead
-// (into the next block at a block's end) read the cold cache 1.10-1.20x faster. A whole block
-// ahead gained nothing.
+// (into the next block at a block's end) reads the cold cache faster (docs/PERF.md). A whole
+// block ahead gained nothing.
 constexpr int64_t kPrefetchTokens = 4;
 
 // D is the head dimension when known at compile time (fully unrolled, no remainder), else 0.

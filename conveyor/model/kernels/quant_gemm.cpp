@@ -75,8 +75,8 @@ void expand_panel(const uint8_t* src, int64_t k_blocks, float* out) {
 }
 
 // Up to 5 rows against one quantised panel, expanding in registers: for so few rows the round
-// trip through an L2 buffer costs as much as the arithmetic (1 / 4 rows: 7.4 / 9.2 ms a step's
-// products fused, 12.6 / 15.8 through the buffer). Up to 10 rows run as two such tiles, each
+// trip through an L2 buffer costs as much as the arithmetic (measured: docs/PERF.md, "streaming the
+// GGUF's own blocks"). Up to 10 rows run as two such tiles, each
 // expanding the panel; more rows expand it once into the buffer. 6-row tiles spill registers.
 // Same sums in the same order as tile<R>, so the same results.
 constexpr int kFusedRows = 5;
