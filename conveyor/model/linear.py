@@ -10,9 +10,9 @@ It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plai
 packed for oneDNN instead. CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging);
 results then differ only in fp32 rounding.
 
-A weight the checkpoint stores in GGUF Q4_1 / Q8_0 blocks is packed from those blocks instead
-(kernels/quant_gemm.cpp): the same panels at 0.625 / 1.06 bytes a weight, expanded to fp32 in
-registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
+A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
+packed from those blocks instead (kernels/quant_gemm.cpp): the same panels at 0.56-1.06 bytes a
+weight, expanded to fp32 in registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 
 # From these rows up MKL on the plain weight is as fast or faster (measured: the panel kernel
 # 1.0-1.6x MKL from 32 to 2048 rows, 0.9x at 4096; oneDNN 0.92-0.99x MKL at 512-2048).
-PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "Q4_1": 4096, "Q8_0": 4096}
+PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, **{qtype: 4096 for qtype in KERNEL_QTYPE}}
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
 
@@ -38,7 +38,7 @@ _ONEDNN_ROWS_HINT = 32
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; "Q4_1" / "Q8_0": GGUF blocks in panels
+    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; a KERNEL_QTYPE key: GGUF blocks in panels
     layout: str
 
 
