@@ -32,9 +32,35 @@ class QuantizedWeight:
         return self.blocks.shape[1] // nbytes * weights
 
     @staticmethod
-    def cat(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
-        """The row-wise concatenation (fused q/k/v, gate/up), or None unless every part has blocks
-        of one type."""
-        if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:  # type: ignore[union-attr]
+    def cat(parts: list[QuantizedWeight | None]) -> QuantizedWeight | QuantizedParts | None:
+        """The row-wise concatenation (fused q/k/v, gate/up): one weight where every part has blocks
+        of one type, the parts side by side where their types differ (a Q4_K_M file's Q5_0 q/k
+        beside a Q8_0 v), None unless every part has blocks."""
+        if not parts or any(p is None for p in parts):
             return None
-        return QuantizedWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]))  # type: ignore[union-attr]
+        present = [p for p in parts if p is not None]
+        merged: list[QuantizedWeight] = []
+        for p in present:  # runs of one type concatenate into one part
+            if merged and merged[-1].qtype == p.qtype:
+                merged[-1] = QuantizedWeight(p.qtype, torch.cat([merged[-1].blocks, p.blocks]))
+            else:
+                merged.append(p)
+        return merged[0] if len(merged) == 1 else QuantizedParts(tuple(merged))
+
+
+@dataclass(frozen=True)
+class QuantizedParts:
+    """A fused weight whose row ranges come in different block types, each a QuantizedWeight."""
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if len({p.in_features for p in self.parts}) != 1:
+            raise ValueError("the parts of a fused weight must have the same in_features")
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.blocks.shape[0] for p in self.parts)

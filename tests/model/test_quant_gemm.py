@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.linear import Linear, linear, pack_weight
-from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedWeight
+from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedParts, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
@@ -132,10 +132,21 @@ def test_gemma3_q4_k_m_tensors_of_each_type(gemma3_gguf_path) -> None:
             assert torch.equal(reference_fp32(q), weight), name
             packed, dense = pack_weight(weight, q), pack_weight(weight)
             assert packed is not None and packed.layout == qtype
+            # The panels stream the file's bytes (the K-quants' 6-bit scales as bytes: +2.8%).
+            assert packed.data.numel() <= 1.03 * t.nbytes, (name, packed.data.numel(), t.nbytes)
             bias = torch.randn(weight.shape[0])
             for rows in (1, 5, 8, 13, 32):
                 x = torch.randn(rows, weight.shape[1])
                 assert torch.equal(linear(x, weight, packed, bias), linear(x, weight, dense, bias)), (name, rows)
+    # Layer 0's q / k are Q5_0 and its v Q8_0: fused, they run as two parts.
+    names = [f"blk.0.attn_{p}.weight" for p in "qkv"]
+    fused = QuantizedWeight.cat([_blocks(gf, gf.tensors[n]) for n in names])
+    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    weight = torch.cat([dequantize(gf, gf.tensors[n]) for n in names])
+    packed, dense = pack_weight(weight, fused), pack_weight(weight)
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, weight.shape[1])
+        assert torch.equal(linear(x, weight, packed), linear(x, weight, dense)), rows
 
 
 def test_fused_projection_blocks_concatenate_rows() -> None:
@@ -150,7 +161,28 @@ def test_fused_projection_blocks_concatenate_rows() -> None:
     assert layer.packed is not None and layer.packed.layout == "Q4_K"
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
     assert QuantizedWeight.cat([parts[0], None]) is None
-    assert QuantizedWeight.cat([parts[0], random_blocks("Q8_0", 16, 256)]) is None
+
+
+def test_fused_parts_of_different_types_run_side_by_side() -> None:
+    """A Q4_K_M file's q/k (Q5_0) beside its v (Q8_0): the parts run as they are, bit for bit the
+    fp32 panels' products; runs of one type merge into one part."""
+    parts = [random_blocks("Q5_0", 32, 256, 0), random_blocks("Q5_0", 16, 256, 1), random_blocks("Q8_0", 24, 256, 2)]
+    fused = QuantizedWeight.cat(parts)
+    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    assert fused.out_features == 72 and fused.in_features == 256
+    weight = torch.cat([reference_fp32(p) for p in parts])
+    packed, dense = pack_weight(weight, fused), pack_weight(weight)
+    assert packed is not None and packed.layout == "parts"
+    assert packed.nbytes == sum(p.data.numel() for p in packed.parts) < dense.nbytes / 4
+    bias = torch.randn(72)
+    for rows in (1, 4, 8, 13, 32):
+        x = torch.randn(rows, 256)
+        for b in (None, bias):
+            assert torch.equal(linear(x, weight, packed, b), linear(x, weight, dense, b)), rows
+    with pytest.raises(ValueError, match="do not match"):
+        pack_weight(weight[:64], fused)
+    with pytest.raises(ValueError, match="in_features"):
+        QuantizedWeight.cat([parts[0], random_blocks("Q8_0", 16, 64)])
 
 
 def test_bad_blocks_are_rejected() -> None:

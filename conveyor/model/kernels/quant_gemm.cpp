@@ -178,12 +178,18 @@ void expand_panel(const uint8_t* src, int64_t units, float* out) {
   }
 }
 
-// Up to 5 rows against one quantised panel, expanding in registers: for so few rows the round
-// trip through an L2 buffer costs as much as the arithmetic (Q4_1, 1 / 4 rows: 7.4 / 9.2 ms a
-// step's products fused, 12.6 / 15.8 through the buffer). Up to 10 rows run as two such tiles,
-// each expanding the panel; more rows expand it once into the buffer. 6-row tiles spill registers.
+// Up to kFusedRows rows against one quantised panel, expanding in registers: for so few rows the
+// round trip through an L2 buffer costs as much as the arithmetic (Q4_1, 1 / 4 rows: 7.4 / 9.2 ms
+// a step's products fused, 12.6 / 15.8 through the buffer). Up to 10 rows run as one or two such
+// tiles, each expanding the panel; more rows expand it once into the buffer. With AVX2's 16 vector
+// registers a 6-row tile spills; AVX-512VL's 32 hold a 10-row tile's 20 sums beside the weights,
+// their scales and offsets, so the panel is expanded once instead of twice at 6-10 rows.
 // Same sums in the same order as tile<R>, so the same results.
+#if defined(__AVX512VL__)
+constexpr int kFusedRows = 10;
+#else
 constexpr int kFusedRows = 5;
+#endif
 constexpr int64_t kFusedRowsMax = 10;
 
 template <class U, int R>
@@ -199,7 +205,7 @@ void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t un
       _Pragma("GCC unroll 2") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k) {
         __m256 w_lo, w_hi;
         unit.weights(s, k, w_lo, w_hi);
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_broadcast_ss(xu + r * x_stride + k);
           lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
           hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
@@ -214,18 +220,18 @@ template <class U>
 void rows_times_quantized_panel(const float* x, int64_t x_stride, int64_t m, const uint8_t* src, int64_t units,
                                 const float* bias, float* y, int64_t y_stride, int64_t cols, std::vector<float>& buffer) {
   if (m <= kFusedRowsMax) {
-    // Tiles of balanced sizes (7 rows as 4 + 3): each expands the panel again, from L1.
+    // Tiles of balanced sizes (AVX2: 7 rows as 4 + 3): each expands the panel again, from L1.
     const int64_t tiles = (m + kFusedRows - 1) / kFusedRows;
     for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
       const int64_t rows = (m - r0) / (tiles - t);
       const float* xr = x + r0 * x_stride;
       float* yr = y + r0 * y_stride;
       switch (rows) {
-        case 1: fused_tile<U, 1>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
-        case 2: fused_tile<U, 2>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
-        case 3: fused_tile<U, 3>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
-        case 4: fused_tile<U, 4>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
-        case 5: fused_tile<U, 5>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
+#define CONVEYOR_FUSED(R) \
+  case R: if constexpr (R <= kFusedRows) fused_tile<U, R>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
+        CONVEYOR_FUSED(1) CONVEYOR_FUSED(2) CONVEYOR_FUSED(3) CONVEYOR_FUSED(4) CONVEYOR_FUSED(5)
+        CONVEYOR_FUSED(6) CONVEYOR_FUSED(7) CONVEYOR_FUSED(8) CONVEYOR_FUSED(9) CONVEYOR_FUSED(10)
+#undef CONVEYOR_FUSED
         default: break;
       }
       r0 += rows;
