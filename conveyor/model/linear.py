@@ -67,7 +67,7 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | QuantizedPart
                              f"the fp32 shape {tuple(weight.shape)}")
         parts = tuple(_pack_blocks(quant_kernel, p) for p in quantized.parts)
         return PackedWeight(torch.empty(0, dtype=torch.uint8), weight.shape[0], "parts", parts)
-    if quant_kernel is not None and quantized is not None:
+    if quant_kernel is not None and isinstance(quantized, QuantizedWeight):
         if quantized.blocks.shape[0] != weight.shape[0] or quantized.in_features != weight.shape[1]:
             raise ValueError(f"{quantized.qtype} blocks of a {tuple(quantized.blocks.shape)} weight do not match "
                              f"its fp32 shape {tuple(weight.shape)}")

@@ -11,7 +11,13 @@ from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.linear import Linear, linear, pack_weight
-from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedParts, QuantizedWeight
+from conveyor.model.quantized import (
+    BLOCK_SIZES,
+    KERNEL_QTYPE,
+    KERNEL_TYPES,
+    QuantizedParts,
+    QuantizedWeight,
+)
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
