@@ -1,27 +1,132 @@
-"""Every product of one SmolLM2-135M decode step, cold: the GGUF's own blocks vs dense fp32 panels.
+"""A decode step's products, cold: the GGUF's own blocks vs dense fp32 panels, per block type.
 
-Packs the shipped model's real weights both ways: its Q4_1 projections (fused QKV, O, fused
-gate/up, down; 30 layers) and Q8_0 vocabulary projection as quantised panels
-(kernels/quant_gemm.cpp, 96 MB), and the same weights dequantised to fp32 panels
-(kernels/panel_gemm.cpp, 538 MB). Times one pass over all of them at each row count, the two
-alternated repeat by repeat so drift hits both alike, and checks the outputs are bit-identical.
+Three sets of products, each packed both ways: as quantised panels (kernels/quant_gemm.cpp) and
+as the same weights dequantised to fp32 panels (kernels/panel_gemm.cpp):
+- default: the shipped SmolLM2-135M's real weights, fused as the model runs them (QKV, O,
+  gate/up, down; 30 layers; Q4_1) and its Q8_0 vocabulary projection;
+- `--gguf PATH`: every matrix of a GGUF file (e.g. the Gemma 3 270M Q4_K_M: Q5_0, Q4_K, Q6_K,
+  Q8_0), one product each, timed per block type;
+- `--types Q4_K Q5_K ...`: random blocks of each type (any code bytes, scales near 0.01) in the
+  shapes of `--layers` layers of a 1B-class model (hidden 2048, MLP 8192, 32 + 8 + 8 heads of 64:
+  QKV 3072 x 2048, O 2048 x 2048, gate/up 16384 x 2048, down 2048 x 8192; 61M weights a layer).
+Times one pass over a set's products at each row count, the two layouts alternated repeat by
+repeat so drift hits both alike, and checks the outputs are bit-identical. `--clock cpu` (one
+thread) times the thread's CPU time instead of the wall clock: on a machine shared with busy
+processes the wall clock mostly measures the time the thread waits for a core.
 
     python benchmarks/quant_gemm.py --rows 1 2 3 4 5 8 10 12 16 32 --repeats 7
+    python benchmarks/quant_gemm.py --types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K --rows 1 8 32
+    python benchmarks/quant_gemm.py --gguf /tmp/gemma3/gemma-3-270m-q4_k_m.gguf --rows 1 8 32
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
 
+import numpy as np
 import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.loader import load_checkpoint
-from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
+from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, QuantizedWeight
 
 FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+LAYER_SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (out, in)
+HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+Product = tuple[int, int, torch.Tensor, torch.Tensor, str]  # out, in, fp32 panels, block panels, qtype
+
+
+def pack(weight: torch.Tensor, q: QuantizedWeight) -> Product:
+    dense, blocks = panel_gemm(), quant_gemm()
+    return (weight.shape[0], weight.shape[1], dense.pack_panels(weight),  # type: ignore[union-attr]
+            blocks.pack_quantized(q.blocks, KERNEL_QTYPE[q.qtype]), q.qtype)  # type: ignore[union-attr]
+
+
+def gguf_fp32(q: QuantizedWeight) -> torch.Tensor:
+    flat = quants.dequantize(q.blocks.numpy(), GGMLQuantizationType[q.qtype])
+    return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32)).reshape(q.blocks.shape[0], -1)
+
+
+def smollm2_products() -> dict[str, list[Product]]:
+    from conveyor.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None)
+    products = []
+    for i in range(ckpt.config.num_layers):
+        for group in FUSED:
+            names = [f"model.layers.{i}.{n}.weight" for n in group]
+            blocks = QuantizedWeight.cat([ckpt.quantized[n] for n in names])
+            products.append(pack(torch.cat([ckpt.weights[n] for n in names]), blocks))  # type: ignore[arg-type]
+    head = "model.embed_tokens.weight"
+    products.append(pack(ckpt.weights[head], ckpt.quantized[head]))
+    return {"SmolLM2-135M step (Q4_1 + Q8_0 head)": products}
+
+
+def gguf_products(path: str) -> dict[str, list[Product]]:
+    from conveyor.model.gguf_loader import _blocks, dequantize, read_gguf
+
+    gf = read_gguf(path)
+    by_type: dict[str, list[Product]] = {}
+    for t in gf.tensors.values():
+        q = _blocks(gf, t)
+        if q is not None:
+            by_type.setdefault(q.qtype, []).append(pack(dequantize(gf, t), q))
+    return by_type
+
+
+def synthetic_products(types: list[str], layers: int) -> Iterator[tuple[str, list[Product]]]:
+    rng = np.random.default_rng(0)
+    for qtype in types:
+        weights, nbytes = BLOCK_SIZES[qtype]
+        products = []
+        for _ in range(layers):
+            for n, k in LAYER_SHAPES_1B:
+                raw = rng.integers(0, 256, (n * k // weights, nbytes), dtype=np.uint8)
+                for offset in HALF_OFFSETS[qtype]:
+                    scales = rng.uniform(-0.02, 0.02, raw.shape[0]).astype(np.float16)
+                    raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+                q = QuantizedWeight(qtype, torch.from_numpy(raw.reshape(n, -1)))
+                products.append(pack(gguf_fp32(q), q))
+        yield f"{qtype}, {layers} x 1B-class layer", products
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def one_pass(products: list[Product], rows: int, blocks: bool, clock: str) -> tuple[float, list[torch.Tensor]]:
+    dense_kernel, block_kernel = panel_gemm(), quant_gemm()
+    xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) for k in {p[1] for p in products}}
+    now = CLOCKS[clock]
+    start, outs = now(), []
+    for n, k, dense, quant, qtype in products:
+        if blocks:
+            outs.append(block_kernel.quantized_matmul(xs[k], quant, n, None, KERNEL_QTYPE[qtype]))  # type: ignore[union-attr]
+        else:
+            outs.append(dense_kernel.panel_matmul(xs[k], dense, n, None))  # type: ignore[union-attr]
+    return (now() - start) * 1e3, outs
+
+
+def report(title: str, products: list[Product], rows_list: list[int], repeats: int, clock: str) -> None:
+    dense_mb = sum(p[2].numel() * 4 for p in products) / 1e6
+    block_mb = sum(p[3].numel() for p in products) / 1e6
+    print(f"\n{title}: {len(products)} products, dense fp32 panels {dense_mb:.0f} MB, block panels {block_mb:.0f} MB")
+    print(f"rows | {clock} clock: dense ms (median, min) | blocks ms (median, min) | dense / blocks | bit-identical")
+    for rows in rows_list:
+        dense_ms, block_ms, same = [], [], True
+        for _ in range(repeats):
+            t, dense_out = one_pass(products, rows, False, clock)
+            dense_ms.append(t)
+            t, block_out = one_pass(products, rows, True, clock)
+            block_ms.append(t)
+            same &= all(torch.equal(a, b) for a, b in zip(dense_out, block_out))
+        d, b = statistics.median(dense_ms), statistics.median(block_ms)
+        print(f"{rows:4d} | {d:7.1f} {min(dense_ms):7.1f} | {b:7.1f} {min(block_ms):7.1f} | {d / b:5.2f}x | {same}", flush=True)
 
 
 def main() -> None:
@@ -29,48 +134,26 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 10, 12, 16, 32])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="cpu: the thread's CPU time (needs --num-threads 1)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--gguf", default=None, help="every matrix of this GGUF file, per block type")
+    source.add_argument("--types", nargs="+", choices=list(BLOCK_SIZES), help="random blocks in 1B-class layer shapes")
+    parser.add_argument("--layers", type=int, default=2, help="with --types: layers per type")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.num_threads != 1:
+        parser.error("--clock cpu times the calling thread: use --num-threads 1")
     torch.set_num_threads(args.num_threads)
-    dense_kernel, block_kernel = panel_gemm(), quant_gemm()
-    if dense_kernel is None or block_kernel is None:
+    if panel_gemm() is None or quant_gemm() is None:
         raise SystemExit("the panel kernels are not built here (x86 with AVX2, FMA and F16C, and a C++ compiler)")
-    ckpt = load_checkpoint(None)
-    products = []  # (out features, in features, fp32 panels, block panels, qtype)
-    for i in range(ckpt.config.num_layers):
-        for group in FUSED:
-            names = [f"model.layers.{i}.{n}.weight" for n in group]
-            weight = torch.cat([ckpt.weights[n] for n in names])
-            blocks = QuantizedWeight.cat([ckpt.quantized[n] for n in names])
-            products.append((weight.shape[0], weight.shape[1], dense_kernel.pack_panels(weight),
-                             block_kernel.pack_quantized(blocks.blocks, KERNEL_QTYPE[blocks.qtype]), blocks.qtype))
-    head, head_blocks = ckpt.weights["model.embed_tokens.weight"], ckpt.quantized["model.embed_tokens.weight"]
-    products.append((head.shape[0], head.shape[1], dense_kernel.pack_panels(head),
-                     block_kernel.pack_quantized(head_blocks.blocks, KERNEL_QTYPE[head_blocks.qtype]), head_blocks.qtype))
-    dense_mb = sum(p[2].numel() * 4 for p in products) / 1e6
-    block_mb = sum(p[3].numel() for p in products) / 1e6
-    print(f"{len(products)} products: dense fp32 panels {dense_mb:.0f} MB, GGUF block panels {block_mb:.0f} MB")
-
-    def one_pass(rows: int, blocks: bool) -> tuple[float, list[torch.Tensor]]:
-        xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) for k in (576, 1536)}
-        start, outs = time.perf_counter(), []
-        for n, k, dense, quant, qtype in products:
-            if blocks:
-                outs.append(block_kernel.quantized_matmul(xs[k], quant, n, None, KERNEL_QTYPE[qtype]))
-            else:
-                outs.append(dense_kernel.panel_matmul(xs[k], dense, n, None))
-        return (time.perf_counter() - start) * 1e3, outs
-
-    print("rows | dense ms (median, min) | blocks ms (median, min) | dense / blocks | bit-identical")
-    for rows in args.rows:
-        dense_ms, block_ms, same = [], [], True
-        for _ in range(args.repeats):
-            t, dense_out = one_pass(rows, False)
-            dense_ms.append(t)
-            t, block_out = one_pass(rows, True)
-            block_ms.append(t)
-            same &= all(torch.equal(a, b) for a, b in zip(dense_out, block_out))
-        d, b = statistics.median(dense_ms), statistics.median(block_ms)
-        print(f"{rows:4d} | {d:7.1f} {min(dense_ms):7.1f} | {b:7.1f} {min(block_ms):7.1f} | {d / b:5.2f}x | {same}", flush=True)
+    if args.types:
+        sets: Iterator[tuple[str, list[Product]]] = synthetic_products(args.types, args.layers)
+    elif args.gguf:
+        sets = iter(sorted(gguf_products(args.gguf).items()))
+    else:
+        sets = iter(smollm2_products().items())
+    for title, products in sets:
+        report(title, products, args.rows, args.repeats, args.clock)
 
 
 if __name__ == "__main__":

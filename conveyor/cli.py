@@ -14,7 +14,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--dequantize-weights", action="store_true",
-                        help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
+                        help="stream dense fp32 weights even where the GGUF has blocks the matmul kernel reads "
+                             "(same results, slower)")
     parser.add_argument("--policy", default="continuous", choices=["continuous", "static"])
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

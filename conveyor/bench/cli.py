@@ -47,7 +47,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--dequantize-weights", action="store_true",
-                   help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
+                   help="stream dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
 
 

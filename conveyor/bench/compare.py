@@ -48,7 +48,7 @@ class CompareConfig:
     block_size: int = 16
     model: str | None = None
     dtype: str = "float32"
-    dequantize_weights: bool = False  # dense fp32 matmuls even where the GGUF has Q4_1 / Q8_0 blocks
+    dequantize_weights: bool = False  # dense fp32 matmuls even where the GGUF has blocks the kernel reads
     num_threads: int | None = None  # torch threads; None: torch's default (one per core)
     output_dir: str = "out/compare"
     percentiles: list[float] = field(default_factory=lambda: [99.0])

@@ -52,14 +52,13 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
 
 def model_costs(engine: LLMEngine) -> tuple[int, int]:
     """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
-    projection streams its packed form: a GGUF's Q4_1 / Q8_0 blocks are 4-6x smaller than fp32."""
-    from conveyor.model.linear import Linear
+    projection streams its packed form: a GGUF's blocks are 4-7x smaller than fp32."""
+    from conveyor.model.linear import Linear, PackedWeight
 
     model = engine.runner.model  # type: ignore[attr-defined]
 
-    def streamed(weight: torch.Tensor, packed: object | None) -> int:
-        data = getattr(packed, "data", None)
-        return data.numel() * data.element_size() if data is not None else weight.numel() * weight.element_size()
+    def streamed(weight: torch.Tensor, packed: PackedWeight | None) -> int:
+        return packed.nbytes if packed is not None else weight.numel() * weight.element_size()
 
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     # Vectors (norms, biases) are read whole; the embedding only by the rows looked up, so it

@@ -4,7 +4,8 @@ The metadata is parsed here rather than with `gguf.GGUFReader`: the reader build
 each of the vocabulary strings, which takes seconds; this parse is far quicker (docs/PERF.md).
 Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
 to `gguf.quants.dequantize` and faster), the rest fall back to `gguf.quants.dequantize`.
-Q4_1 and Q8_0 matrices are also kept as their raw blocks, which the matmul kernel streams.
+Matrices in the block types the matmul kernel reads (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) are
+also kept as their raw blocks, which it streams.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
-from conveyor.model.quantized import BLOCK_BYTES, QuantizedWeight
+from conveyor.model.quantized import BLOCK_SIZES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -216,7 +217,7 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
 
 def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
     """The tensor's raw blocks, one row per output feature, where the kernel can read them."""
-    if t.qtype.name not in BLOCK_BYTES or len(t.shape) != 2:
+    if t.qtype.name not in BLOCK_SIZES or len(t.shape) != 2:
         return None
     raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
     return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1).clone())  # clone: off the file mapping

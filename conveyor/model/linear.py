@@ -9,9 +9,9 @@ path runs. Where the kernel can't be built, weights are packed for oneDNN instea
 CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging); results then differ only in fp32
 rounding.
 
-A weight the checkpoint stores in GGUF Q4_1 / Q8_0 blocks is packed from those blocks instead
-(kernels/quant_gemm.cpp): the same panels at 0.625 / 1.06 bytes a weight, expanded to fp32 in
-registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
+A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
+packed from those blocks instead (kernels/quant_gemm.cpp): the same panels at 0.56-1.06 bytes a
+weight, expanded to fp32 in registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
+from conveyor.model.quantized import KERNEL_QTYPE, QuantizedParts, QuantizedWeight
 
 # From these rows up MKL on the plain weight is as fast or faster (measured: docs/PERF.md, "the
 # panel kernel").
-PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "Q4_1": 4096, "Q8_0": 4096}
+PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "parts": 4096, **{qtype: 4096 for qtype in KERNEL_QTYPE}}
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
 
@@ -37,15 +37,22 @@ _ONEDNN_ROWS_HINT = 32
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; "Q4_1" / "Q8_0": GGUF blocks in panels
+    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; a KERNEL_QTYPE key: GGUF blocks
+    # in panels; "parts": row ranges in different block types, each in `parts` (data is empty)
     layout: str
+    parts: tuple[PackedWeight, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product streams."""
+        return sum(p.nbytes for p in self.parts) if self.parts else self.data.numel() * self.data.element_size()
 
 
 def packing_enabled() -> bool:
     return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
 
 
-def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | QuantizedParts | None = None) -> PackedWeight | None:
     """The weight laid out for the decode-sized matmul, or None where packing does not apply
     (non-fp32 weights, neither the kernel nor oneDNN available, or packing turned off).
     `quantized`: the same weight as the checkpoint's blocks, packed as such where the kernel builds."""
@@ -53,12 +60,17 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None) 
         return None
     weight = weight.detach()
     quant_kernel = quant_gemm() if quantized is not None else None
-    if quant_kernel is not None and quantized is not None:
+    if quant_kernel is not None and isinstance(quantized, QuantizedParts):
+        if quantized.out_features != weight.shape[0] or quantized.in_features != weight.shape[1]:
+            raise ValueError(f"blocks of {quantized.out_features} x {quantized.in_features} weights do not match "
+                             f"the fp32 shape {tuple(weight.shape)}")
+        parts = tuple(_pack_blocks(quant_kernel, p) for p in quantized.parts)
+        return PackedWeight(torch.empty(0, dtype=torch.uint8), weight.shape[0], "parts", parts)
+    if quant_kernel is not None and isinstance(quantized, QuantizedWeight):
         if quantized.blocks.shape[0] != weight.shape[0] or quantized.in_features != weight.shape[1]:
             raise ValueError(f"{quantized.qtype} blocks of a {tuple(quantized.blocks.shape)} weight do not match "
                              f"its fp32 shape {tuple(weight.shape)}")
-        data = quant_kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
-        return PackedWeight(data, weight.shape[0], quantized.qtype)
+        return _pack_blocks(quant_kernel, quantized)
     kernel = panel_gemm()
     if kernel is not None:
         return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels")  # type: ignore[attr-defined]
@@ -68,6 +80,11 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None) 
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT), weight.shape[0], "onednn")
     except (AttributeError, RuntimeError):  # a torch without the op: the plain path still works
         return None
+
+
+def _pack_blocks(quant_kernel: object, quantized: QuantizedWeight) -> PackedWeight:
+    data = quant_kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
+    return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype)
 
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, PackedWeight | None, torch.Tensor | None], torch.Tensor]
@@ -99,6 +116,16 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     was turned off after packing (CONVEYOR_KERNELS=0 in an A/B run)."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    if packed.layout == "parts":
+        if quant_kernel is None:
+            return None
+        outputs, start = [], 0
+        for part in packed.parts:  # each column's sum is its own: the parts' products side by side are the whole's
+            part_bias = None if bias is None else bias[start : start + part.out_features]
+            outputs.append(quant_kernel.quantized_matmul(x, part.data, part.out_features, part_bias,  # type: ignore[attr-defined]
+                                                         KERNEL_QTYPE[part.layout]))
+            start += part.out_features
+        return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
         if quant_kernel is None:
             return None
@@ -113,7 +140,7 @@ class Linear(nn.Linear):
     prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
 
     packed: PackedWeight | None = None
-    quantized: QuantizedWeight | None = None  # the checkpoint's blocks, set by the loader before pack()
+    quantized: QuantizedWeight | QuantizedParts | None = None  # the checkpoint's blocks, set by the loader before pack()
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight, self.quantized)

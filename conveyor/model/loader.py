@@ -29,7 +29,8 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
     tokenizer: Tokenizer
     source: str  # the resolved file or folder
-    # HF names -> the checkpoint's own blocks, where the matmul kernel can read them (GGUF Q4_1 / Q8_0)
+    # HF names -> the checkpoint's own blocks, where the matmul kernel can read them (GGUF Q4_0/1,
+    # Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K)
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 

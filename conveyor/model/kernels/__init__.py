@@ -129,6 +129,6 @@ def panel_gemm() -> object | None:
 
 
 def quant_gemm() -> object | None:
-    """The module of the matmul on GGUF Q4_1 / Q8_0 blocks (quant_gemm.cpp: pack_quantized,
+    """The module of the matmul on GGUF blocks (quant_gemm.cpp: pack_quantized,
     quantized_matmul; x86 with AVX2, FMA and F16C), or None when unavailable or disabled."""
     return _load("quant_gemm") if kernels_enabled() else None

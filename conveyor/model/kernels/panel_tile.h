@@ -21,7 +21,7 @@ constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel 
 // keeps the arrays in registers.
 template <int R>
 inline void zero_sums(__m256 (&lo)[R], __m256 (&hi)[R]) {
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
     lo[r] = _mm256_setzero_ps();
     hi[r] = _mm256_setzero_ps();
   }
@@ -32,7 +32,7 @@ template <int R>
 inline void store_sums(const __m256 (&lo)[R], const __m256 (&hi)[R], const float* bias, float* y, int64_t y_stride,
                        int64_t cols) {
   alignas(32) float row[kPanel];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
     _mm256_store_ps(row, lo[r]);
     _mm256_store_ps(row + 8, hi[r]);
     float* out = y + r * y_stride;

@@ -1,13 +1,20 @@
-// y = x @ W^T (+ bias) on weights kept in a GGUF checkpoint's own blocks (Q4_1, Q8_0), laid out in
-// the panels of panel_gemm.cpp: 0.625 / 1.06 bytes a weight stream from memory against 4.
+// y = x @ W^T (+ bias) on weights kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), laid out in the panels of panel_gemm.cpp: 0.56-1.06
+// bytes a weight stream from memory against 4.
 //
-// A weight is expanded to fp32 as d * q + m. d * q is exact in fp32 and fmadd rounds once, so it
-// equals the fp32 weight the loader dequantises, and the tiles sum in the same order as the fp32
-// panel kernel's: the results are bit-identical to it; only the bytes read per step shrink. Few
-// rows expand each panel in registers; more rows expand it once into an L2 buffer.
+// A weight is expanded to fp32 as one fmadd(q, s, o) of its unsigned code q, a scale s and an
+// offset o (Q8_0: q * d). s and o are the fp32 values gguf's dequantiser computes first (d, m,
+// d * sc, dmin * m, -8 d ...: all exact products of an fp16 and a small integer), q * s is exact
+// (at most 24 significant bits), so the one rounding of the fmadd is the one rounding of gguf's
+// `s * q + m` / `s * q - dm`, and where gguf computes s * (q - bias) the result is exact both ways:
+// every weight equals the fp32 weight the loader dequantises. The tiles then sum in the same order
+// as the fp32 panel kernel's, so the results are bit-identical to it; only the bytes read per step
+// shrink. Few rows expand each panel in registers; more rows expand it once into an L2 buffer.
+// (An infinite fp16 scale would give NaN where gguf gives inf: no quantiser writes one.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <vector>
 
 #include "panel_tile.h"
@@ -20,154 +27,389 @@ using namespace conveyor_panels;
 
 namespace {
 
-// Per panel, per block of 32 k: 16 fp16 scales [, 16 fp16 minimums], then the codes k by k.
-constexpr int64_t kBlockK = 32;
-constexpr int64_t kQ4_1Bytes = 32 + 32 + kBlockK * 8;  // a code byte holds column c and c + 8
-constexpr int64_t kQ8_0Bytes = 32 + kBlockK * 16;
-enum class QType : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
+// GGML's type numbers (gguf.GGMLQuantizationType), which is also quant_gemm's qtype argument.
+enum class QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-// Block kb of a quantised panel: its scales (and minimums) as fp32 vectors, and code k -> the 16
-// weights of step k. fmadd(q, d, m) rounds once, and d * q is exact (11 + 8 significant bits at
-// most), so a weight equals the loader's separate multiply and add: the fp32 weight exactly.
-template <QType T>
-struct PanelBlock {
-  static constexpr int64_t kBytes = T == QType::kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  __m256 d_lo, d_hi, m_lo, m_hi;
-  const uint8_t* codes;
+// A quantised panel is a run of units, one per GGUF block of the panel's 16 columns (32 k, or 256
+// for the K-quants): the unit's scale bytes column by column (fp16 d, fp16 minimums, 6-bit K-quant
+// scales as bytes), then its codes k by k, in chunks of 32 k. 4-6 bit codes: per k, 8 bytes of low
+// nibbles (byte c: column c in the low nibble, column c + 8 in the high one), then per k of the
+// chunk, for 5-bit codes a uint16 of bit 4 (bit c: column c), for 6-bit codes two uint16 of bits
+// 4-5 (bits 2c, 2c + 1: column c, then column c + 8). The byte sizes match the file's, give or take the K-quants' 6-bit scales
+// stored as bytes (Q4_K 2368 bytes a unit against 2304, Q5_K 2880 against 2816).
+struct Scales {
+  __m256 s_lo, s_hi, o_lo, o_hi;  // columns 0-7 / 8-15
+};
 
-  explicit PanelBlock(const uint8_t* src) {
-    d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-    if constexpr (T == QType::kQ4_1) {
-      m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32)));
-      m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48)));
-      codes = src + 64;
-    } else {
-      codes = src + 32;
-    }
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i load8_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i load8_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The codes of 32 k steps: 8 bytes of nibbles per k, then the high bits per k (2 bytes for 5-bit
+// codes, 4 for 6-bit). A K-quant unit holds 8 such chunks in a row: the panel stays one sequential
+// stream (with nibbles and high bits in two streams 2 KiB apart, Q5_K took 2.2x Q5_0's time at 1 row).
+constexpr int64_t kChunkK = 32;
+template <int kBits>
+constexpr int64_t kHighBytes = kBits == 4 ? 0 : kBits == 5 ? 2 : 4;  // per k
+template <int kBits>
+constexpr int64_t kChunkBytes = kChunkK * (8 + kHighBytes<kBits>);
+
+// Code k of a unit's 4/5/6-bit codes as two vectors of int32, columns 0-7 and 8-15.
+template <int kBits>
+inline void unsigned_codes(const uint8_t* codes, int64_t k, __m256i& lo, __m256i& hi) {
+  const uint8_t* chunk = codes + k / kChunkK * kChunkBytes<kBits>;
+  const int64_t kk = k % kChunkK;
+  const __m256i q = load8_u8(chunk + kk * 8);
+  lo = _mm256_and_si256(q, _mm256_set1_epi32(0xF));
+  hi = _mm256_srli_epi32(q, 4);
+  const uint8_t* high = chunk + kChunkK * 8 + kk * kHighBytes<kBits>;
+  if constexpr (kBits == 5) {
+    // Each 32-bit lane holds the uint16 twice; shifting lane c right by c + 12 (c + 20) brings
+    // column c's (c + 8's) bit from the upper copy to bit 4.
+    const __m256i h = _mm256_set1_epi16(static_cast<int16_t>(load_u16(high)));
+    const __m256i bit4 = _mm256_set1_epi32(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(12, 13, 14, 15, 16, 17, 18, 19)), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(20, 21, 22, 23, 24, 25, 26, 27)), bit4));
+  } else if constexpr (kBits == 6) {
+    const __m256i h_lo = _mm256_set1_epi16(static_cast<int16_t>(load_u16(high)));
+    const __m256i h_hi = _mm256_set1_epi16(static_cast<int16_t>(load_u16(high + 2)));
+    const __m256i shifts = _mm256_setr_epi32(12, 14, 16, 18, 20, 22, 24, 26), bits45 = _mm256_set1_epi32(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(h_lo, shifts), bits45));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(h_hi, shifts), bits45));
+  }
+}
+
+// One unit's layout and expansion. kGroupK: the k steps that share one scale (and offset).
+// group(g) -> the fp32 scales and offsets of group g; weights(s, k) -> the 16 weights of step k.
+template <int kBits, bool kHasMin>  // Q4_0 (4, false), Q4_1 (4, true), Q5_0, Q5_1
+struct LegacyUnit {
+  static constexpr int64_t kUnitK = 32, kGroupK = 32;
+  static constexpr int64_t kHeader = kHasMin ? 64 : 32;
+  static constexpr int64_t kBytes = kHeader + kChunkBytes<kBits>;
+  const uint8_t* src;
+
+  inline Scales group(int64_t) const {
+    const __m256 d_lo = half8(src), d_hi = half8(src + 16);
+    if constexpr (kHasMin) return {d_lo, d_hi, half8(src + 32), half8(src + 48)};
+    // gguf: d * (q - 8) / d * (q - 16), exact; q * d + (-8 d) is that exact value too.
+    const __m256 bias = _mm256_set1_ps(kBits == 4 ? -8.0f : -16.0f);
+    return {d_lo, d_hi, _mm256_mul_ps(d_lo, bias), _mm256_mul_ps(d_hi, bias)};
   }
 
-  inline void weights(int64_t k, __m256& w_lo, __m256& w_hi) const {
-    if constexpr (T == QType::kQ4_1) {
-      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-      w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xF))), d_lo, m_lo);
-      w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d_hi, m_hi);
-    } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16));
-      w_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d_lo);
-      w_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d_hi);
-    }
+  inline void weights(const Scales& s, int64_t k, __m256& w_lo, __m256& w_hi) const {
+    __m256i lo, hi;
+    unsigned_codes<kBits>(src + kHeader, k, lo, hi);
+    w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
+    w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
   }
 };
 
-// One panel of quantised blocks -> [K][16] fp32 in `out`, for the tiles to read from L2.
-template <QType T>
-void expand_panel(const uint8_t* src, int64_t k_blocks, float* out) {
-  for (int64_t kb = 0; kb < k_blocks; ++kb, src += PanelBlock<T>::kBytes, out += kBlockK * kPanel) {
-    const PanelBlock<T> block(src);
-    _Pragma("GCC unroll 4") for (int64_t k = 0; k < kBlockK; ++k) {
-      __m256 w_lo, w_hi;
-      block.weights(k, w_lo, w_hi);
-      _mm256_storeu_ps(out + k * kPanel, w_lo);
-      _mm256_storeu_ps(out + k * kPanel + 8, w_hi);
+struct Q8_0Unit {  // 16 fp16 scales, then 16 int8 codes per k
+  static constexpr int64_t kUnitK = 32, kGroupK = 32, kBytes = 32 + kUnitK * 16;
+  const uint8_t* src;
+
+  inline Scales group(int64_t) const { return {half8(src), half8(src + 16), _mm256_setzero_ps(), _mm256_setzero_ps()}; }
+
+  inline void weights(const Scales& s, int64_t k, __m256& w_lo, __m256& w_hi) const {
+    const uint8_t* codes = src + 32 + k * 16;
+    w_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(codes)), s.s_lo);
+    w_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(codes + 8)), s.s_hi);
+  }
+};
+
+// Q4_K / Q5_K: fp16 d and dmin, then per 32 k the 6-bit scale and minimum of each column as bytes.
+// gguf: (d * sc) * q - (dmin * m), each product in fp32 (exact) and one rounding at the end.
+template <int kBits>
+struct KQuantUnit {
+  static constexpr int64_t kUnitK = 256, kGroupK = 32, kHeader = 64 + 2 * 8 * 16;
+  static constexpr int64_t kBytes = kHeader + kUnitK / kChunkK * kChunkBytes<kBits>;
+  const uint8_t* src;
+
+  inline Scales group(int64_t g) const {
+    const uint8_t* sc = src + 64 + g * 16;
+    const uint8_t* mins = src + 64 + 8 * 16 + g * 16;
+    const __m256 d_lo = half8(src), d_hi = half8(src + 16), dmin_lo = half8(src + 32), dmin_hi = half8(src + 48);
+    return {_mm256_mul_ps(d_lo, _mm256_cvtepi32_ps(load8_u8(sc))), _mm256_mul_ps(d_hi, _mm256_cvtepi32_ps(load8_u8(sc + 8))),
+            negate(_mm256_mul_ps(dmin_lo, _mm256_cvtepi32_ps(load8_u8(mins)))),
+            negate(_mm256_mul_ps(dmin_hi, _mm256_cvtepi32_ps(load8_u8(mins + 8))))};
+  }
+
+  inline void weights(const Scales& s, int64_t k, __m256& w_lo, __m256& w_hi) const {
+    __m256i lo, hi;
+    unsigned_codes<kBits>(src + kHeader, k, lo, hi);
+    w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
+    w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
+  }
+};
+
+// Q6_K: fp16 d, then per 16 k the int8 scale of each column. gguf: (d * sc) * (q - 32), exact
+// (at most 11 + 7 + 5 significant bits), as is q * (d * sc) + (-32 * d * sc).
+struct Q6_KUnit {
+  static constexpr int64_t kUnitK = 256, kGroupK = 16, kHeader = 32 + 16 * 16;
+  static constexpr int64_t kBytes = kHeader + kUnitK / kChunkK * kChunkBytes<6>;
+  const uint8_t* src;
+
+  inline Scales group(int64_t g) const {
+    const uint8_t* sc = src + 32 + g * 16;
+    const __m256 s_lo = _mm256_mul_ps(half8(src), _mm256_cvtepi32_ps(load8_i8(sc)));
+    const __m256 s_hi = _mm256_mul_ps(half8(src + 16), _mm256_cvtepi32_ps(load8_i8(sc + 8)));
+    const __m256 bias = _mm256_set1_ps(-32.0f);
+    return {s_lo, s_hi, _mm256_mul_ps(s_lo, bias), _mm256_mul_ps(s_hi, bias)};
+  }
+
+  inline void weights(const Scales& s, int64_t k, __m256& w_lo, __m256& w_hi) const {
+    __m256i lo, hi;
+    unsigned_codes<6>(src + kHeader, k, lo, hi);
+    w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
+    w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
+  }
+};
+
+// One panel of quantised units -> [K][16] fp32 in `out`, for the tiles to read from L2.
+template <class U>
+void expand_panel(const uint8_t* src, int64_t units, float* out) {
+  for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
+    const U unit{src};
+    for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
+      const Scales s = unit.group(g);
+      _Pragma("GCC unroll 4") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k, out += kPanel) {
+        __m256 w_lo, w_hi;
+        unit.weights(s, k, w_lo, w_hi);
+        _mm256_storeu_ps(out, w_lo);
+        _mm256_storeu_ps(out + 8, w_hi);
+      }
     }
   }
 }
 
-// Up to 5 rows against one quantised panel, expanding in registers: for so few rows the round
-// trip through an L2 buffer costs as much as the arithmetic (measured: docs/PERF.md, "streaming the
-// GGUF's own blocks"). Up to 10 rows run as two such tiles, each
-// expanding the panel; more rows expand it once into the buffer. 6-row tiles spill registers.
+// Up to kFusedRows rows against one quantised panel, expanding in registers: for so few rows the
+// round trip through an L2 buffer costs as much as the arithmetic (measured: docs/PERF.md,
+// "streaming the GGUF's own blocks"). Up to 10 rows run as one or two such tiles, each expanding
+// the panel; more rows expand it once into the buffer. With AVX2's 16 vector registers a 6-row
+// tile spills; AVX-512VL's 32 hold a 10-row tile's 20 sums beside the weights, their scales and
+// offsets, so the panel is expanded once instead of twice at 6-10 rows.
 // Same sums in the same order as tile<R>, so the same results.
+#if defined(__AVX512VL__)
+constexpr int kFusedRows = 10;
+#else
 constexpr int kFusedRows = 5;
+#endif
 constexpr int64_t kFusedRowsMax = 10;
 
-template <QType T, int R>
-void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t k_blocks, const float* bias,
-                float* y, int64_t y_stride, int64_t cols) {
+template <class U, int R>
+void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t units, const float* bias, float* y,
+                int64_t y_stride, int64_t cols) {
   __m256 lo[R], hi[R];
   zero_sums<R>(lo, hi);
-  for (int64_t kb = 0; kb < k_blocks; ++kb, src += PanelBlock<T>::kBytes) {
-    const PanelBlock<T> block(src);
-    const float* xk = x + kb * kBlockK;
-    _Pragma("GCC unroll 2") for (int64_t k = 0; k < kBlockK; ++k) {
-      __m256 w_lo, w_hi;
-      block.weights(k, w_lo, w_hi);
-      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(xk + r * x_stride + k);
-        lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
+  for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
+    const U unit{src};
+    const float* xu = x + u * U::kUnitK;
+    for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
+      const Scales s = unit.group(g);
+      _Pragma("GCC unroll 2") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k) {
+        __m256 w_lo, w_hi;
+        unit.weights(s, k, w_lo, w_hi);
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xu + r * x_stride + k);
+          lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
+          hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
+        }
       }
     }
   }
   store_sums<R>(lo, hi, bias, y, y_stride, cols);
 }
 
-template <QType T>
-void rows_times_quantized_panel(const float* x, int64_t x_stride, int64_t m, const uint8_t* src, int64_t k_blocks,
+template <class U>
+void rows_times_quantized_panel(const float* x, int64_t x_stride, int64_t m, const uint8_t* src, int64_t units,
                                 const float* bias, float* y, int64_t y_stride, int64_t cols, std::vector<float>& buffer) {
   if (m <= kFusedRowsMax) {
-    // Tiles of balanced sizes (7 rows as 4 + 3): each expands the panel again, from L1.
+    // Tiles of balanced sizes (AVX2: 7 rows as 4 + 3): each expands the panel again, from L1.
     const int64_t tiles = (m + kFusedRows - 1) / kFusedRows;
     for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
       const int64_t rows = (m - r0) / (tiles - t);
       const float* xr = x + r0 * x_stride;
       float* yr = y + r0 * y_stride;
       switch (rows) {
-        case 1: fused_tile<T, 1>(xr, x_stride, src, k_blocks, bias, yr, y_stride, cols); break;
-        case 2: fused_tile<T, 2>(xr, x_stride, src, k_blocks, bias, yr, y_stride, cols); break;
-        case 3: fused_tile<T, 3>(xr, x_stride, src, k_blocks, bias, yr, y_stride, cols); break;
-        case 4: fused_tile<T, 4>(xr, x_stride, src, k_blocks, bias, yr, y_stride, cols); break;
-        case 5: fused_tile<T, 5>(xr, x_stride, src, k_blocks, bias, yr, y_stride, cols); break;
+#define CONVEYOR_FUSED(R) \
+  case R: if constexpr (R <= kFusedRows) fused_tile<U, R>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
+        CONVEYOR_FUSED(1) CONVEYOR_FUSED(2) CONVEYOR_FUSED(3) CONVEYOR_FUSED(4) CONVEYOR_FUSED(5)
+        CONVEYOR_FUSED(6) CONVEYOR_FUSED(7) CONVEYOR_FUSED(8) CONVEYOR_FUSED(9) CONVEYOR_FUSED(10)
+#undef CONVEYOR_FUSED
         default: break;
       }
       r0 += rows;
     }
     return;
   }
-  buffer.resize(k_blocks * kBlockK * kPanel);
-  expand_panel<T>(src, k_blocks, buffer.data());
-  rows_times_panel(x, x_stride, m, buffer.data(), k_blocks * kBlockK, bias, y, y_stride, cols, /*from_memory=*/false);
+  buffer.resize(units * U::kUnitK * kPanel);
+  expand_panel<U>(src, units, buffer.data());
+  rows_times_panel(x, x_stride, m, buffer.data(), units * U::kUnitK, bias, y, y_stride, cols, /*from_memory=*/false);
 }
 
-// Value j (0-31) of one GGUF block, as the code stored in a quantised panel.
-inline uint8_t gguf_code(const uint8_t* block, QType type, int64_t j) {
-  if (type == QType::kQ8_0) return block[2 + j];
-  const uint8_t packed = block[4 + (j & 15)];
-  return j < 16 ? packed & 0xF : packed >> 4;
+using Q4_0Unit = LegacyUnit<4, false>;
+using Q4_1Unit = LegacyUnit<4, true>;
+using Q5_0Unit = LegacyUnit<5, false>;
+using Q5_1Unit = LegacyUnit<5, true>;
+using Q4_KUnit = KQuantUnit<4>;
+using Q5_KUnit = KQuantUnit<5>;
+
+struct Format {
+  int64_t unit_k, gguf_bytes, panel_bytes;
+};
+
+bool known(int64_t qtype) {
+  switch (static_cast<QType>(qtype)) {
+    case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0: case QType::kQ5_1: case QType::kQ8_0:
+    case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: return true;
+  }
+  return false;
+}
+
+Format format_of(QType type) {
+  switch (type) {
+    case QType::kQ4_0: return {32, 18, Q4_0Unit::kBytes};
+    case QType::kQ4_1: return {32, 20, Q4_1Unit::kBytes};
+    case QType::kQ5_0: return {32, 22, Q5_0Unit::kBytes};
+    case QType::kQ5_1: return {32, 24, Q5_1Unit::kBytes};
+    case QType::kQ8_0: return {32, 34, Q8_0Unit::kBytes};
+    case QType::kQ4_K: return {256, 144, Q4_KUnit::kBytes};
+    case QType::kQ5_K: return {256, 176, Q5_KUnit::kBytes};
+    case QType::kQ6_K: return {256, 210, Q6_KUnit::kBytes};
+  }
+  return {0, 0, 0};
+}
+
+// Writes column c's code of step k into a unit's code chunks (see unsigned_codes).
+template <int kBits>
+inline void put_code(uint8_t* codes, int64_t k, int64_t c, uint8_t code) {
+  uint8_t* chunk = codes + k / kChunkK * kChunkBytes<kBits>;
+  const int64_t kk = k % kChunkK;
+  chunk[kk * 8 + c % 8] |= static_cast<uint8_t>((code & 0xF) << (c < 8 ? 0 : 4));
+  uint8_t* high = chunk + kChunkK * 8 + kk * kHighBytes<kBits>;
+  if constexpr (kBits == 5) high[c / 8] |= static_cast<uint8_t>(((code >> 4) & 1) << (c % 8));
+  if constexpr (kBits == 6) {
+    const int64_t bit = 2 * (c % 8);  // a uint16 per half: bits 2c, 2c + 1
+    high[2 * (c / 8) + bit / 8] |= static_cast<uint8_t>(((code >> 4) & 3) << (bit % 8));
+  }
+}
+inline void copy_half(const uint8_t* from, uint8_t* to, int64_t c) { std::copy(from, from + 2, to + 2 * c); }
+
+// The 4/5/6-bit code j of a GGUF block (gguf.quants' bit layouts).
+inline uint8_t legacy_code(const uint8_t* qs, uint32_t qh, int bits, int64_t j) {
+  const uint8_t nibble = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
+  return bits == 5 ? static_cast<uint8_t>(nibble | ((qh >> j) & 1) << 4) : nibble;
+}
+
+// Q4_K / Q5_K 6-bit scales and minimums of sub-block i (gguf's Q4_K.get_scale_min).
+inline void kquant_scale_min(const uint8_t* s, int64_t i, uint8_t& sc, uint8_t& m) {
+  if (i < 4) {
+    sc = s[i] & 63;
+    m = s[i + 4] & 63;
+  } else {
+    sc = static_cast<uint8_t>((s[i + 4] & 0xF) | ((s[i - 4] >> 2) & 0x30));
+    m = static_cast<uint8_t>((s[i + 4] >> 4) | ((s[i] >> 2) & 0x30));
+  }
+}
+
+// Column c of one GGUF block -> its place in the panel's unit `out`.
+void pack_block(QType type, const uint8_t* block, int64_t c, uint8_t* out) {
+  switch (type) {
+    case QType::kQ8_0:
+      copy_half(block, out, c);
+      for (int64_t j = 0; j < 32; ++j) out[32 + j * kPanel + c] = block[2 + j];
+      return;
+    case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0: case QType::kQ5_1: {
+      const bool has_min = type == QType::kQ4_1 || type == QType::kQ5_1;
+      const int bits = type == QType::kQ5_0 || type == QType::kQ5_1 ? 5 : 4;
+      copy_half(block, out, c);
+      if (has_min) copy_half(block + 2, out + 32, c);
+      const uint8_t* rest = block + (has_min ? 4 : 2);
+      uint32_t qh = 0;
+      if (bits == 5) {
+        std::memcpy(&qh, rest, 4);
+        rest += 4;
+      }
+      uint8_t* nibbles = out + (has_min ? 64 : 32);
+      for (int64_t j = 0; j < 32; ++j) {
+        const uint8_t code = legacy_code(rest, qh, bits, j);
+        if (bits == 5) put_code<5>(nibbles, j, c, code);
+        else put_code<4>(nibbles, j, c, code);
+      }
+      return;
+    }
+    case QType::kQ4_K: case QType::kQ5_K: {
+      const bool five = type == QType::kQ5_K;
+      copy_half(block, out, c);
+      copy_half(block + 2, out + 32, c);
+      for (int64_t i = 0; i < 8; ++i) kquant_scale_min(block + 4, i, out[64 + i * 16 + c], out[64 + 128 + i * 16 + c]);
+      const uint8_t* qh = block + 16;
+      const uint8_t* qs = block + (five ? 48 : 16);
+      uint8_t* nibbles = out + KQuantUnit<4>::kHeader;
+      for (int64_t j = 0; j < 256; ++j) {  // 64 values per 32 bytes: low nibbles, then high nibbles
+        uint8_t code = (qs[j / 64 * 32 + j % 32] >> (j % 64 / 32 * 4)) & 0xF;
+        if (five) code = static_cast<uint8_t>(code | ((qh[j % 32] >> (j / 32)) & 1) << 4);
+        if (five) put_code<5>(nibbles, j, c, code);
+        else put_code<4>(nibbles, j, c, code);
+      }
+      return;
+    }
+    case QType::kQ6_K: {
+      const uint8_t *ql = block, *qh = block + 128, *scales = block + 192;
+      copy_half(block + 208, out, c);
+      for (int64_t g = 0; g < 16; ++g) out[32 + g * 16 + c] = scales[g];
+      uint8_t* nibbles = out + Q6_KUnit::kHeader;
+      for (int64_t j = 0; j < 256; ++j) {  // per 128 values: 64 bytes of nibbles, 32 of 2-bit pairs
+        const int64_t half = j / 128, r = j % 128;
+        const uint8_t low = (ql[half * 64 + r % 64] >> (r / 64 * 4)) & 0xF;
+        const uint8_t top = (qh[half * 32 + r % 32] >> (r / 32 * 2)) & 3;
+        const uint8_t code = static_cast<uint8_t>(low | top << 4);
+        put_code<6>(nibbles, j, c, code);
+      }
+      return;
+    }
+  }
+}
+
+template <class U>
+void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
+                   const float* bias, float* y, int64_t out_features) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2) for 11+ rows
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+      rows_times_quantized_panel<U>(x, x_stride, m, w + p * units * U::kBytes, units, bias ? bias + col0 : nullptr,
+                                    y + col0, out_features, cols, expanded);
+    }
+  });
 }
 
 }  // namespace
 
-// GGUF blocks [N, K/32 * block bytes] (Q4_1: 20, Q8_0: 34) -> [ceil(N/16), K/32, panel block bytes];
-// columns past N in the last panel have zero scales, so they come out as zero weights.
+// GGUF blocks [N, K / block * block bytes] -> [ceil(N/16), K / block, unit bytes]; columns past N
+// in the last panel have zero scales and codes, so they come out as zero weights.
 torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == 0 || qtype == 1, "pack_quantized: qtype must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
-  const int64_t src_bytes = type == QType::kQ4_1 ? 20 : 34, dst_bytes = type == QType::kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % src_bytes == 0,
-              "pack_quantized: blocks must be uint8 [N, K/32 * ", src_bytes, "]");
+  const Format f = format_of(type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % f.gguf_bytes == 0,
+              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   const auto b = blocks.contiguous();
-  const int64_t n = b.size(0), k_blocks = b.size(1) / src_bytes, panels = (n + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({panels, k_blocks, dst_bytes}, b.options());
+  const int64_t n = b.size(0), units = b.size(1) / f.gguf_bytes, panels = (n + kPanel - 1) / kPanel;
+  auto packed = torch::zeros({panels, units, f.panel_bytes}, b.options());
   const uint8_t* src = b.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c) {
-        for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const uint8_t* block = src + ((p * kPanel + c) * k_blocks + kb) * src_bytes;
-          uint8_t* out = dst + (p * k_blocks + kb) * dst_bytes;
-          std::copy(block, block + 2, out + 2 * c);  // fp16 scale
-          if (type == QType::kQ8_0) {
-            for (int64_t j = 0; j < kBlockK; ++j) out[32 + j * kPanel + c] = gguf_code(block, type, j);
-            continue;
-          }
-          std::copy(block + 2, block + 4, out + 32 + 2 * c);  // fp16 minimum
-          for (int64_t j = 0; j < kBlockK; ++j) out[64 + j * 8 + c % 8] |= gguf_code(block, type, j) << (c < 8 ? 0 : 4);
-        }
-      }
-    }
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
+        for (int64_t u = 0; u < units; ++u)
+          pack_block(type, src + ((p * kPanel + c) * units + u) * f.gguf_bytes, c, dst + (p * units + u) * f.panel_bytes);
   });
   return packed;
 }
@@ -175,12 +417,13 @@ torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                const c10::optional<torch::Tensor>& bias, int64_t qtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quantized_matmul: x must be 2-D fp32");
-  TORCH_CHECK(qtype == 0 || qtype == 1, "quantized_matmul: qtype must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(known(qtype), "quantized_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
+  const Format f = format_of(type);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == (type == QType::kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes), "quantized_matmul: bad packed weight");
-  TORCH_CHECK(packed.size(1) * kBlockK == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
-              packed.size(1) * kBlockK);
+              packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
+  TORCH_CHECK(packed.size(1) * f.unit_k == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
+              packed.size(1) * f.unit_k);
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
               "quantized_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
@@ -191,32 +434,26 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == out_features, "quantized_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
-  const int64_t m = xs.size(0), k_dim = xs.size(1), k_blocks = packed.size(1), x_stride = xs.stride(0);
+  const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1), x_stride = xs.stride(0);
   auto y = torch::empty({m, out_features}, x.options());
   if (m == 0) return y;
   const float* xp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = k_blocks * packed.size(2);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2) for 5+ rows
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-      const float* panel_bias = bias_ptr ? bias_ptr + col0 : nullptr;
-      if (type == QType::kQ4_1)
-        rows_times_quantized_panel<QType::kQ4_1>(xp, x_stride, m, wp + p * panel_bytes, k_blocks, panel_bias,
-                                                 yp + col0, out_features, cols, expanded);
-      else
-        rows_times_quantized_panel<QType::kQ8_0>(xp, x_stride, m, wp + p * panel_bytes, k_blocks, panel_bias,
-                                                 yp + col0, out_features, cols, expanded);
-    }
-  });
+  switch (type) {
+#define CONVEYOR_QTYPE(T)                                                                                 \
+  case QType::k##T: matmul_panels<T##Unit>(xp, x_stride, m, wp, panels, units, bias_ptr, yp, out_features); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+#undef CONVEYOR_QTYPE
+  }
   return y;
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_quantized", &pack_quantized, "GGUF Q4_1 (qtype 0) / Q8_0 (1) blocks [N, K/32 * bytes] -> quantised panels",
+  m.def("pack_quantized", &pack_quantized,
+        "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) -> quantised panels",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_matmul", &quantized_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_quantized",
         py::call_guard<py::gil_scoped_release>());
