@@ -3,6 +3,7 @@ prompts through the offline engine; `conveyor export-hf` writes the model as an 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -53,6 +54,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from conveyor import LLM, SamplingParams
 
+    # What the engine says while it starts (e.g. "building C++ kernels, first start only").
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("conveyor").setLevel(logging.INFO)
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
