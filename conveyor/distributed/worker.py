@@ -38,12 +38,11 @@ from conveyor.distributed.messages import (
     TokenEvent,
     WorkerInfo,
     WorkerLoadReport,
-    WorkerLoopDied,
 )
 from conveyor.engine.async_engine import build_on_own_thread, shorten_gil_switch_interval
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, WorkerDiedError
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
 
@@ -156,7 +155,7 @@ class EngineWorker:
 
     def _check_alive(self) -> None:
         if self._died is not None:
-            raise WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}")
+            raise WorkerDiedError(f"the loop of worker {self.name} died: {self._died}")
 
     def _send(self, kind: str, *args: Any) -> None:
         self._check_alive()
@@ -221,7 +220,7 @@ class EngineWorker:
                 break
         for done in futures:
             if done is not None and not done.done():
-                done.set_exception(WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}"))
+                done.set_exception(WorkerDiedError(f"the loop of worker {self.name} died: {self._died}"))
 
     def _drain(self) -> None:
         while not self._commands.empty():

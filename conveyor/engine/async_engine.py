@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput, StepStats
-from conveyor.errors import ConveyorError
+from conveyor.errors import EngineStoppedError, QueueFullError
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.engine")
@@ -71,14 +71,6 @@ def build_on_own_thread(build: Callable[[], Built], name: str,
     thread = threading.Thread(target=thread_main, name=name, daemon=True)
     thread.start()
     return built.result(), thread
-
-
-class QueueFullError(ConveyorError):
-    """The waiting queue is at its bound: the caller should retry later (HTTP 503)."""
-
-
-class EngineStoppedError(ConveyorError):
-    """The engine loop is stopped or stopping; no request is accepted."""
 
 
 # The last event of a request that did not finish normally: no further output will come.

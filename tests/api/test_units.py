@@ -7,10 +7,10 @@ import pytest
 
 from conveyor.api.detokenizer import IncrementalDetokenizer
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Aborted, AsyncEngine, QueueFullError
+from conveyor.engine.async_engine import Aborted, AsyncEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, QueueFullError
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput
 from tests.fakes import FakeRunner
