@@ -31,7 +31,12 @@ from conveyor.bench.metrics import compute_metrics, per_request_dict
 from conveyor.bench.offline import OfflineResult, run_offline, warm_up
 from conveyor.bench.plots import plot_slo_control
 from conveyor.bench.workloads import (
-    WorkloadConfig, arrival_times, describe, expected_arrivals, generate_requests, parse_rate_schedule,
+    WorkloadConfig,
+    arrival_times,
+    describe,
+    expected_arrivals,
+    generate_requests,
+    parse_rate_schedule,
 )
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -68,8 +73,8 @@ def real_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Ca
 
 
 def sim_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Callable[[], None]]:
+    from conveyor.sim.config import SimConfig, build_cost_model, num_kv_blocks
     from conveyor.sim.runner import SimRunner, VirtualClock
-    from conveyor.sim.simulate import SimConfig, build_cost_model, num_kv_blocks
 
     cfg = SimConfig(hardware=args.sim, model=args.sim_model)
     cost_model, model, hardware = build_cost_model(cfg)

@@ -2,8 +2,9 @@
 KV manager can be driven at speed without a model."""
 from __future__ import annotations
 
-from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.kv.manager import KVCacheManager
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
 
 

@@ -26,10 +26,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from conveyor.bench.metrics import BenchmarkMetrics, compute_metrics, metrics_dict, per_request_dict
-from conveyor.bench.offline import OfflineResult, run_offline, warm_up
+from conveyor.bench.metrics import compute_metrics, per_request_dict
+from conveyor.bench.offline import run_offline, warm_up
+from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import (
-    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+    BenchRequest,
+    WorkloadConfig,
+    arrival_times,
+    describe,
+    generate_requests,
+    parse_rate_schedule,
 )
 
 
@@ -95,19 +101,6 @@ POLICIES: dict[str, Callable[[CompareConfig, int], dict[str, Any]]] = {
     "continuous-chunked": _chunked,
     "continuous-slo": _slo,
 }
-
-
-@dataclass
-class RunResult:
-    policy: str
-    rate: float
-    engine_kwargs: dict[str, Any]
-    offline: OfflineResult
-    metrics: BenchmarkMetrics
-
-    def summary(self) -> dict[str, Any]:
-        return {"policy": self.policy, "request_rate": self.rate, "num_preemptions": self.offline.num_preemptions,
-                **metrics_dict(self.metrics)}
 
 
 def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest]) -> dict[str, Any]:

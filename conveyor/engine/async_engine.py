@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput, StepStats
+from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import EngineStoppedError, QueueFullError
+from conveyor.runner.stats import StepStats
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.engine")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import EngineConfig, parse_memory
-from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.errors import ConfigError
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
@@ -16,6 +15,8 @@ from conveyor.model.llama import KVCache, LlamaModel
 from conveyor.model.loader import load_checkpoint
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.sampler import Sampler
 from conveyor.scheduler import SchedulerOutput
 

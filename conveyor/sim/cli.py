@@ -29,7 +29,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported lazily)
     from conveyor.bench.metrics import parse_goodput, parse_selection
-    from conveyor.sim.simulate import SimConfig
+    from conveyor.sim.config import SimConfig
 
     _, percentiles = parse_selection(None, args.metric_percentiles)
     return SimConfig(

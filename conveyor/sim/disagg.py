@@ -25,12 +25,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from conveyor.bench.compare import RunResult
 from conveyor.bench.metrics import RequestRecord, compute_metrics
 from conveyor.bench.offline import IterationSample, OfflineResult, record_from_times
+from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -39,7 +39,7 @@ from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
-from conveyor.sim import simulate
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
 from conveyor.sim.runner import SimRunner, VirtualClock
 
 
@@ -149,18 +149,18 @@ class Handover:
     seconds: float = 0.0
 
 
-def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None = None) -> simulate.SimRun:
+def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -> SimRun:
     wall0 = time.perf_counter()
     disagg = bool(cfg.prefill_workers or cfg.decode_workers)
     if disagg and (cfg.prefill_workers < 1 or cfg.decode_workers < 1 or cfg.replicas != 1):
         raise ConfigError("disaggregation needs --prefill-workers >= 1 and --decode-workers >= 1, without --replicas")
     if cfg.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
-    cost_model, model, hardware = simulate.build_cost_model(cfg)
+    cost_model, model, hardware = build_cost_model(cfg)
     engine_config = EngineConfig.from_kwargs(**cfg.engine)
     if disagg and engine_config.scheduler.policy == "static":
         raise ConfigError("disaggregation hands requests between continuous-batching engines: use --policy continuous")
-    blocks = simulate.num_kv_blocks(cfg, model, hardware, engine_config.block_size)
+    blocks = num_kv_blocks(cfg, model, hardware, engine_config.block_size)
     if requests is None:
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
@@ -225,7 +225,7 @@ def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None 
     records = [rejected.get(i) or _record(r.prompt_len, ho.record_times[i], ho.decode_times.get(i))
                for i, r in enumerate(requests)]
     duration = max((r.start + r.latency for r in records if r.success), default=0.0)
-    label = simulate.policy_label(engine_config)
+    label = policy_label(engine_config)
     label = f"{cfg.prefill_workers}P+{cfg.decode_workers}D {label}" if disagg else f"{cfg.replicas}x {label}"
     handovers = len(ho.pending)
     offline = OfflineResult(
@@ -240,7 +240,7 @@ def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None 
     )
     metrics = compute_metrics(records, duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(label, cfg.request_rate, dict(cfg.engine), offline, metrics)
-    return simulate.SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,
+    return SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,
                            cost_model.describe(), workers)
 
 

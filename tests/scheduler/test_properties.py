@@ -20,13 +20,13 @@ from hypothesis.errors import InvalidArgument
 
 from conveyor.config import EngineConfig, SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput, SamplerOutput
+from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, StaticScheduler, make_scheduler
-
 from tests.fakes import FakeRunner
 
 VOCAB = 1000
