@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from conveyor.bench.offline import IterationSample, OfflineResult, record_from_t
 from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
+from conveyor.engine.imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError
@@ -51,7 +51,7 @@ class Lane:
     engine: LLMEngine
     runner: SimRunner
     trace: list[IterationSample] = field(default_factory=list)
-    imports: deque[Request] = field(default_factory=deque)  # decode: handed over, waiting for blocks
+    imports: ImportQueue[Request] = field(default_factory=ImportQueue)  # decode: handed over, waiting for blocks
     parked: list[tuple[float, str]] = field(default_factory=list)  # prefill: (handover end, request id)
     num_requests: int = 0
 
@@ -82,14 +82,15 @@ class Lane:
 
 def take_imports(lane: Lane) -> None:
     engine = lane.engine
-    while lane.imports:  # in arrival order: the head waits for blocks rather than being overtaken
-        request = lane.imports[0]
-        needed = blocks_for(request.num_computed_tokens + 1, engine.kv.block_size)
-        if needed > engine.scheduler.uncommitted_free_blocks():
-            return
-        lane.imports.popleft()
+
+    def admit(request: Request) -> None:
         engine.kv.allocate(request.request_id, request.num_computed_tokens)
         engine.add_prefilled_request(request)  # the prefill worker validated the same limits
+
+    def refuse(request: Request, error: InvalidRequestError) -> None:
+        raise error  # both sides share one engine configuration: this cannot happen
+
+    lane.imports.take(engine, admit, refuse)
 
 
 OnOutputs = Callable[[Lane, list[RequestOutput]], None]
@@ -212,7 +213,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
                 ho.decode_times[int(out.request_id)] = out.times  # type: ignore[assignment]
 
     def hand_in(lane: Lane, t: float, i: int) -> None:
-        lane.imports.append(ho.requests[i])
+        lane.imports.push(ho.requests[i])
 
     first = lanes("prefill" if disagg else "replica", cfg.prefill_workers if disagg else cfg.replicas)
     drive(first, [(float(t), i) for i, t in enumerate(arrivals)], admit, first_tokens)

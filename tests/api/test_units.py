@@ -124,7 +124,7 @@ def test_async_engine_shortens_the_gil_switch_interval(monkeypatch: pytest.Monke
     """The loop thread retakes the GIL after every torch op; the default 5 ms handoff stalls steps."""
     import sys
 
-    from conveyor.engine.async_engine import GIL_SWITCH_INTERVAL_S
+    from conveyor.engine.loop import GIL_SWITCH_INTERVAL_S
 
     calls: list[float] = []
     monkeypatch.setattr(sys, "setswitchinterval", calls.append)

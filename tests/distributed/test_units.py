@@ -11,11 +11,11 @@ from conveyor.distributed.deploy import DeploymentConfig
 from conveyor.distributed.handover import (
     blocks_needed,
     export_request,
-    import_headroom,
     import_request,
     request_blocks,
 )
 from conveyor.distributed.router import WorkerHandle, outstanding_tokens, pick
+from conveyor.engine.imports import import_headroom
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
