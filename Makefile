@@ -38,7 +38,7 @@ test: install-test
 	$(PY) -m pytest -q
 
 bench-step: install-test
-	$(PY) benchmarks/step_time.py
+	$(VENV)/bin/conveyor bench steps --hf
 
 clean:
 	rm -rf $(VENV)
