@@ -276,7 +276,7 @@ class EngineWorker(EngineLoop[_Command]):
             call_on_loop(self._loop, self._news.set)
 
     def _fail_commands(self) -> None:
-        futures = [pending.done for pending in self._imports.clear()]
+        futures: list[concurrent.futures.Future | None] = [pending.done for pending in self._imports.clear()]
         futures += [cmd.done for cmd in self._take_queued()]
         for done in futures:
             if done is not None and not done.done():
