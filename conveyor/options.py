@@ -66,4 +66,5 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
 
 def config_kwargs(args: argparse.Namespace, *config_classes: type) -> dict[str, Any]:
     """The parsed values of every field of `config_classes` the parser has."""
-    return {f.name: getattr(args, f.name) for cls in config_classes for f in config_fields(cls) if hasattr(args, f.name)}
+    return {f.name: getattr(args, f.name)
+            for cls in config_classes for f in config_fields(cls) if hasattr(args, f.name)}

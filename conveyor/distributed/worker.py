@@ -3,8 +3,9 @@
 The actor is asynchronous (its methods are coroutines on the actor's event loop) so that a long
 poll, an add waiting for validation and a KV import waiting for free blocks never tie up a thread.
 Exactly one thread, the loop thread (conveyor/engine/loop.py, as the local server's), builds and
-steps the engine: methods send it commands through its queue and await the answer. Outputs pile up in an outbox that the front end drains
-with `poll` (a long poll: it returns as soon as there is something, or after the timeout).
+steps the engine: methods send it commands through its queue and await the answer. Outputs pile up
+in an outbox that the front end drains with `poll` (a long poll: it returns as soon as there is
+something, or after the timeout).
 
 Roles: a replica runs whole requests. A prefill worker runs a request up to its first token, then
 parks it (out of the scheduler, KV blocks kept) and reports HandoverReady; the front end has a

@@ -8,7 +8,8 @@ from conveyor.model import kernels
 from conveyor.sampling.params import SamplingParams
 
 
-def test_a_step_resolves_no_kernel_that_building_the_engine_did_not(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_resolves_no_kernel_that_building_the_engine_did_not(make_engine,  # noqa: ANN001
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     built = kernels._load
     asked: list[str] = []
 
