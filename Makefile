@@ -43,7 +43,7 @@ test: lint
 	$(PY) -m pytest -q
 
 bench-step: install-test
-	$(PY) benchmarks/step_time.py
+	$(VENV)/bin/conveyor bench steps --hf
 
 clean:
 	rm -rf $(VENV)

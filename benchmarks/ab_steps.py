@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import time
 from typing import Callable
 
-from conveyor import LLM, SamplingParams
-from conveyor.engine.llm_engine import LLMEngine
 import torch
 
+from conveyor import LLM
+from conveyor.bench.decode import start_decode_batch
+from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
 from conveyor.model.ops import ReferenceOps
 
@@ -73,19 +73,6 @@ def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
             run()
             times[mode].append((time.perf_counter() - start) / 2 * 1e3)
     return times
-
-
-def start_decode_batch(engine: LLMEngine, batch: int, contexts: list[int], steps: int, seed: int = 0) -> list[str]:
-    """Adds `batch` requests with contexts drawn from `contexts` and runs their prompts, so every
-    following step is a pure decode step of the whole batch (for at least `steps` steps)."""
-    rng = random.Random(seed)
-    ids = []
-    for i in range(batch):
-        prompt = [(7 * i + 13 * j) % 30000 + 100 for j in range(rng.choice(contexts))]
-        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    return ids
 
 
 def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: list[int], contexts: list[int],

@@ -34,9 +34,10 @@ from conveyor.bench.offline import run_offline, warm_up
 from conveyor.bench.workloads import WorkloadConfig, arrival_times, describe, generate_requests
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.sim.config import SimConfig
 from conveyor.sim.profile_steps import ProfileGrid, ShapeRecorder, measure
 from conveyor.sim.profiled import Profile, ProfiledCostModel, fit_profile
-from conveyor.sim.simulate import SimConfig, run_simulation
+from conveyor.sim.simulate import run_simulation
 
 
 @dataclass

@@ -21,21 +21,25 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from conveyor.bench.decode import time_decode_steps
 from conveyor.bench.metrics import compute_metrics, per_request_dict
 from conveyor.bench.offline import OfflineResult, run_offline, warm_up
 from conveyor.bench.plots import plot_slo_control
 from conveyor.bench.workloads import (
-    WorkloadConfig, arrival_times, describe, expected_arrivals, generate_requests, parse_rate_schedule,
+    WorkloadConfig,
+    arrival_times,
+    describe,
+    expected_arrivals,
+    generate_requests,
+    parse_rate_schedule,
 )
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sampling.params import SamplingParams
 
 
 @dataclass
@@ -68,8 +72,8 @@ def real_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Ca
 
 
 def sim_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Callable[[], None]]:
+    from conveyor.sim.config import SimConfig, build_cost_model, num_kv_blocks
     from conveyor.sim.runner import SimRunner, VirtualClock
-    from conveyor.sim.simulate import SimConfig, build_cost_model, num_kv_blocks
 
     cfg = SimConfig(hardware=args.sim, model=args.sim_model)
     cost_model, model, hardware = build_cost_model(cfg)
@@ -88,23 +92,6 @@ def sim_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Cal
 
     print(f"simulated: {args.sim_model} on {args.sim} ({cost_model.describe()})")
     return make, sleep
-
-
-def decode_step_s(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    """Median time of a decode step of `batch` rows at `context` tokens, on the engine's clock."""
-    # Long enough that the first rows are still decoding when the last prompt is prefilled.
-    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request([11 + (7 * i + 13 * j) % 30000 for j in range(context)], params) for i in range(batch)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = engine.clock()
-        engine.step()
-        times.append(engine.clock() - t0)
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return statistics.median(times)
 
 
 # --- the experiment -----------------------------------------------------------------------------------
@@ -168,7 +155,7 @@ def main() -> None:
     probe = make(max_num_seqs=args.high_cap, **common)
     if not args.sim:
         warm_up(probe)
-    t_low, t_high = (decode_step_s(probe, b, context, steps=6) for b in (args.low_cap, args.high_cap))
+    t_low, t_high = (time_decode_steps(probe, b, [context], steps=6).median_s for b in (args.low_cap, args.high_cap))
     del probe
     target_ms = args.slo_tpot_ms or 1000 * (t_low + t_high) / 2
     print(f"decode step at context {context}: batch {args.low_cap} {1000 * t_low:.1f} ms, batch {args.high_cap} "

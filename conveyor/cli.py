@@ -3,6 +3,7 @@ prompts through the offline engine; `conveyor export-hf` writes the model as an 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -10,50 +11,27 @@ from typing import Sequence
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's knobs, named as vLLM names them."""
-    parser.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--dequantize-weights", action="store_true",
-                        help="stream dense fp32 weights even where the GGUF has blocks the matmul kernel reads "
-                             "(same results, slower)")
-    parser.add_argument("--policy", default="continuous", choices=["continuous", "static"])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--slo-tpot-ms", type=float, default=None,
-                        help="hold P99 TPOT under this: a controller lowers the batch cap and token budget "
-                             "under --max-num-seqs / --max-num-batched-tokens as load requires")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None,
-                        help="TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)")
-    parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch threads (default: one per core; 1 is faster when other processes share the cores)")
+    """The engine's knobs, named as vLLM names them: one option per config field (conveyor/options.py)."""
+    from conveyor.config import EngineConfig, SchedulerConfig
+    from conveyor.options import add_config_args
+
+    add_config_args(parser, EngineConfig)
+    add_config_args(parser, SchedulerConfig)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        dequantize_weights=args.dequantize_weights,
-        policy=args.policy,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill=args.chunked_prefill,
-        slo_tpot_ms=args.slo_tpot_ms,
-        slo_ttft_ms=args.slo_ttft_ms,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        num_threads=args.num_threads,
-    )
+    from conveyor.config import EngineConfig, SchedulerConfig
+    from conveyor.options import config_kwargs
+
+    return {k: v for k, v in config_kwargs(args, EngineConfig, SchedulerConfig).items() if k != "model"}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from conveyor import LLM, SamplingParams
 
+    # What the engine says while it starts (e.g. "building C++ kernels, first start only").
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("conveyor").setLevel(logging.INFO)
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from conveyor.errors import ConfigError
 
+POLICIES = ("continuous", "static")
+DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -31,7 +33,7 @@ class SchedulerConfig:
     slo_ttft_ms: float | None = None  # monitored only: misses are counted, nobody is dropped
 
     def __post_init__(self) -> None:
-        if self.policy not in ("continuous", "static"):
+        if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose 'continuous' or 'static'")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -57,7 +59,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")

@@ -19,3 +19,17 @@ class UnsupportedModelError(ModelLoadError):
 
 class ConfigError(ConveyorError, ValueError):
     """An engine configuration that cannot work (e.g. a KV budget too small for one block)."""
+
+
+class QueueFullError(ConveyorError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 503)."""
+
+
+class EngineStoppedError(ConveyorError):
+    """The engine loop is stopped or stopping; no request is accepted."""
+
+
+class WorkerDiedError(ConveyorError):
+    """An engine worker of a Ray deployment is gone (its process, or its loop thread): nothing it
+    held will progress. Its methods raise this, and the front end then handles it as dead; a
+    request it held fails with it unless it can be retried elsewhere."""

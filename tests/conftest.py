@@ -47,6 +47,8 @@ def hf_reference_tokenizer(smollm_gguf_path: Path) -> Any:
 def _built_kernels() -> None:
     """Build the C++ kernels once, in this process, before any test starts a server or a Ray
     worker: a cold build takes ~30 s, which must not land inside a subprocess's start-up timeout."""
-    from conveyor.model.kernels import fused_ops, paged_decode_kernel, panel_gemm, quant_gemm
+    import torch
 
-    paged_decode_kernel(), fused_ops(), panel_gemm(), quant_gemm()
+    from conveyor.model.kernels import build_kernels
+
+    build_kernels(torch.float32)

@@ -2,8 +2,14 @@
 KV manager can be driven at speed without a model."""
 from __future__ import annotations
 
-from conveyor.engine.outputs import SamplerOutput, StepStats
+import itertools
+from typing import Callable
+
+from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.engine.llm_engine import LLMEngine
 from conveyor.kv.manager import KVCacheManager
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
 
 
@@ -22,3 +28,27 @@ class FakeRunner:
             # whatever it is batched with and however often it is preempted.
             tokens.append((sum(request.prompt_token_ids) * 31 + request.num_tokens * 7) % self.vocab_size)
         return SamplerOutput(tokens)
+
+
+def fake_engine(
+    runner: FakeRunner | None = None,
+    policy: str = "continuous",
+    *,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    chunked: bool = True,
+    max_model_len: int = 256,
+    clock: Callable[[], float] | None = None,
+) -> LLMEngine:
+    """An engine on a fake runner (FakeRunner by default) with a strictly increasing, deterministic
+    clock (one tick per reading) unless `clock` is given: the scheduler tests' engine."""
+    config = EngineConfig(block_size=block_size, scheduler=SchedulerConfig(
+        policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked))
+    runner = runner if runner is not None else FakeRunner()
+    if clock is None:
+        ticks = itertools.count()
+        clock = lambda: float(next(ticks))  # noqa: E731
+    return LLMEngine(config, runner, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                     vocab_size=runner.vocab_size, clock=clock)

@@ -17,9 +17,8 @@ from conveyor.api.generation import Generation
 from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
-from conveyor.engine.async_engine import EngineStoppedError, QueueFullError
 from conveyor.engine.client import EngineClient
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

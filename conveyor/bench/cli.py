@@ -1,10 +1,13 @@
-"""`conveyor bench serve|compare|roofline`: argument parsing (imports nothing heavy)."""
+"""`conveyor bench serve|compare|roofline|steps`: argument parsing (imports nothing heavy)."""
 from __future__ import annotations
 
 import argparse
 import math
 
+from conveyor.bench.compare import CompareConfig
 from conveyor.bench.workloads import DATASETS
+from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.options import add_config_args
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -44,11 +47,7 @@ def _rate_schedule(text: str) -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The in-process engine's model options (compare, roofline)."""
-    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--dequantize-weights", action="store_true",
-                   help="stream dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
+    add_config_args(p, EngineConfig, only=("model", "dtype", "dequantize_weights", "num_threads"))
 
 
 def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN202 - WorkloadConfig
@@ -117,6 +116,22 @@ def _run_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_steps(args: argparse.Namespace) -> int:
+    from conveyor.bench.steps import StepsConfig, load_hf_reference, run_steps
+    from conveyor.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+
+    cfg = StepsConfig(batch_sizes=args.batch_sizes, contexts=args.contexts, steps=args.steps, repeats=args.repeats,
+                      hf=args.hf)
+    longest = max(cfg.batch_sizes) * max(cfg.contexts)
+    engine = LLMEngine.from_config(EngineConfig.from_kwargs(
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
+        max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(args.max_num_batched_tokens, min(longest, 8192)),
+    ))
+    run_steps(engine, cfg, load_hf_reference(args.dtype) if cfg.hf else None)
+    return 0
+
+
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks: load a server, or compare scheduling policies in-process")
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -144,12 +159,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     cmp.add_argument("--policies", nargs="+", default=["static", "continuous-naive", "continuous-chunked"],
                      choices=["static", "continuous", "continuous-naive", "continuous-chunked", "continuous-slo"])
     cmp.add_argument("--slo-tpot-ms", type=float, default=None, help="the TPOT target of the continuous-slo policy")
-    cmp.add_argument("--max-num-seqs", type=int, default=32)
-    cmp.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                     help="token budget per step of static, continuous and (at least) continuous-naive")
-    cmp.add_argument("--chunk-size", type=int, default=128, help="token budget per step of continuous-chunked")
-    cmp.add_argument("--kv-cache-memory", default="1GiB")
-    cmp.add_argument("--block-size", type=int, default=16)
+    add_config_args(cmp, CompareConfig, only=("max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                                              "kv_cache_memory", "block_size"), helps={
+        "max_num_batched_tokens": "token budget per step of static, continuous and (at least) continuous-naive",
+        "chunk_size": "token budget per step of continuous-chunked"})
     cmp.add_argument("--output-dir", default="out/compare")
     cmp.add_argument("--no-plots", action="store_true")
     cmp.add_argument("--no-warmup", action="store_true")
@@ -164,3 +177,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
     roof.add_argument("--output-dir", default="out/roofline")
     roof.set_defaults(func=_run_roofline)
+
+    steps = sub.add_parser("steps", help="time whole decode steps across batch sizes (optionally beside transformers)")
+    _add_model_args(steps)
+    steps.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    steps.add_argument("--contexts", type=int, nargs="+", default=[128], help="prompt lengths drawn per request")
+    steps.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size and repeat")
+    steps.add_argument("--repeats", type=int, default=3)
+    add_config_args(steps, SchedulerConfig, only=("max_num_batched_tokens",),
+                    helps={"max_num_batched_tokens": "token budget of a prefill step (raised to fit the prompts)"})
+    steps.add_argument("--hf", action="store_true", help="also time transformers' forward pass (the test extra)")
+    steps.set_defaults(func=_run_steps)

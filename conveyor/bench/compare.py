@@ -26,11 +26,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from conveyor.bench.metrics import BenchmarkMetrics, compute_metrics, metrics_dict, per_request_dict
-from conveyor.bench.offline import OfflineResult, run_offline, warm_up
+from conveyor.bench.metrics import compute_metrics, per_request_dict
+from conveyor.bench.offline import run_offline, warm_up
+from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import (
-    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+    BenchRequest,
+    WorkloadConfig,
+    arrival_times,
+    describe,
+    generate_requests,
+    parse_rate_schedule,
 )
+from conveyor.config import EngineConfig, SchedulerConfig
 
 
 @dataclass
@@ -41,15 +48,16 @@ class CompareConfig:
     rate_schedule: str | None = None  # e.g. "0:1,120:4,240:1"; overrides request_rates
     slo_tpot_ms: float | None = None  # for the continuous-slo policy
     policies: list[str] = field(default_factory=lambda: ["static", "continuous-naive", "continuous-chunked"])
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32  # below the engine's 64: the policies differ most with a few slots
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     chunk_size: int = 128  # the token budget of continuous-chunked
-    kv_cache_memory: str = "1GiB"
-    block_size: int = 16
-    model: str | None = None
-    dtype: str = "float32"
-    dequantize_weights: bool = False  # dense fp32 matmuls even where the GGUF has blocks the kernel reads
-    num_threads: int | None = None  # torch threads; None: torch's default (one per core)
+    # The engine's own defaults (conveyor/config.py)
+    kv_cache_memory: str | int = EngineConfig.kv_cache_memory
+    block_size: int = EngineConfig.block_size
+    model: str | None = EngineConfig.model
+    dtype: str = EngineConfig.dtype
+    dequantize_weights: bool = EngineConfig.dequantize_weights
+    num_threads: int | None = EngineConfig.num_threads
     output_dir: str = "out/compare"
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)
@@ -97,19 +105,6 @@ POLICIES: dict[str, Callable[[CompareConfig, int], dict[str, Any]]] = {
 }
 
 
-@dataclass
-class RunResult:
-    policy: str
-    rate: float
-    engine_kwargs: dict[str, Any]
-    offline: OfflineResult
-    metrics: BenchmarkMetrics
-
-    def summary(self) -> dict[str, Any]:
-        return {"policy": self.policy, "request_rate": self.rate, "num_preemptions": self.offline.num_preemptions,
-                **metrics_dict(self.metrics)}
-
-
 def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest]) -> dict[str, Any]:
     longest = max(r.prompt_len + r.output_len for r in requests)
     return dict(
@@ -121,7 +116,6 @@ def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest])
 
 def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[str], None] = print) -> list[RunResult]:
     """Runs every policy at every rate; `loaded` (runner.model_runner.LoadedModel) is loaded if None."""
-    from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.runner.model_runner import load_model
 

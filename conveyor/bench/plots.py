@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from conveyor.bench.compare import RunResult
     from conveyor.bench.offline import OfflineResult
+    from conveyor.bench.results import RunResult
 
 COLORS = {"static": "tab:red", "continuous": "tab:blue", "continuous-naive": "tab:orange",
           "continuous-chunked": "tab:green", "continuous-slo": "tab:purple"}

@@ -10,15 +10,14 @@ line to find the knee the engine actually has.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from conveyor.bench.decode import time_decode_steps
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sampling import SamplingParams
 
 
 @dataclass
@@ -70,22 +69,6 @@ def model_costs(engine: LLMEngine) -> tuple[int, int]:
     return weight_bytes, 2 * matmul_params
 
 
-def decode_step_time(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    """Median wall time of an engine step with `batch` requests decoding at ~`context` tokens."""
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request([100 + (7 * i + 13 * j) % 30000 for j in range(context)], params) for i in range(batch)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return statistics.median(times)
-
-
 def fit_knee(batches: list[int], step_s: list[float]) -> float:
     """Knee of t(b) = max(t_flat, slope * b): t_flat from the smallest batch, slope from the largest."""
     slope = step_s[-1] / batches[-1]
@@ -111,7 +94,7 @@ def run_roofline(engine: LLMEngine, batches: list[int], context: int, steps: int
     weight_bytes, flops_per_token = model_costs(engine)
     dtype_flops = peaks.fp32_gflops if engine.config.dtype == "float32" else peaks.bf16_gflops
     predicted_knee = weight_bytes * dtype_flops * 1e9 / (peaks.bandwidth_gbs * 1e9 * flops_per_token)
-    step_s = [decode_step_time(engine, b, context, steps) for b in batches]
+    step_s = [time_decode_steps(engine, b, [context], steps).median_s for b in batches]
     predicted = [max(weight_bytes / (peaks.bandwidth_gbs * 1e9), b * flops_per_token / (dtype_flops * 1e9)) for b in batches]
     return RooflineResult(
         peaks=peaks,

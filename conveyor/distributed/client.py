@@ -18,29 +18,24 @@ from conveyor.distributed.messages import (
     PollResult,
     RequestError,
     TokenEvent,
-    WorkerLoopDied,
 )
 from conveyor.distributed.router import WorkerHandle, pick
 from conveyor.distributed.stats import ClusterStats, step_stats, summarize
 from conveyor.distributed.tracking import TrackedRequest
-from conveyor.engine.async_engine import (
-    Aborted,
-    EngineStoppedError,
-    Failed,
-    QueueFullError,
-    StepReport,
-)
+from conveyor.engine.async_engine import Aborted, Failed, StepReport
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import ConveyorError, InvalidRequestError
+from conveyor.errors import (
+    ConveyorError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+    WorkerDiedError,
+)
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.distributed")
 POLL_TIMEOUT_S = 1.0
 MAX_ATTEMPTS = 2  # a request whose worker died before it streamed anything is retried once
-
-
-class WorkerDiedError(ConveyorError):
-    """The worker that held a request died; the request cannot continue."""
 
 
 class RayEngineClient:
@@ -168,7 +163,7 @@ class RayEngineClient:
                 try:
                     await worker.actor.add.remote(t.request_id, t.prompt, t.params, t.role == "prefill")
                 except ray.exceptions.RayError as exc:  # a refusal (InvalidRequestError) or a death
-                    if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, WorkerLoopDied):
+                    if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, WorkerDiedError):
                         raise exc.cause if isinstance(exc.cause, BaseException) else exc from None
                     self._worker_died(worker)
                     if t.attempts >= MAX_ATTEMPTS:

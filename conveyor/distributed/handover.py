@@ -3,7 +3,8 @@
 Only the request's own blocks move (the first `num_computed_tokens` tokens' worth), never the
 pool. The importer allocates its own blocks, writes the KV in, and queues the request at the
 count it reached, so the scheduler's one rule (computed vs known tokens) resumes it as a decode.
-Runs on the engine's own thread on both sides (the KV manager is not thread-safe).
+When it may do so is conveyor/engine/imports.py's rule. Runs on the engine's own thread on both
+sides (the KV manager is not thread-safe).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus
+from conveyor.runner.transfer import kv_transfer
 
 
 def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
@@ -24,11 +26,10 @@ def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
 
 
 def export_request(engine: LLMEngine, request: Request) -> KVPayload:
-    data = engine.runner.read_kv_blocks(request_blocks(engine, request))  # type: ignore[attr-defined]
+    runner = kv_transfer(engine.runner)
+    data = runner.read_kv_blocks(request_blocks(engine, request))
     dtype = "bfloat16" if data.dtype == torch.bfloat16 else "float32"
     array = data.view(torch.int16).numpy() if dtype == "bfloat16" else data.numpy()
-    sampler = getattr(engine.runner, "sampler", None)
-    state = sampler.generator_state(request) if sampler is not None else None
     return KVPayload(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -37,7 +38,7 @@ def export_request(engine: LLMEngine, request: Request) -> KVPayload:
         num_computed_tokens=request.num_computed_tokens,
         kv=array,
         kv_dtype=dtype,
-        sampler_state=state,
+        sampler_state=runner.sampler.generator_state(request),
     )
 
 
@@ -45,18 +46,9 @@ def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
     return blocks_for(payload.num_computed_tokens, engine.kv.block_size)
 
 
-def blocks_to_run(engine: LLMEngine, payload: KVPayload) -> int:
-    """What the request needs to run on the importer: its KV and the slot of its next token."""
-    return blocks_for(payload.num_computed_tokens + 1, engine.kv.block_size)
-
-
-def import_headroom(engine: LLMEngine) -> int:
-    """Free blocks an import may take (Scheduler.uncommitted_free_blocks)."""
-    return engine.scheduler.uncommitted_free_blocks()
-
-
 def import_request(engine: LLMEngine, payload: KVPayload) -> Request:
-    """Allocate, write, queue. The caller checked `blocks_to_run` against `import_headroom`."""
+    """Allocate, write, queue; when the import queue (conveyor/engine/imports.py) lets it in."""
+    runner = kv_transfer(engine.runner)
     expected = blocks_needed(engine, payload)
     if payload.kv.shape[2] != expected or payload.kv.shape[3] != engine.kv.block_size:
         raise InvalidRequestError(
@@ -74,13 +66,12 @@ def import_request(engine: LLMEngine, payload: KVPayload) -> Request:
         data = data.view(torch.bfloat16)
     engine.kv.allocate(request.request_id, request.num_computed_tokens)
     try:
-        engine.runner.write_kv_blocks(engine.kv.block_tables[request.request_id], data)  # type: ignore[attr-defined]
+        runner.write_kv_blocks(engine.kv.block_tables[request.request_id], data)
         engine.add_prefilled_request(request)
     except BaseException:
         engine.kv.free(request.request_id)
         raise
-    sampler = getattr(engine.runner, "sampler", None)
-    if payload.sampler_state is not None and sampler is not None:
-        sampler.set_generator_state(request, payload.sampler_state)
+    if payload.sampler_state is not None:
+        runner.sampler.set_generator_state(request, payload.sampler_state)
     request.times.first_token = request.times.first_scheduled = request.arrival_time
     return request

@@ -4,15 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.errors import ConveyorError
 from conveyor.sampling.params import SamplingParams
 
 ROLES = ("replica", "prefill", "decode")  # replica: prefill and decode together (colocated)
-
-
-class WorkerLoopDied(ConveyorError):
-    """A worker's loop thread is gone: nothing it holds will progress. Its methods raise this, and
-    the front end then handles the worker as dead."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from conveyor.distributed.router import Assignment, WorkerHandle, outstanding_tokens
-from conveyor.engine.outputs import StepStats
+from conveyor.runner.stats import StepStats
 
 
 @dataclass

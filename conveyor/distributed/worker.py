@@ -2,9 +2,10 @@
 
 The actor is asynchronous (its methods are coroutines on the actor's event loop) so that a long
 poll, an add waiting for validation and a KV import waiting for free blocks never tie up a thread.
-Exactly one thread, the loop thread, builds and steps the engine: methods send it commands through a
-thread-safe queue and await the answer. Outputs pile up in an outbox that the front end drains
-with `poll` (a long poll: it returns as soon as there is something, or after the timeout).
+Exactly one thread, the loop thread (conveyor/engine/loop.py, as the local server's), builds and
+steps the engine: methods send it commands through its queue and await the answer. Outputs pile up
+in an outbox that the front end drains with `poll` (a long poll: it returns as soon as there is
+something, or after the timeout).
 
 Roles: a replica runs whole requests. A prefill worker runs a request up to its first token, then
 parks it (out of the scheduler, KV blocks kept) and reports HandoverReady; the front end has a
@@ -16,20 +17,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config import EngineConfig
-from conveyor.distributed.handover import (
-    blocks_to_run,
-    export_request,
-    import_headroom,
-    import_request,
-    request_blocks,
-)
+from conveyor.distributed.handover import export_request, import_request, request_blocks
 from conveyor.distributed.messages import (
     HandoverReady,
     KVPayload,
@@ -38,17 +31,18 @@ from conveyor.distributed.messages import (
     TokenEvent,
     WorkerInfo,
     WorkerLoadReport,
-    WorkerLoopDied,
 )
-from conveyor.engine.async_engine import build_on_own_thread, shorten_gil_switch_interval
+from conveyor.engine.imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import WorkerDiedError
 from conveyor.request import Request
+from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.distributed.worker")
-STALL_WAIT_S = 0.005  # a step that scheduled nothing: wait this long (or for a command) before the next
+IMPORT_RETRY_S = 0.05  # idle with imports waiting for blocks: look again this often
 
 
 @dataclass
@@ -58,22 +52,33 @@ class _Command:
     done: concurrent.futures.Future | None
 
 
-class EngineWorker:
+@dataclass(eq=False)
+class _PendingImport:
+    payload: KVPayload
+    done: concurrent.futures.Future
+
+    @property
+    def request_id(self) -> str:
+        return self.payload.request_id
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.payload.num_computed_tokens
+
+
+class EngineWorker(EngineLoop[_Command]):
     def __init__(self, name: str, role: str, config: EngineConfig) -> None:
+        super().__init__(f"conveyor-{name}")
         self.name, self.role = name, role
-        self._stopping = False
-        self._go = threading.Event()  # the loop thread waits here for start() after building
         # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
-        self.engine, _ = build_on_own_thread(lambda: LLMEngine.from_config(config), f"conveyor-{name}",
-                                             lambda _: self._wait_then_run())
-        runner = self.engine.runner
+        self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config), self.thread_name,
+                                                  lambda _: self._wait_then_run())
+        self._park_on(thread)
+        one_block = kv_transfer(self.engine.runner).read_kv_blocks([0])  # every layer's K and V of a block
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
-            block_size=self.engine.kv.block_size,
-            kv_block_bytes=sum(k[0].numel() * k.element_size() * 2 for k, _ in runner.kv_caches),  # type: ignore[attr-defined]
+            block_size=self.engine.kv.block_size, kv_block_bytes=one_block.numel() * one_block.element_size(),
         )
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._outbox_lock = threading.Lock()
         # Events stay until a later poll acknowledges them: a poll whose answer never reached its
         # caller (e.g. a front end that went away mid-poll) loses nothing for the next one.
@@ -83,7 +88,8 @@ class EngineWorker:
         self._load = WorkerLoadReport()
         self._prefill_only: set[str] = set()
         self._parked: dict[str, tuple[Request, list[int]]] = {}  # loop thread writes; export reads
-        self._pending_imports: deque[tuple[KVPayload, concurrent.futures.Future]] = deque()
+        self._imports: ImportQueue[_PendingImport] = ImportQueue()
+        self._iteration_events: list[Any] = []  # loop thread only
         self._news: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._died: str | None = None  # why the loop thread died; then every method raises
@@ -93,7 +99,7 @@ class EngineWorker:
         self._loop = asyncio.get_running_loop()
         self._news = asyncio.Event()
         shorten_gil_switch_interval()  # the same two-thread shape as AsyncEngine
-        self._go.set()
+        self.start_loop()
         return self.info
 
     async def ping(self) -> bool:
@@ -150,92 +156,44 @@ class EngineWorker:
         return PollResult(events, load, self._first_seq + len(events) - 1)
 
     async def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._go.set()
+        self.stop_loop()
 
     def _check_alive(self) -> None:
         if self._died is not None:
-            raise WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}")
+            raise WorkerDiedError(f"the loop of worker {self.name} died: {self._died}")
 
     def _send(self, kind: str, *args: Any) -> None:
         self._check_alive()
-        self._commands.put(_Command(kind, args, None))
-        self._wake.set()
+        self.send(_Command(kind, args, None))
 
     async def _call(self, kind: str, *args: Any) -> Any:
         self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Command(kind, args, done))
-        self._wake.set()
+        self.send(_Command(kind, args, done))
         if self._died is not None:  # it died between the check and the put: nobody would answer
             self._fail_commands()
         return await asyncio.wrap_future(done)
 
-    # --- the loop thread --------------------------------------------------------------------------
-    def _wait_then_run(self) -> None:
-        self._go.wait()
-        if not self._stopping:
-            self._run()
+    # --- the loop thread (EngineLoop's hooks) ------------------------------------------------------
+    def _idle_timeout(self) -> float | None:
+        return IMPORT_RETRY_S if self._imports else None
 
-    def _run(self) -> None:
-        stalled = False
+    def _begin_iteration(self) -> None:
+        self._iteration_events = []
+
+    def _handle(self, cmd: _Command) -> None:
+        if cmd.kind == "import":  # queued: taken in order as blocks allow (_before_step)
+            assert cmd.done is not None
+            self._imports.push(_PendingImport(cmd.args[0], cmd.done))
+            return
         try:
-            while not self._stopping:
-                if not self.engine.has_unfinished_requests:
-                    self._wake.wait(0.05 if self._pending_imports else None)
-                elif stalled:  # e.g. a prefill pool full of parked blocks: wait for a release, don't spin
-                    self._wake.wait(STALL_WAIT_S)
-                self._wake.clear()
-                events: list[Any] = []
-                self._drain()
-                self._take_imports()
-                stepped = self.engine.has_unfinished_requests
-                if stepped:
-                    try:
-                        self._collect(self.engine.step(), events)
-                    except Exception as exc:  # never leave a request in silence
-                        log.exception("engine step failed on %s", self.name)
-                        self._fail_all(exc, events)
-                stalled = stepped and self.engine.last_step.num_requests == 0
-                self._publish(events, stepped)
-        except BaseException as exc:
-            log.exception("the loop of %s died", self.name)
-            # Answer everyone who waits on the loop, and make poll/ping raise: the front end then
-            # handles this worker as dead (retry or fail its requests) instead of waiting forever.
-            self._died = repr(exc)
-            self._fail_commands()
-            if self._loop is not None and self._news is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._news.set)
-                except RuntimeError:  # the actor's loop is closed
-                    pass
-
-    def _fail_commands(self) -> None:
-        futures: list[concurrent.futures.Future | None] = [done for _, done in self._pending_imports]
-        self._pending_imports.clear()
-        while True:
-            try:
-                futures.append(self._commands.get_nowait().done)
-            except queue.Empty:
-                break
-        for done in futures:
-            if done is not None and not done.done():
-                done.set_exception(WorkerLoopDied(f"the loop of worker {self.name} died: {self._died}"))
-
-    def _drain(self) -> None:
-        while not self._commands.empty():
-            cmd = self._commands.get_nowait()
-            try:
-                result = getattr(self, f"_do_{cmd.kind}")(*cmd.args)
-            except Exception as exc:
-                if cmd.done is not None:
-                    cmd.done.set_exception(exc)
-                continue
-            if cmd.done is not None and result is not _LATER:
-                cmd.done.set_result(result)
-            elif result is _LATER:
-                self._pending_imports.append((cmd.args[0], cmd.done))  # type: ignore[arg-type]
+            result = getattr(self, f"_do_{cmd.kind}")(*cmd.args)
+        except Exception as exc:
+            if cmd.done is not None:
+                cmd.done.set_exception(exc)
+            return
+        if cmd.done is not None:
+            cmd.done.set_result(result)
 
     def _do_add(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> None:
         self.engine.add_request(prompt, params, request_id)
@@ -247,16 +205,12 @@ class EngineWorker:
         if request_id in self._parked:
             self._do_release(request_id)
         self.engine.abort_request(request_id)
-        for item in [i for i in self._pending_imports if i[0].request_id == request_id]:
-            self._pending_imports.remove(item)
-            item[1].set_result(None)
+        for pending in self._imports.remove(request_id):
+            pending.done.set_result(None)
 
     def _do_release(self, request_id: str) -> None:
         if self._parked.pop(request_id, None) is not None:
             self.engine.kv.free(request_id)
-
-    def _do_import(self, payload: KVPayload) -> object:
-        return _LATER  # queued: taken in order as blocks allow, by _take_imports
 
     def _do_accounting(self) -> dict[str, int]:
         kv = self.engine.kv
@@ -264,27 +218,19 @@ class EngineWorker:
         return {"used_blocks": kv.pool.num_used, "owned_blocks": owned, "num_owners": len(kv.block_tables),
                 "parked": len(self._parked), "unfinished": len(self.engine.scheduler.requests)}
 
-    def _take_imports(self) -> None:
-        # In arrival order; the head waits for blocks rather than being overtaken (no starvation).
-        while self._pending_imports:
-            payload, done = self._pending_imports[0]
-            needed = blocks_to_run(self.engine, payload)
-            if needed > self.engine.kv.num_blocks:  # it would wait forever
-                self._pending_imports.popleft()
-                done.set_exception(InvalidRequestError(f"request {payload.request_id!r} needs {needed} KV blocks; "
-                                                       f"this worker has {self.engine.kv.num_blocks}"))
-                continue
-            if needed > import_headroom(self.engine):
-                return
-            self._pending_imports.popleft()
-            try:
-                import_request(self.engine, payload)
-            except Exception as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+    def _before_step(self) -> None:
+        self._imports.take(self.engine, self._admit_import, lambda pending, error: pending.done.set_exception(error))
 
-    def _collect(self, outputs: list[RequestOutput], events: list[Any]) -> None:
+    def _admit_import(self, pending: _PendingImport) -> None:
+        try:
+            import_request(self.engine, pending.payload)
+        except Exception as exc:
+            pending.done.set_exception(exc)
+        else:
+            pending.done.set_result(None)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        events = self._iteration_events
         for out in outputs:
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions))
@@ -300,28 +246,39 @@ class EngineWorker:
             self._parked[out.request_id] = (request, blocks)
             events.append(HandoverReady(out.request_id, len(blocks), len(blocks) * self.info.kv_block_bytes))
 
-    def _fail_all(self, exc: BaseException, events: list[Any]) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         for request in list(self.engine.scheduler.requests.values()):
             if self.engine.abort_request(request.group_id):
-                events.append(RequestError(request.group_id, f"the engine failed: {exc}"))
+                self._iteration_events.append(RequestError(request.group_id, f"the engine failed: {error}"))
             self._prefill_only.discard(request.group_id)
 
-    def _publish(self, events: list[Any], stepped: bool) -> None:
+    def _end_iteration(self, stepped: bool) -> None:
         scheduler, stats = self.engine.scheduler, self.engine.last_step
         load = WorkerLoadReport(scheduler.num_running, scheduler.num_waiting, len(self._parked),
                                 self.engine.kv.usage().usage, scheduler.num_preemptions)
         with self._outbox_lock:
-            self._events.extend(events)
+            self._events.extend(self._iteration_events)
             if stepped and stats.num_requests:
                 self._steps.append((stats.num_requests, stats.num_tokens, dict(stats.extra)))
             # A load change alone is news too (e.g. a release freed blocks): /metrics should see it.
             news = bool(self._events or self._steps) or load != self._load
             self._load = load
-        if news and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._news.set)  # type: ignore[union-attr]
-            except RuntimeError:  # the actor's loop is closed: the actor is going away
-                pass
+        if news and self._news is not None:
+            call_on_loop(self._loop, self._news.set)
 
+    def _on_exit(self, error: BaseException | None) -> None:
+        if error is None:  # stopped
+            return
+        # Answer everyone who waits on the loop, and make poll/ping raise: the front end then
+        # handles this worker as dead (retry or fail its requests) instead of waiting forever.
+        self._died = repr(error)
+        self._fail_commands()
+        if self._news is not None:
+            call_on_loop(self._loop, self._news.set)
 
-_LATER = object()
+    def _fail_commands(self) -> None:
+        futures: list[concurrent.futures.Future | None] = [pending.done for pending in self._imports.clear()]
+        futures += [cmd.done for cmd in self._take_queued()]
+        for done in futures:
+            if done is not None and not done.done():
+                done.set_exception(WorkerDiedError(f"the loop of worker {self.name} died: {self._died}"))

@@ -1,83 +1,30 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, fed and read from asyncio.
+"""AsyncEngine: the LLMEngine step loop (engine/loop.py) on its own thread, fed and read from asyncio.
 
-The engine is not thread-safe, so exactly one thread (the loop thread) touches it. Callers on the
-event loop send commands (add, abort) through a thread-safe queue that the loop thread drains
-between steps; after every iteration the loop thread hands the step's outputs back with a single
-`call_soon_threadsafe`, which puts each output into the asyncio queue of the request it belongs to.
-When there is nothing to run the loop thread sleeps on an event; it never polls. Tokenisation and
+Callers on the event loop send commands (add, abort) through the loop's queue; after every
+iteration the loop thread hands the step's outputs back with a single `call_soon_threadsafe`,
+which puts each output into the asyncio queue of the request it belongs to. Tokenisation and
 detokenisation happen on the caller's side: the loop thread only ever sees token ids.
 
 `AsyncEngine.build` also builds the engine on the loop thread, so one thread does all of the
-process's torch work: libgomp keeps a team of worker threads per thread that starts parallel
-regions, and with two teams (loading on the main thread, stepping on another) it has more threads
-than this 2-core machine has cores and stops spinning at barriers; every parallel region then
-waits for a sleeping worker, and steps run measurably slower (docs/PERF.md, "Serving").
+process's torch work (engine/loop.py: libgomp's teams; docs/PERF.md, "Serving").
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
-import queue
-import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput, StepStats
-from conveyor.errors import ConveyorError
+from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
+from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import EngineStoppedError, QueueFullError
+from conveyor.runner.stats import StepStats
 from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.engine")
-
-
-GIL_SWITCH_INTERVAL_S = 0.0002
-
-
-def shorten_gil_switch_interval() -> None:
-    """For a process that steps an engine on one thread beside an asyncio loop on another.
-
-    The engine thread drops the GIL in every torch op and must take it back to issue the next;
-    when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch interval
-    stalls the step with both cores idle (docs/PERF.md, "Serving", has the measurement)."""
-    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-
-
-Built = TypeVar("Built")
-
-
-def build_on_own_thread(build: Callable[[], Built], name: str,
-                        then: Callable[[Built], None]) -> tuple[Built, threading.Thread]:
-    """Runs `build` on a new daemon thread and returns what it built with the thread (raising what
-    building raised); the thread goes on to `then(built)`, typically to wait for a go and step.
-
-    So that one thread does all of an engine's torch work: libgomp keeps a team of worker threads
-    per thread that starts parallel regions, and two teams on a 2-core machine make every parallel
-    region wait for a sleeping worker (docs/PERF.md, "Serving")."""
-    built: concurrent.futures.Future[Built] = concurrent.futures.Future()
-
-    def thread_main() -> None:
-        try:
-            result = build()
-        except BaseException as exc:  # raised again on the caller's thread
-            built.set_exception(exc)
-            return
-        built.set_result(result)
-        then(result)
-
-    thread = threading.Thread(target=thread_main, name=name, daemon=True)
-    thread.start()
-    return built.result(), thread
-
-
-class QueueFullError(ConveyorError):
-    """The waiting queue is at its bound: the caller should retry later (HTTP 503)."""
-
-
-class EngineStoppedError(ConveyorError):
-    """The engine loop is stopped or stopping; no request is accepted."""
 
 
 # The last event of a request that did not finish normally: no further output will come.
@@ -128,59 +75,46 @@ class _Sink:
     remaining: int  # samples not finished yet (n of them)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineLoop[_Add | _Abort]):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
                  on_report: Callable[[StepReport], None] | None = None) -> None:
+        super().__init__("conveyor-engine-loop")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_report = on_report
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the two admission counters below
         self._queued_adds = 0  # add commands the loop thread has not taken yet
         self._num_waiting = 0  # the scheduler's waiting queue after the last iteration
         self._sinks: dict[str, _Sink] = {}  # loop thread only
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._go = threading.Event()  # build(): the loop thread waits here for start()
+        # What the current iteration did, published at its end (loop thread only).
+        self._report = StepReport(0, 0, 0.0, 0, None)
+        self._resolved: list[tuple[asyncio.Future, BaseException | None]] = []
+        self._events: list[tuple[asyncio.Queue, object]] = []
+        self._taken = 0
 
     @classmethod
     def build(cls, make_engine: Callable[[], LLMEngine], max_waiting_requests: int | None = None,
               on_report: Callable[[StepReport], None] | None = None) -> "AsyncEngine":
         """Builds the engine on a new loop thread (blocking until it is built; the factory's
         exception is raised here) and keeps that thread to step it once `start` is called."""
-        def wait_then_run(engine: AsyncEngine) -> None:
-            engine._go.wait()
-            if not engine._stopping:
-                engine._run()
-
         engine, thread = build_on_own_thread(lambda: cls(make_engine(), max_waiting_requests, on_report),
-                                             "conveyor-engine-loop", wait_then_run)
-        engine._thread = thread
+                                             "conveyor-engine-loop", lambda built: built._wait_then_run())
+        engine._park_on(thread)
         return engine
 
     # --- lifecycle (event loop side) ------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         shorten_gil_switch_interval()
-        if self._thread is not None:  # built by build(): its thread is waiting for the go
-            self._go.set()
-            return
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine-loop", daemon=True)
-        self._thread.start()
+        self.start_loop()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._go.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.stop_loop(timeout)
 
     @property
     def is_running(self) -> bool:
-        return (self._loop is not None and self._thread is not None and self._thread.is_alive()
-                and not self._stopping)
+        return self._loop is not None and self.loop_alive
 
     # --- what the front end reads (conveyor.engine.client.EngineClient) ----------------------
     @property
@@ -209,8 +143,7 @@ class AsyncEngine:
             self._queued_adds += 1
         done = asyncio.get_running_loop().create_future()
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._commands.put(_Add(request_id, prompt, params, arrival_time, sink, done))
-        self._wake.set()
+        self.send(_Add(request_id, prompt, params, arrival_time, sink, done))
         try:
             await done
         except asyncio.CancelledError:
@@ -219,116 +152,80 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples); thread-safe, idempotent."""
-        self._commands.put(_Abort(request_id))
-        self._wake.set()
+        self.send(_Abort(request_id))
 
     def abort_all(self) -> None:
-        self._commands.put(_Abort(None))
-        self._wake.set()
+        self.send(_Abort(None))
 
-    # --- the loop thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self._loop_forever()
-        except BaseException:  # a bug here must not leave clients waiting forever
-            log.exception("the engine loop died")
-        finally:
-            self._stopping = True  # refuse new requests; /health turns 503
-            self._shutdown()
+    # --- the loop thread (EngineLoop's hooks) ---------------------------------------------------
+    def _begin_iteration(self) -> None:
+        self._report, self._resolved, self._events, self._taken = StepReport(0, 0, 0.0, 0, None), [], [], 0
 
-    def _loop_forever(self) -> None:
-        stalled = False  # the last step scheduled nothing although requests are unfinished
-        while not self._stopping:
-            if not self.engine.has_unfinished_requests:
-                self._wake.wait()
-            elif stalled:  # should not happen with the shipped policies; never spin on it
-                self._wake.wait(0.005)
-            self._wake.clear()
-            if self._stopping:
-                break
-            report = StepReport(0, 0, 0.0, 0, None)
-            resolved: list[tuple[asyncio.Future, BaseException | None]] = []
-            events: list[tuple[asyncio.Queue, object]] = []
-            self._drain(report, resolved, events)
-            if self.engine.has_unfinished_requests:
-                try:
-                    report.outputs = self.engine.step()
-                    report.stats = self.engine.last_step
-                    stalled = report.stats.num_requests == 0
-                except Exception as exc:  # never leave a request in silence
-                    log.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(exc, events)
-                    stalled = True
-                self._route(report.outputs, events)
-            self._publish(report, resolved, events)
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        report = self._report
+        if isinstance(cmd, _Add):
+            self._taken += 1
+            try:
+                self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival_time)
+            except Exception as exc:  # InvalidRequestError: the engine state is unchanged
+                self._resolved.append((cmd.done, exc))
+                return
+            self._sinks[cmd.request_id] = _Sink(cmd.sink, getattr(cmd.params, "n", 1))
+            report.num_prompt_tokens += len(cmd.prompt) if isinstance(cmd.prompt, list) else 0
+            self._resolved.append((cmd.done, None))
+        else:
+            ids = list(self._sinks) if cmd.request_id is None else [cmd.request_id]
+            for request_id in ids:
+                report.num_aborted += self.engine.abort_request(request_id)
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    self._events.append((sink.queue, Aborted(request_id)))
 
-    def _drain(self, report: StepReport, resolved: list, events: list) -> None:
-        taken = 0
-        while not self._commands.empty():  # this thread is the only consumer
-            cmd = self._commands.get_nowait()
-            if isinstance(cmd, _Add):
-                taken += 1
-                try:
-                    self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival_time)
-                except Exception as exc:  # InvalidRequestError: the engine state is unchanged
-                    resolved.append((cmd.done, exc))
-                    continue
-                self._sinks[cmd.request_id] = _Sink(cmd.sink, getattr(cmd.params, "n", 1))
-                report.num_prompt_tokens += len(cmd.prompt) if isinstance(cmd.prompt, list) else 0
-                resolved.append((cmd.done, None))
-            else:
-                ids = list(self._sinks) if cmd.request_id is None else [cmd.request_id]
-                for request_id in ids:
-                    report.num_aborted += self.engine.abort_request(request_id)
-                    sink = self._sinks.pop(request_id, None)
-                    if sink is not None:
-                        events.append((sink.queue, Aborted(request_id)))
+    def _before_step(self) -> None:
         with self._lock:  # in one go, so admission never sees a request in neither count
-            self._queued_adds -= taken
+            self._queued_adds -= self._taken
             self._num_waiting = self.engine.scheduler.num_waiting
 
-    def _route(self, outputs: list[RequestOutput], events: list) -> None:
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._report.outputs = outputs
+        self._report.stats = self.engine.last_step
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             # The engine keeps appending to token_ids: hand the other thread a copy.
-            events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
+            self._events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
             if out.finished:
                 sink.remaining -= 1
                 if sink.remaining <= 0:
                     del self._sinks[out.request_id]
 
-    def _fail_all(self, exc: BaseException, events: list) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):
             try:
                 self.engine.abort_request(request_id)
             except Exception:  # the engine is already in trouble; the client still gets its error
                 log.exception("abort of %s failed", request_id)
-            events.append((sink.queue, Failed(request_id, exc)))
+            self._events.append((sink.queue, Failed(request_id, error)))
         self._sinks.clear()
 
-    def _publish(self, report: StepReport, resolved: list, events: list) -> None:
-        scheduler = self.engine.scheduler
+    def _end_iteration(self, stepped: bool) -> None:
+        report, scheduler = self._report, self.engine.scheduler
         report.num_running, report.num_waiting = scheduler.num_running, scheduler.num_waiting
         report.num_preemptions, report.kv_usage = scheduler.num_preemptions, self.engine.kv.usage().usage
         with self._lock:
             self._num_waiting = report.num_waiting
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, report, resolved, events)  # type: ignore[union-attr]
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        call_on_loop(self._loop, self._deliver, report, self._resolved, self._events)
 
-    def _shutdown(self) -> None:
+    def _on_exit(self, error: BaseException | None) -> None:
         """Whatever is still in flight or queued gets an error, never silence."""
-        stopped, events = EngineStoppedError("the server is shutting down"), []
-        self._fail_all(stopped, events)
-        resolved = []
-        while not self._commands.empty():
-            cmd = self._commands.get_nowait()
+        self._begin_iteration()
+        stopped = EngineStoppedError("the server is shutting down")
+        self._fail_all(stopped)
+        for cmd in self._take_queued():
             if isinstance(cmd, _Add):
-                resolved.append((cmd.done, stopped))
-        self._publish(StepReport(0, 0, 0.0, 0, None), resolved, events)
+                self._resolved.append((cmd.done, stopped))
+        self._end_iteration(False)
 
     # --- back on the event loop -----------------------------------------------------------------
     def _deliver(self, report: StepReport, resolved: list, events: list) -> None:

@@ -11,11 +11,14 @@ from typing import Callable, Protocol, Sequence
 
 from conveyor.config import EngineConfig
 from conveyor.control import SloController
-from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
+from conveyor.engine.codec import TextCodec
+from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
 
@@ -24,15 +27,6 @@ class Runner(Protocol):
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`."""
         ...
-
-
-class TextCodec(Protocol):
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class LLMEngine:

@@ -1,17 +1,15 @@
 """When a request is done: EOS, stop token ids, stop strings, max_tokens, the model's length."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from conveyor.engine.codec import TextCodec
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from conveyor.engine.llm_engine import TextCodec
-
 
 class StopChecker:
-    def __init__(self, tokenizer: "TextCodec | None", eos_token_ids: Sequence[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: TextCodec | None, eos_token_ids: Sequence[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len

@@ -7,15 +7,16 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import EngineConfig, parse_memory
-from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.errors import ConfigError
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
-from conveyor.model.kernels import paged_decode_kernel
+from conveyor.model.kernels import build_kernels
 from conveyor.model.llama import KVCache, LlamaModel
 from conveyor.model.loader import load_checkpoint
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.sampler import Sampler
 from conveyor.scheduler import SchedulerOutput
 
@@ -68,8 +69,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
         self.sampler = Sampler(seed)
-        if dtype == torch.float32:
-            paged_decode_kernel()  # build (or load) the C++ kernel now, not inside the first step
+        build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: "LoadedModel | None" = None) -> "ModelRunner":

@@ -10,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from conveyor.engine.outputs import SamplerOutput
 from conveyor.request import Request
+from conveyor.sampling.outputs import SamplerOutput
 
 
 class Sampler:

@@ -14,7 +14,8 @@ import time
 
 from conveyor.bench.cli import _add_workload_args, _workload
 from conveyor.bench.workloads import DATASETS
-from conveyor.config import SchedulerConfig
+from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.options import add_config_args
 from conveyor.sim.hardware import ALIASES, HARDWARE_NAMES
 from conveyor.sim.models import MODELS
 from conveyor.sim.profiled import DEFAULT_PROFILE
@@ -29,7 +30,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported lazily)
     from conveyor.bench.metrics import parse_goodput, parse_selection
-    from conveyor.sim.simulate import SimConfig
+    from conveyor.sim.config import SimConfig
 
     _, percentiles = parse_selection(None, args.metric_percentiles)
     return SimConfig(
@@ -118,11 +119,8 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
     fit = sub.add_parser("fit", help="measure the real engine's step times on this machine; fit the profiled model")
-    fit.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
-    fit.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    fit.add_argument("--num-threads", type=int, default=1, help="torch threads; use what the engine will run with")
-    fit.add_argument("--kv-cache-memory", default="1GiB")
-    fit.add_argument("--block-size", type=int, default=16)
+    add_config_args(fit, EngineConfig, only=("model", "dtype", "num_threads", "kv_cache_memory", "block_size"),
+                    defaults={"num_threads": 1}, helps={"num_threads": "torch threads; use what the engine will run with"})
     fit.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     fit.add_argument("--contexts", type=int, nargs="+", default=None)
     fit.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="whole prompts measured alone")
@@ -153,14 +151,10 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     hw.add_argument("--num-kv-blocks", type=int, default=None)
     hw.add_argument("--max-model-len", type=int, default=None)
     eng = sim.add_argument_group("engine (the real scheduler's knobs)")
-    eng.add_argument("--policy", default="continuous", choices=["continuous", "static"])
-    eng.add_argument("--max-num-seqs", type=int, default=256)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    eng.add_argument("--slo-tpot-ms", type=float, default=None,
-                     help="the SLO controller holds P99 TPOT under this (lowers the cap and budget under the two above)")
-    eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target: misses are counted, not dropped")
-    eng.add_argument("--block-size", type=int, default=16)
+    # A GPU's batch cap: 256 (vLLM's default), not the CPU engine's
+    add_config_args(eng, SchedulerConfig, defaults={"max_num_seqs": 256},
+                    helps={"slo_ttft_ms": "TTFT target: misses are counted, not dropped"})
+    add_config_args(eng, EngineConfig, only=("block_size",))
     dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
     dep.add_argument("--prefill-workers", type=int, default=0, help="prefill/decode disaggregation (with --decode-workers)")
     dep.add_argument("--decode-workers", type=int, default=0)

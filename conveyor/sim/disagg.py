@@ -24,22 +24,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from conveyor.bench.compare import RunResult
 from conveyor.bench.metrics import RequestRecord, compute_metrics
 from conveyor.bench.offline import IterationSample, OfflineResult, record_from_times
+from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
+from conveyor.engine.imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
-from conveyor.sim import simulate
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
 from conveyor.sim.runner import SimRunner, VirtualClock
 
 
@@ -51,7 +51,7 @@ class Lane:
     engine: LLMEngine
     runner: SimRunner
     trace: list[IterationSample] = field(default_factory=list)
-    imports: deque[Request] = field(default_factory=deque)  # decode: handed over, waiting for blocks
+    imports: ImportQueue[Request] = field(default_factory=ImportQueue)  # decode: handed over, waiting for blocks
     parked: list[tuple[float, str]] = field(default_factory=list)  # prefill: (handover end, request id)
     num_requests: int = 0
 
@@ -82,14 +82,15 @@ class Lane:
 
 def take_imports(lane: Lane) -> None:
     engine = lane.engine
-    while lane.imports:  # in arrival order: the head waits for blocks rather than being overtaken
-        request = lane.imports[0]
-        needed = blocks_for(request.num_computed_tokens + 1, engine.kv.block_size)
-        if needed > engine.scheduler.uncommitted_free_blocks():
-            return
-        lane.imports.popleft()
+
+    def admit(request: Request) -> None:
         engine.kv.allocate(request.request_id, request.num_computed_tokens)
         engine.add_prefilled_request(request)  # the prefill worker validated the same limits
+
+    def refuse(request: Request, error: InvalidRequestError) -> None:
+        raise error  # both sides share one engine configuration: this cannot happen
+
+    lane.imports.take(engine, admit, refuse)
 
 
 OnOutputs = Callable[[Lane, list[RequestOutput]], None]
@@ -149,18 +150,18 @@ class Handover:
     seconds: float = 0.0
 
 
-def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None = None) -> simulate.SimRun:
+def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -> SimRun:
     wall0 = time.perf_counter()
     disagg = bool(cfg.prefill_workers or cfg.decode_workers)
     if disagg and (cfg.prefill_workers < 1 or cfg.decode_workers < 1 or cfg.replicas != 1):
         raise ConfigError("disaggregation needs --prefill-workers >= 1 and --decode-workers >= 1, without --replicas")
     if cfg.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
-    cost_model, model, hardware = simulate.build_cost_model(cfg)
+    cost_model, model, hardware = build_cost_model(cfg)
     engine_config = EngineConfig.from_kwargs(**cfg.engine)
     if disagg and engine_config.scheduler.policy == "static":
         raise ConfigError("disaggregation hands requests between continuous-batching engines: use --policy continuous")
-    blocks = simulate.num_kv_blocks(cfg, model, hardware, engine_config.block_size)
+    blocks = num_kv_blocks(cfg, model, hardware, engine_config.block_size)
     if requests is None:
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
@@ -212,7 +213,7 @@ def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None 
                 ho.decode_times[int(out.request_id)] = out.times  # type: ignore[assignment]
 
     def hand_in(lane: Lane, t: float, i: int) -> None:
-        lane.imports.append(ho.requests[i])
+        lane.imports.push(ho.requests[i])
 
     first = lanes("prefill" if disagg else "replica", cfg.prefill_workers if disagg else cfg.replicas)
     drive(first, [(float(t), i) for i, t in enumerate(arrivals)], admit, first_tokens)
@@ -225,7 +226,7 @@ def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None 
     records = [rejected.get(i) or _record(r.prompt_len, ho.record_times[i], ho.decode_times.get(i))
                for i, r in enumerate(requests)]
     duration = max((r.start + r.latency for r in records if r.success), default=0.0)
-    label = simulate.policy_label(engine_config)
+    label = policy_label(engine_config)
     label = f"{cfg.prefill_workers}P+{cfg.decode_workers}D {label}" if disagg else f"{cfg.replicas}x {label}"
     handovers = len(ho.pending)
     offline = OfflineResult(
@@ -240,7 +241,7 @@ def run_deployment(cfg: simulate.SimConfig, requests: list[BenchRequest] | None 
     )
     metrics = compute_metrics(records, duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(label, cfg.request_rate, dict(cfg.engine), offline, metrics)
-    return simulate.SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,
+    return SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,
                            cost_model.describe(), workers)
 
 

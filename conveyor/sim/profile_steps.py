@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.kv.manager import KVCacheManager
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput
 from conveyor.sim.profiled import Profile, fit_profile

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from conveyor.bench.compare import format_table
 from conveyor.bench.metrics import per_request_dict
-from conveyor.sim.simulate import SimConfig, SimRun
+from conveyor.sim.config import SimConfig, SimRun
 
 
 def _clean(x: Any) -> Any:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
-from conveyor.engine.outputs import SamplerOutput, StepStats
 from conveyor.kv.manager import KVCacheManager
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
 from conveyor.sim.shape import StepShape
 

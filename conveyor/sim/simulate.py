@@ -6,114 +6,21 @@ output block, JSON, trace and plots are the real benchmark's.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from conveyor.bench.compare import RunResult
 from conveyor.bench.metrics import compute_metrics
 from conveyor.bench.offline import run_offline
-from conveyor.bench.workloads import (
-    BenchRequest, WorkloadConfig, arrival_times, generate_requests, parse_rate_schedule,
-)
-from conveyor.config import EngineConfig, parse_memory
+from conveyor.bench.results import RunResult
+from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
+from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ConfigError
-from conveyor.sim.hardware import HardwareSpec, get_hardware
-from conveyor.sim.models import ModelSpec, get_model
-from conveyor.sim.profiled import DEFAULT_PROFILE, ProfiledCostModel
-from conveyor.sim.roofline import RooflineCostModel
-from conveyor.sim.runner import CostModel, SimRunner, VirtualClock
-
-
-@dataclass
-class SimConfig:
-    hardware: str = "h100"
-    model: str = "llama-3-8b"
-    dtype: str | None = None  # None: the model description's
-    tp: int = 1
-    cost_model: str = "roofline"  # or "profiled"
-    profile: str = DEFAULT_PROFILE
-    roofline_json: str | None = None  # for hardware this-machine
-    efficiency: float | None = None  # scales the hardware's peaks (roofline)
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: str | None = None  # total KV pool; default: device memory x utilization - weights
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    rate_schedule: str | None = None  # e.g. "0:1,120:4,240:1" (bench/workloads.py); overrides request_rate
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs options
-    percentiles: list[float] = field(default_factory=lambda: [99.0])
-    goodput: dict[str, float] = field(default_factory=dict)
-    # Deployment (conveyor/sim/disagg.py): prefill/decode workers (0 = colocated), colocated replicas,
-    # and the handover link in bytes/s per device (None: the hardware description's).
-    prefill_workers: int = 0
-    decode_workers: int = 0
-    replicas: int = 1
-    kv_transfer_bandwidth: float | None = None
-
-
-@dataclass
-class SimRun:
-    result: RunResult  # what `bench compare` produces for one (policy, rate)
-    wall_s: float  # host seconds the simulation took
-    num_steps: int
-    num_kv_blocks: int
-    cost_model: str
-    workers: list[Any] = field(default_factory=list)  # disagg.Lane per engine of a multi-engine deployment
-
-
-def build_cost_model(cfg: SimConfig) -> tuple[CostModel, ModelSpec, HardwareSpec | None]:
-    model = get_model(cfg.model, cfg.dtype)
-    if cfg.cost_model == "profiled":
-        return ProfiledCostModel.load(cfg.profile), model, None
-    if cfg.cost_model != "roofline":
-        raise ConfigError(f"unknown cost model {cfg.cost_model!r}; choose roofline or profiled")
-    hardware = get_hardware(cfg.hardware, cfg.roofline_json, cfg.efficiency)
-    return RooflineCostModel(model, hardware, cfg.tp), model, hardware
-
-
-def num_kv_blocks(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None, block_size: int) -> int:
-    """Explicit blocks, else an explicit pool size, else (roofline) what the devices hold after the
-    weights, as vLLM's gpu_memory_utilization: device memory x utilization, minus weights, over tp
-    devices; the profiled model describes conveyor's engine on this machine: its default pool."""
-    if cfg.num_kv_blocks:
-        return cfg.num_kv_blocks
-    block_bytes = block_size * model.kv_bytes_per_token
-    if cfg.kv_cache_memory is not None:
-        pool = parse_memory(cfg.kv_cache_memory)
-    elif cfg.cost_model == "profiled":  # the profile describes conveyor's engine here: its default pool
-        pool = parse_memory(EngineConfig().kv_cache_memory)
-    else:
-        if hardware is None:
-            hardware = get_hardware(cfg.hardware, cfg.roofline_json)
-        pool = int(cfg.tp * hardware.memory_bytes * cfg.gpu_memory_utilization - model.weight_bytes)
-        if pool < block_bytes:
-            raise ConfigError(
-                f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of {model.dtype} weights) leaves no KV memory on "
-                f"{cfg.tp} x {hardware.name} ({hardware.memory_bytes / 1e9:.0f} GB each at utilization "
-                f"{cfg.gpu_memory_utilization}); raise --tp"
-            )
-    blocks = pool // block_bytes
-    if blocks < 1:
-        raise ConfigError(f"KV memory {pool} bytes holds less than one block of {block_bytes} bytes")
-    return int(blocks)
-
-
-def policy_label(engine_config: EngineConfig) -> str:
-    sched = engine_config.scheduler
-    if sched.policy == "static":
-        return "static"
-    return "continuous" if sched.chunked_prefill else "continuous-naive"
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
+from conveyor.sim.disagg import run_deployment
+from conveyor.sim.runner import SimRunner, VirtualClock
 
 
 def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -> SimRun:
     if cfg.prefill_workers or cfg.decode_workers or cfg.replicas != 1:  # several engines: sweeps work too
-        from conveyor.sim.disagg import run_deployment
-
         return run_deployment(cfg, requests)
     wall0 = time.perf_counter()
     cost_model, model, hardware = build_cost_model(cfg)

@@ -14,8 +14,9 @@ from typing import Callable, Sequence
 
 from conveyor.bench.metrics import BenchmarkMetrics
 from conveyor.bench.workloads import generate_requests
+from conveyor.sim.config import SimConfig, SimRun
 from conveyor.sim.models import get_model
-from conveyor.sim.simulate import SimConfig, SimRun, run_simulation
+from conveyor.sim.simulate import run_simulation
 
 SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
 

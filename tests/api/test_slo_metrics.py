@@ -5,9 +5,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.api.metrics import Metrics
 from conveyor.engine.async_engine import StepReport
-from conveyor.engine.outputs import StepStats
+from conveyor.runner.stats import StepStats
 from conveyor.sampling.params import SamplingParams
-from tests.control.synthetic import LinearCost, VirtualClock, make_engine
+from conveyor.sim.runner import VirtualClock
+from tests.control.synthetic import LinearCost, make_engine
 
 
 def samples(metrics: Metrics) -> dict[str, float]:

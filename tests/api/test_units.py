@@ -7,10 +7,10 @@ import pytest
 
 from conveyor.api.detokenizer import IncrementalDetokenizer
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Aborted, AsyncEngine, QueueFullError
+from conveyor.engine.async_engine import Aborted, AsyncEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, QueueFullError
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput
 from tests.fakes import FakeRunner
@@ -124,7 +124,7 @@ def test_async_engine_shortens_the_gil_switch_interval(monkeypatch: pytest.Monke
     """The loop thread retakes the GIL after every torch op; the default 5 ms handoff stalls steps."""
     import sys
 
-    from conveyor.engine.async_engine import GIL_SWITCH_INTERVAL_S
+    from conveyor.engine.loop import GIL_SWITCH_INTERVAL_S
 
     calls: list[float] = []
     monkeypatch.setattr(sys, "setswitchinterval", calls.append)

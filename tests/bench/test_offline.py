@@ -8,20 +8,10 @@ from conveyor.bench.workloads import BenchRequest
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.request import RequestTimes
+from conveyor.sim.runner import VirtualClock
 from tests.fakes import FakeRunner
 
 STEP_S, PER_TOKEN_S = 0.010, 0.001
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class TimedFakeRunner(FakeRunner):
@@ -49,7 +39,7 @@ def workload() -> list[BenchRequest]:
 
 
 def run(policy: str):  # noqa: ANN201 - OfflineResult
-    clock = VirtualClock()
+    clock = VirtualClock(100.0)
     return run_offline(make_engine(clock, policy), workload(), [0.0] * 8, sleep=clock.sleep)
 
 
@@ -81,7 +71,7 @@ def test_continuous_admits_waiting_requests_as_others_finish() -> None:
 
 
 def test_requests_join_at_their_arrival_and_the_idle_engine_sleeps() -> None:
-    clock = VirtualClock()
+    clock = VirtualClock(100.0)
     engine = make_engine(clock, "continuous")
     arrivals = [0.5, 0.5, 3.0]
     requests = [BenchRequest([20, 21, 22], 2)] * 3
@@ -109,7 +99,7 @@ def test_record_from_engine_times() -> None:
 
 
 def test_a_request_the_engine_rejects_is_a_failed_record_and_the_rest_run() -> None:
-    clock = VirtualClock()
+    clock = VirtualClock(100.0)
     engine = make_engine(clock, "continuous")  # 256 blocks of 16 tokens, max_model_len 1024
     requests = [BenchRequest([20] * 4, 2), BenchRequest([21] * 2000, 2), BenchRequest([22] * 4, 2)]
     result = run_offline(engine, requests, [0.0, 0.0, 0.0], sleep=clock.sleep)

@@ -13,6 +13,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput
+from conveyor.sim.runner import VirtualClock
 from tests.fakes import FakeRunner
 
 
@@ -29,17 +30,6 @@ class LinearCost:
     def __call__(self, f: StepFeatures) -> float:
         return self.scale * (self.a + self.b * f.decode_rows + self.c * f.prefill_tokens
                              + self.d * f.decode_rows * f.decode_context)
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class TimedRunner(FakeRunner):

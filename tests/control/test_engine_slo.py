@@ -11,7 +11,8 @@ from conveyor.bench.workloads import WorkloadConfig, arrival_times, generate_req
 from conveyor.config import EngineConfig
 from conveyor.errors import ConfigError
 from conveyor.sampling.params import SamplingParams
-from tests.control.synthetic import LinearCost, VirtualClock, make_engine
+from conveyor.sim.runner import VirtualClock
+from tests.control.synthetic import LinearCost, make_engine
 
 TARGET_MS = 180.0  # between the synthetic cost's steps at batch 8 (~95 ms) and 64 (~270 ms)
 

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from conveyor.distributed.client import RayEngineClient, WorkerDiedError
+from conveyor.distributed.client import RayEngineClient
 from conveyor.distributed.deploy import DeploymentConfig, start_deployment
+from conveyor.errors import WorkerDiedError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import (
     collect,

@@ -11,14 +11,13 @@ from conveyor.distributed.deploy import DeploymentConfig
 from conveyor.distributed.handover import (
     blocks_needed,
     export_request,
-    import_headroom,
     import_request,
     request_blocks,
 )
-from conveyor.distributed.messages import WorkerLoopDied
 from conveyor.distributed.router import WorkerHandle, outstanding_tokens, pick
+from conveyor.engine.imports import import_headroom
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ConfigError, ModelLoadError
+from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import make_prompts, reference_outputs, tiny_config
 
@@ -133,12 +132,12 @@ def test_a_dead_worker_loop_answers_its_callers_and_looks_dead(tiny_model) -> No
                      worker.poll(0, 0.1), worker.accounting()):
             try:
                 await asyncio.wait_for(call, 10)
-            except (WorkerLoopDied, TimeoutError) as exc:
+            except (WorkerDiedError, TimeoutError) as exc:
                 errors.append(exc)
         return errors
 
     errors = asyncio.run(main())
-    assert len(errors) == 4 and all(isinstance(e, WorkerLoopDied) for e in errors), errors
+    assert len(errors) == 4 and all(isinstance(e, WorkerDiedError) for e in errors), errors
 
 
 def test_worker_steps_carry_the_slo_state(tiny_model) -> None:

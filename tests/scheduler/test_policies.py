@@ -1,18 +1,13 @@
 """Focused examples of what each policy decides, step by step, through LLMEngine + FakeRunner."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from conveyor.config import EngineConfig, SchedulerConfig
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, StaticScheduler
-
-from tests.fakes import FakeRunner
+from tests.fakes import FakeRunner, fake_engine
 
 Trace = list[list[tuple[str, int]]]
 
@@ -33,17 +28,10 @@ class Harness:
         max_model_len: int = 256,
         clock=None,  # noqa: ANN001
     ) -> None:
-        config = EngineConfig(
-            block_size=block_size,
-            scheduler=SchedulerConfig(policy, max_num_seqs, budget, chunked),
-        )
         self.runner = FakeRunner()
-        if clock is None:
-            ticks = itertools.count()
-            clock = lambda: float(next(ticks))  # noqa: E731 - strictly increasing, deterministic
-        self.engine = LLMEngine(
-            config, self.runner, num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=1000, clock=clock
-        )
+        self.engine = fake_engine(self.runner, policy, block_size=block_size, num_blocks=num_blocks,
+                                  max_num_seqs=max_num_seqs, budget=budget, chunked=chunked,
+                                  max_model_len=max_model_len, clock=clock)
         self.trace: Trace = []
         self.preempted: list[list[str]] = []
         self.finished_at: dict[str, int] = {}

@@ -8,7 +8,6 @@ preemption, recompute, chunking and block ownership are all right.
 from __future__ import annotations
 
 import functools
-import itertools
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,16 +17,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.config import SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput, SamplerOutput
+from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import blocks_for
 from conveyor.request import Request, RequestStatus
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, make_scheduler
-
-from tests.fakes import FakeRunner
+from tests.fakes import FakeRunner, fake_engine
 
 VOCAB = 1000
 
@@ -86,18 +85,9 @@ def make_engine(
     chunked: bool = True,
     max_model_len: int = 1024,
 ) -> tuple[LLMEngine, PagedRunner]:
-    config = EngineConfig(
-        block_size=block_size,
-        scheduler=SchedulerConfig(
-            policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked
-        ),
-    )
     runner = PagedRunner()
-    ticks = itertools.count()
-    engine = LLMEngine(
-        config, runner, num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=VOCAB,
-        clock=lambda: float(next(ticks)),
-    )
+    engine = fake_engine(runner, policy, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                         budget=budget, chunked=chunked, max_model_len=max_model_len)
     return engine, runner
 
 

@@ -9,10 +9,12 @@ from conveyor.bench.workloads import WorkloadConfig
 from conveyor.cli import main
 from conveyor.errors import ConfigError
 from conveyor.kv.manager import blocks_for
+from conveyor.sim import disagg as sim_disagg
 from conveyor.sim import simulate
+from conveyor.sim.config import SimConfig, SimRun
 from conveyor.sim.models import get_model
-from conveyor.sim.simulate import SimConfig, SimRun, run_simulation
 from conveyor.sim.shape import StepShape
+from conveyor.sim.simulate import run_simulation
 
 
 class SplitCost:
@@ -33,7 +35,8 @@ class SplitCost:
 @pytest.fixture
 def split_cost(monkeypatch: pytest.MonkeyPatch) -> SplitCost:
     cost = SplitCost()
-    monkeypatch.setattr(simulate, "build_cost_model", lambda cfg: (cost, get_model(cfg.model), None))
+    for module in (simulate, sim_disagg):  # each builds its engines' cost model
+        monkeypatch.setattr(module, "build_cost_model", lambda cfg: (cost, get_model(cfg.model), None))
     return cost
 
 

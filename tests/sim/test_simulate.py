@@ -7,11 +7,12 @@ import pytest
 
 from conveyor.bench.workloads import WorkloadConfig
 from conveyor.errors import ConfigError
-from conveyor.sim import simulate
+from conveyor.sim import disagg, simulate
+from conveyor.sim.config import SimConfig, num_kv_blocks
 from conveyor.sim.hardware import get_hardware
 from conveyor.sim.models import get_model
 from conveyor.sim.runner import SimRunner, VirtualClock
-from conveyor.sim.simulate import SimConfig, num_kv_blocks, run_simulation
+from conveyor.sim.simulate import run_simulation
 
 
 class ConstantCost:
@@ -32,7 +33,8 @@ class ConstantCost:
 @pytest.fixture
 def constant_cost(monkeypatch: pytest.MonkeyPatch) -> ConstantCost:
     cost = ConstantCost(0.010)
-    monkeypatch.setattr(simulate, "build_cost_model", lambda cfg: (cost, get_model(cfg.model), None))
+    for module in (simulate, disagg):  # each builds its engines' cost model
+        monkeypatch.setattr(module, "build_cost_model", lambda cfg: (cost, get_model(cfg.model), None))
     return cost
 
 
@@ -115,7 +117,7 @@ def test_simulating_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from conveyor.sim.simulate import SimConfig, run_simulation; "
+    code = ("import sys; from conveyor.sim.config import SimConfig; from conveyor.sim.simulate import run_simulation; "
             "from conveyor.sim.cli import add_simulate_parser; from conveyor.bench.workloads import WorkloadConfig; "
             "run_simulation(SimConfig(workload=WorkloadConfig(num_prompts=2, input_len=8, output_len=2))); "
             "print('torch' in sys.modules)")

@@ -6,7 +6,7 @@ import pytest
 from conveyor.bench.metrics import BenchmarkMetrics, Stats
 from conveyor.bench.workloads import WorkloadConfig
 from conveyor.sim import sweep
-from conveyor.sim.simulate import SimConfig
+from conveyor.sim.config import SimConfig
 from conveyor.sim.sweep import meets, parse_slos, sweep_max_num_seqs, sweep_rate
 
 

@@ -85,12 +85,24 @@ def wait_for_build_lock(extension_name: str, stale_after: float = STALE_LOCK_SEC
         time.sleep(poll)
 
 
+def _is_built(extension_name: str) -> bool:
+    """Whether the extension's library is in torch's cache (a first start builds it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(extension_name, verbose=False)) / f"{extension_name}.so").is_file()
+    except (ImportError, OSError):
+        return True  # cannot tell: say nothing
+
+
 @functools.cache
 def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import load
 
     extension_name = f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}"
     wait_for_build_lock(extension_name)
+    if not _is_built(extension_name):
+        logger.info("building C++ kernels, first start only: %s (cached for later starts)", name)
     try:
         return load(
             name=extension_name,
@@ -132,3 +144,14 @@ def quant_gemm() -> object | None:
     """The module of the matmul on GGUF blocks (quant_gemm.cpp: pack_quantized,
     quantized_matmul; x86 with AVX2, FMA and F16C), or None when unavailable or disabled."""
     return _load("quant_gemm") if kernels_enabled() else None
+
+
+def build_kernels(dtype: torch.dtype) -> None:
+    """Builds (or loads from the cache) every kernel a forward pass in `dtype` resolves, so that
+    none is built inside a request: the matmul path resolves both panel kernels whatever the
+    dtype (conveyor/model/linear.py), the fused ops and the decode kernel are fp32 only."""
+    panel_gemm()
+    quant_gemm()
+    if dtype == torch.float32:
+        fused_ops()
+        paged_decode_kernel()

@@ -6,8 +6,8 @@ MB in all against a 32 MiB L3, and times one pass over all of them at each row c
 panel kernel (kernels/panel_gemm.cpp), oneDNN on its own packed layout, and `F.linear` (MKL) on
 the plain weight, the three alternated repeat by repeat so drift hits all alike.
 
-    python benchmarks/panel_gemm.py --rows 1 2 4 8 16 32 64 --repeats 5
-    python benchmarks/panel_gemm.py --baseline fa25266~1 --rows 1 2 4 6 8 12 16 32 --repeats 16   # a kernel change
+    python benchmarks/kernels/panel_gemm.py --rows 1 2 4 8 16 32 64 --repeats 5
+    python benchmarks/kernels/panel_gemm.py --baseline fa25266~1 --rows 1 2 4 6 8 12 16 32 --repeats 16   # a kernel change
 
 With `--baseline REV` it times the working tree's panel kernel against the same kernel built from
 its source at git revision REV (same packed weights), alternating the two repeat by repeat.

@@ -7,7 +7,7 @@ with each request's blocks scattered through the pool, and times one pass of the
 alternates the two repeat by repeat, so the machine's drift hits both alike; outputs are checked
 to agree first.
 
-    python benchmarks/decode_attention.py --baseline d0edcf0~2 --contexts 1400 1000,1400,600 \\
+    python benchmarks/kernels/decode_attention.py --baseline d0edcf0~2 --contexts 1400 1000,1400,600 \\
         1400,1400,1400,300,300,200 1000,1200,1400,600,1000,1200,1400,600
 """
 from __future__ import annotations

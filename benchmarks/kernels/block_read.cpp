@@ -2,7 +2,7 @@
 // 64 x fp32) in order and in shuffled order, as decode attention reads a paged cache: the ceiling
 // for the decode kernel's cold reads. Plain C++ with OpenMP, no torch:
 //
-//     g++ -O3 -march=native -fopenmp benchmarks/block_read.cpp -o /tmp/block_read
+//     g++ -O3 -march=native -fopenmp benchmarks/kernels/block_read.cpp -o /tmp/block_read
 //     OMP_NUM_THREADS=2 /tmp/block_read          # HUGE=1 to madvise the pools for huge pages
 #include <immintrin.h>
 #include <omp.h>

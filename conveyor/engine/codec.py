@@ -1,0 +1,13 @@
+"""What the engine needs of a tokenizer: conveyor.model.tokenizer.Tokenizer is one, tests bring others."""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class TextCodec(Protocol):
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...

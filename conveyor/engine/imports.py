@@ -1,0 +1,79 @@
+"""Prefilled requests waiting to enter the engine that takes them over (prefill/decode disaggregation).
+
+One rule, for the Ray decode workers (conveyor/distributed/worker.py) and the simulator's decode
+workers (conveyor/sim/disagg.py): requests enter in arrival order and the head waits for blocks
+rather than being overtaken (no starvation); an import may take only the free blocks the
+scheduler has not promised to its own requests (Scheduler.uncommitted_free_blocks); one that
+could never fit this engine's pool is refused at once instead of waiting forever.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.errors import InvalidRequestError
+from conveyor.kv.manager import blocks_for
+
+
+class Importable(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+Item = TypeVar("Item", bound=Importable)
+
+
+def blocks_to_run(num_computed_tokens: int, block_size: int) -> int:
+    """What an imported request needs to run: its KV and the slot of its next token."""
+    return blocks_for(num_computed_tokens + 1, block_size)
+
+
+def import_headroom(engine: LLMEngine) -> int:
+    """Free blocks an import may take now (negative while the scheduler's own requests are owed more)."""
+    return engine.scheduler.uncommitted_free_blocks()
+
+
+class ImportQueue(Generic[Item]):
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+
+    def push(self, item: Item) -> None:
+        self._items.append(item)
+
+    def remove(self, request_id: str) -> list[Item]:
+        """Take the request's items out (it was aborted before it got in)."""
+        gone = [item for item in self._items if item.request_id == request_id]
+        for item in gone:
+            self._items.remove(item)
+        return gone
+
+    def clear(self) -> list[Item]:
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Item]:
+        return iter(self._items)
+
+    def take(self, engine: LLMEngine, admit: Callable[[Item], None],
+             refuse: Callable[[Item, InvalidRequestError], None]) -> None:
+        """Admit the head while it fits (`admit` allocates its blocks and queues it in `engine`)."""
+        while self._items:
+            item = self._items[0]
+            needed = blocks_to_run(item.num_computed_tokens, engine.kv.block_size)
+            if needed > engine.kv.num_blocks:  # it would wait forever
+                self._items.popleft()
+                refuse(item, InvalidRequestError(f"request {item.request_id!r} needs {needed} KV blocks; "
+                                                 f"this engine has {engine.kv.num_blocks}"))
+                continue
+            if needed > import_headroom(engine):
+                return
+            self._items.popleft()
+            admit(item)

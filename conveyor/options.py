@@ -1,0 +1,70 @@
+"""Command-line options derived from the config dataclasses, so that a default (and a new knob)
+lives in one place: the dataclass field. `--max-num-seqs` is `SchedulerConfig.max_num_seqs`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Iterable
+
+from conveyor.config import DTYPES, POLICIES
+
+HELP = {
+    "model": "smollm2-135m (default), a .gguf file or an HF folder",
+    "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
+    "block_size": "tokens per KV block",
+    "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
+    "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
+    "max_model_len": "longest request, prompt plus output (default: the model's context length)",
+    "num_threads": "torch threads (default: one per core; 1 is faster when other processes share the cores)",
+    "max_num_seqs": "most requests in the running batch",
+    "max_num_batched_tokens": "token budget of one step",
+    "slo_tpot_ms": "hold P99 TPOT under this: a controller lowers the batch cap and token budget "
+                   "under --max-num-seqs / --max-num-batched-tokens as load requires",
+    "slo_ttft_ms": "TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)",
+}
+CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES}
+
+
+def _scalar_type(annotation: Any) -> type:
+    """int | None -> int; str | int (a memory size) -> str; bool stays bool."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return str if str in args else args[0]
+    return annotation
+
+
+def config_fields(config_cls: type) -> list[dataclasses.Field]:
+    """The fields a user sets (nested config dataclasses have their own options)."""
+    hints = typing.get_type_hints(config_cls)
+    return [f for f in dataclasses.fields(config_cls)
+            if not (isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]))]
+
+
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_cls: type, *,
+                    only: Iterable[str] | None = None, defaults: dict[str, Any] | None = None,
+                    helps: dict[str, str] | None = None) -> None:
+    """One `--field-name` option per field of `config_cls` (or of `only`), its default the field's
+    unless `defaults` overrides it for this command."""
+    hints = typing.get_type_hints(config_cls)
+    wanted = None if only is None else set(only)
+    for f in config_fields(config_cls):
+        if wanted is not None and f.name not in wanted:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        kind = _scalar_type(hints[f.name])
+        help_text = (helps or {}).get(f.name) or HELP.get(f.name) or ""
+        if default is not None:
+            help_text += f" (default: {default})" if help_text else f"default: {default}"
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_text)
+
+
+def config_kwargs(args: argparse.Namespace, *config_classes: type) -> dict[str, Any]:
+    """The parsed values of every field of `config_classes` the parser has."""
+    return {f.name: getattr(args, f.name)
+            for cls in config_classes for f in config_fields(cls) if hasattr(args, f.name)}

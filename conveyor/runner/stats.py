@@ -1,0 +1,23 @@
+"""Where one engine step's time went: the runner fills its part, the engine the rest (pure Python)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """Where one step's time went; `model` is the forward pass, the rest is engine overhead."""
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    num_preempted: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+    postprocess_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.model_s + self.sample_s + self.postprocess_s

@@ -1,0 +1,31 @@
+"""What a runner offers for a KV handover (prefill/decode disaggregation): a request's blocks read
+out of its KV cache and written into another's, and the request's own sampler state (a seeded
+request takes its draws along). ModelRunner provides it; the simulator's runner moves no data."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from conveyor.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from conveyor.sampling.sampler import Sampler
+
+
+@runtime_checkable
+class KVTransferRunner(Protocol):
+    sampler: Sampler
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+
+def kv_transfer(runner: object) -> KVTransferRunner:
+    """The runner as a KV-transfer runner; ConfigError if it cannot move KV blocks."""
+    if not isinstance(runner, KVTransferRunner):
+        raise ConfigError(f"{type(runner).__name__} cannot export or import KV blocks")
+    return runner

@@ -1,0 +1,43 @@
+"""Command-line options come from the config dataclasses: their defaults are the dataclasses'."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from conveyor.bench.compare import CompareConfig
+from conveyor.cli import add_engine_args, engine_kwargs
+from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.options import add_config_args, config_fields
+
+
+def test_every_engine_field_is_an_option_whose_default_is_the_fields() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    for cls in (EngineConfig, SchedulerConfig):
+        for f in config_fields(cls):
+            assert getattr(args, f.name) == f.default, f.name
+    assert EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)) == EngineConfig()
+
+
+def test_options_parse_to_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-num-seqs", "3", "--no-chunked-prefill", "--policy", "static",
+                              "--kv-cache-memory", "64MiB", "--slo-tpot-ms", "40", "--dequantize-weights"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.scheduler == SchedulerConfig("static", 3, SchedulerConfig.max_num_batched_tokens, False, 40.0)
+    assert config.kv_cache_memory == "64MiB" and config.dequantize_weights
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float16"])  # the dataclass's choices
+
+
+def test_a_command_may_override_a_default_for_itself_only() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, CompareConfig, only=("max_num_seqs", "block_size"), defaults={"block_size": 8})
+    args = parser.parse_args([])
+    assert (args.max_num_seqs, args.block_size) == (CompareConfig.max_num_seqs, 8)
+    assert CompareConfig.block_size == EngineConfig.block_size  # the benchmark restates no engine default
+    assert {f.name for f in dataclasses.fields(CompareConfig)} >= {"kv_cache_memory", "dtype"}
