@@ -21,7 +21,7 @@ from conveyor.sampling.params import SamplingParams
 _NEG_INF_LOGPROB = -9999.0  # what OpenAI sends for a token of probability 0 (JSON has no -inf)
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _NEG_INF_LOGPROB
 
 
@@ -29,8 +29,8 @@ def _finite(logprob: float) -> float:
 class TokenLogprob:
     token: str
     token_bytes: bytes
-    logprob: float
-    top: list[tuple[str, bytes, float]]  # the top-k alternatives, best first
+    logprob: float | None  # None only for an echoed prompt's first token (nothing precedes it)
+    top: list[tuple[str, bytes, float]] | None  # the top-k alternatives, best first
     text_offset: int
 
 
@@ -43,7 +43,12 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    echo: str = ""  # completions with echo: the prompt's text, released before the first token's
+    echo_ids: list[int] = field(default_factory=list)  # and its token ids, to echo their logprobs
+    # vLLM's prompt_logprobs: {token id: logprob} per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     _logprobs_taken: int = 0
+    _started: bool = False
 
     @property
     def finished(self) -> bool:
@@ -52,8 +57,14 @@ class Choice:
     def update(self, out: RequestOutput) -> str:
         tokenizer = self.detok.tokenizer
         step_logprobs = getattr(out, "logprobs", None)
+        prefix = ""
+        if not self._started:
+            self._started, prefix = True, self.echo
+            self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+            if self.echo_ids and self.num_logprobs is not None:
+                self.logprobs.extend(_echo_entries(tokenizer, self.echo_ids, self.prompt_logprobs, self.num_logprobs))
         for i, token in enumerate(out.new_token_ids):
-            offset = len(self.detok.text)
+            offset = len(self.echo) + len(self.detok.text)
             self.detok.add([token])
             if self.num_logprobs is not None and step_logprobs and i < len(step_logprobs):
                 self.logprobs.append(_entry(tokenizer, token, step_logprobs[i], self.num_logprobs, offset))
@@ -63,6 +74,7 @@ class Choice:
             delta = self.detok.finish(out.text)
         else:
             delta = self.detok.release()
+        delta = prefix + delta
         self.text += delta
         return delta
 
@@ -77,11 +89,30 @@ class Choice:
         return new
 
 
+def _echo_entries(tokenizer: Any, ids: list[int], prompt_logprobs: list[dict[int, float] | None] | None, k: int
+                  ) -> list[TokenLogprob]:
+    """Logprob entries of an echoed prompt (OpenAI: the first token has none), offsets into its text."""
+    entries, offset, pending = [], 0, b""
+    for position, token in enumerate(ids):
+        scored = prompt_logprobs[position] if prompt_logprobs and position < len(prompt_logprobs) else None
+        if scored is None:
+            text = token_text(tokenizer, token)
+            entries.append(TokenLogprob(text, token_bytes(tokenizer, token), None, None, offset))
+        else:
+            entries.append(_entry(tokenizer, token, scored, k, offset))
+        pending += entries[-1].token_bytes
+        try:  # a character whose bytes span tokens counts once it is whole
+            offset, pending = offset + len(pending.decode("utf-8")), b""
+        except UnicodeDecodeError:
+            pass
+    return entries
+
+
 def _entry(tokenizer: Any, token: int, logprobs: dict[int, float], k: int, offset: int) -> TokenLogprob:
     ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:k]
-    top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), _finite(lp)) for t, lp in ranked]
+    top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
     chosen = logprobs.get(token, float("-inf"))
-    return TokenLogprob(token_text(tokenizer, token), token_bytes(tokenizer, token), _finite(chosen), top, offset)
+    return TokenLogprob(token_text(tokenizer, token), token_bytes(tokenizer, token), finite(chosen), top, offset)
 
 
 class Generation:
@@ -110,8 +141,9 @@ class Generation:
     def done(self) -> bool:
         return all(c.finished for c in self.choices) or self.error is not None
 
-    async def submit(self, prompts: Sequence[list[int]]) -> None:
-        """Hand every prompt to the engine; if one is refused, abort the others and re-raise."""
+    async def submit(self, prompts: Sequence[list[int]], echo: Sequence[str] | None = None) -> None:
+        """Hand every prompt to the engine; if one is refused, abort the others and re-raise.
+        `echo`: the prompts' texts, to come before each choice's output (completions' echo)."""
         arrival = time.perf_counter()
         try:
             for i, prompt in enumerate(prompts):
@@ -122,8 +154,10 @@ class Generation:
                 self.prompt_tokens += len(prompt)
                 for j in range(self.n):
                     stop = self.params.stop
-                    self.choices.append(Choice(i * self.n + j, IncrementalDetokenizer(self.tokenizer, stop),
-                                               self.num_logprobs))
+                    choice = Choice(i * self.n + j, IncrementalDetokenizer(self.tokenizer, stop), self.num_logprobs)
+                    if echo is not None:
+                        choice.echo, choice.echo_ids = echo[i], list(prompt)
+                    self.choices.append(choice)
         except BaseException:
             self.close()
             raise

@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.api.errors import server_error
-from conveyor.api.generation import Choice, Generation, TokenLogprob
+from conveyor.api.detokenizer import token_text
+from conveyor.api.generation import Choice, Generation, TokenLogprob, finite
 
 
 class CompletionFormat:
@@ -31,7 +32,10 @@ class CompletionFormat:
         return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
-        return self.choice_delta(choice, choice.text, choice.logprobs)
+        final = self.choice_delta(choice, choice.text, choice.logprobs)
+        if choice.prompt_logprobs is not None:
+            final["prompt_logprobs"] = prompt_logprobs(choice)
+        return final
 
 
 class ChatFormat(CompletionFormat):
@@ -52,12 +56,22 @@ class ChatFormat(CompletionFormat):
         return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason}
 
 
+def prompt_logprobs(choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, decoded_token}}."""
+    tokenizer = choice.detok.tokenizer
+    return [
+        None if entry is None else
+        {str(t): {"logprob": finite(lp), "decoded_token": token_text(tokenizer, t)} for t, lp in entry.items()}
+        for entry in choice.prompt_logprobs or []
+    ]
+
+
 def _legacy_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
     entries = entries or []
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries],
+        "top_logprobs": [None if e.top is None else {t: lp for t, _, lp in e.top} for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
 
@@ -96,12 +110,17 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
             body["usage"] = None
         return _sse(body)
 
+    prompt_logprobs_sent: set[int] = set()
     for first in fmt.first_chunks(gen):
         yield chunk([first])
     async for choice, delta in gen.updates():
         logprobs = choice.take_logprobs()
         if delta or logprobs or choice.finished:
-            yield chunk([fmt.choice_delta(choice, delta, logprobs)])
+            entry = fmt.choice_delta(choice, delta, logprobs)
+            if choice.prompt_logprobs is not None and choice.index not in prompt_logprobs_sent:
+                prompt_logprobs_sent.add(choice.index)
+                entry["prompt_logprobs"] = prompt_logprobs(choice)
+            yield chunk([entry])
     if gen.error is not None:
         yield _sse(server_error(f"generation failed: {gen.error}").body())
     elif include_usage:
@@ -156,5 +175,7 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
     if gen.error is not None:
         raise server_error(f"generation failed: {gen.error}")
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
+    if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
     body["usage"] = usage(gen)
     return JSONResponse(body)

@@ -95,7 +95,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
+        self._check_token_ids(params)
         request = Request(request_id, token_ids, params, arrival, prompt=text)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing to be scored against
         self.stopper.start(request)
         self.scheduler.add_request(request)
         self._unfinished_samples[request_id] = params.n
@@ -116,6 +119,12 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         return token_ids
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
@@ -196,6 +205,8 @@ class LLMEngine:
         samplers = out.sampling_requests()
         sampled = self.runner.execute(out, self.kv, stats)
         t2 = self.clock()
+        for request_id, scored in (sampled.prompt_logprobs or {}).items():
+            self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
         outputs, finished = [], []
         logprobs = sampled.logprobs or [None] * len(samplers)
         for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
@@ -234,6 +245,7 @@ class LLMEngine:
             request_id=request.group_id,
             index=request.sample_index,
             logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=request.prompt_logprobs if len(request.output_token_ids) == 1 else None,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,

@@ -14,6 +14,8 @@ class SamplerOutput:
     # Per sampling request: {token id: logprob} for the chosen token and the top alternatives,
     # or None where the request did not ask for logprobs (the list is None if nobody did).
     logprobs: list[dict[int, float] | None] | None = None
+    # request id -> {token id: logprob} for each prompt token this step scored, in order.
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
 @dataclass
@@ -31,6 +33,8 @@ class RequestOutput:
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples this is
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
+    # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
