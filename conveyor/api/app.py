@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.api.errors import APIError, bad_request, install_handlers, unavailable
 from conveyor.api.generation import Generation
 from conveyor.api.metrics import Metrics
-from conveyor.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from conveyor import __version__
+from conveyor.api.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
+)
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
 from conveyor.engine.async_engine import EngineStoppedError, QueueFullError
 from conveyor.engine.client import EngineClient
@@ -110,6 +114,43 @@ def build_app(state: ServerState) -> FastAPI:
                             bool(body.stream), body.include_usage)
 
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
+    tok = APIRouter(dependencies=[Depends(check_key)])
+
+    @tok.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        data = await _read_json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        body = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+        _check_model(state, body.model)
+        if chat:
+            messages = [m.as_template_input() for m in body.messages]
+            ids = await asyncio.to_thread(_render_chat, state, messages, body.add_generation_prompt,
+                                          body.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
+        reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [state.tokenizer.token_to_str(t) for t in ids]
+        return reply
+
+    @tok.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse(DetokenizeRequest, await _read_json(request))
+        _check_model(state, body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        # Special tokens kept (as vLLM does), so that /tokenize then /detokenize gives the text back.
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)}
+
+    app.include_router(tok)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:

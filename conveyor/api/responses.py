@@ -24,12 +24,11 @@ class CompletionFormat:
     def __init__(self, model: str) -> None:
         self.model = model
 
-    def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
-        return []
-
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
+                     first: bool = False) -> dict[str, Any]:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
-        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         final = self.choice_delta(choice, choice.text, choice.logprobs)
@@ -41,19 +40,19 @@ class CompletionFormat:
 class ChatFormat(CompletionFormat):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
-        return [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None} for c in gen.choices]
-
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
+                     first: bool = False) -> dict[str, Any]:
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
-        content = {"content": delta} if delta else {}
-        return {"index": choice.index, "delta": content, "logprobs": lp, "finish_reason": choice.finish_reason}
+        # The role goes out with the first token, so that a client's TTFT is the first token's.
+        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        return {"index": choice.index, "delta": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         lp = _chat_logprobs(choice.logprobs) if choice.num_logprobs is not None else None
         message = {"role": "assistant", "content": choice.text}
-        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
 
 def prompt_logprobs(choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
@@ -110,17 +109,14 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
             body["usage"] = None
         return _sse(body)
 
-    prompt_logprobs_sent: set[int] = set()
-    for first in fmt.first_chunks(gen):
-        yield chunk([first])
-    async for choice, delta in gen.updates():
-        logprobs = choice.take_logprobs()
-        if delta or logprobs or choice.finished:
-            entry = fmt.choice_delta(choice, delta, logprobs)
-            if choice.prompt_logprobs is not None and choice.index not in prompt_logprobs_sent:
-                prompt_logprobs_sent.add(choice.index)
+    started: set[int] = set()  # choices whose first chunk went out
+    async for choice, delta, logprobs in gen.updates():  # one chunk per token, its text empty or not
+        entry = fmt.choice_delta(choice, delta, logprobs, first=choice.index not in started)
+        if choice.index not in started:
+            started.add(choice.index)
+            if choice.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = prompt_logprobs(choice)
-            yield chunk([entry])
+        yield chunk([entry])
     if gen.error is not None:
         yield _sse(server_error(f"generation failed: {gen.error}").body())
     elif include_usage:

@@ -124,6 +124,13 @@ class _Abort:
 
 
 @dataclass
+class _StopSample:
+    request_id: str
+    index: int
+    stop_reason: str | None
+
+
+@dataclass
 class _Sink:
     queue: asyncio.Queue
     remaining: int  # samples not finished yet (n of them)
@@ -227,6 +234,11 @@ class AsyncEngine:
         self._commands.put(_Abort(None))
         self._wake.set()
 
+    def stop_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
+        """End one sample whose text reached a stop string, freeing its KV; thread-safe, idempotent."""
+        self._commands.put(_StopSample(request_id, index, stop_reason))
+        self._wake.set()
+
     # --- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -251,23 +263,29 @@ class AsyncEngine:
             resolved: list[tuple[asyncio.Future, BaseException | None]] = []
             events: list[tuple[asyncio.Queue, object]] = []
             self._drain(report, resolved, events)
+            num_drained = len(report.outputs)  # stopped samples' final outputs, already routed
             if self.engine.has_unfinished_requests:
                 try:
-                    report.outputs = self.engine.step()
+                    report.outputs += self.engine.step()
                     report.stats = self.engine.last_step
                     stalled = report.stats.num_requests == 0
                 except Exception as exc:  # never leave a request in silence
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_all(exc, events)
                     stalled = True
-                self._route(report.outputs, events)
+                self._route(report.outputs[num_drained:], events)
             self._publish(report, resolved, events)
 
     def _drain(self, report: StepReport, resolved: list, events: list) -> None:
         taken = 0
         while not self._commands.empty():  # this thread is the only consumer
             cmd = self._commands.get_nowait()
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _StopSample):
+                stopped = self.engine.stop_sample(cmd.request_id, cmd.index, cmd.stop_reason)
+                if stopped is not None:
+                    report.outputs.append(stopped)
+                    self._route([stopped], events)
+            elif isinstance(cmd, _Add):
                 taken += 1
                 try:
                     self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival_time)

@@ -15,7 +15,7 @@ from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import KVCacheManager, blocks_for
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
 
@@ -55,7 +55,7 @@ class LLMEngine:
         self.clock = clock
         self.kv = KVCacheManager(num_kv_blocks, config.block_size)
         self.scheduler = make_scheduler(config.scheduler, self.kv)
-        self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
+        self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.last_step = StepStats()
         # Lowers the batch cap / token budget to hold slo_tpot_ms; None without an SLO target.
         self.slo = SloController.from_scheduler_config(config.scheduler, num_kv_blocks * config.block_size)
@@ -86,7 +86,11 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError without touching engine state."""
+        """Validate and queue a request; raises InvalidRequestError without touching engine state.
+
+        The engine works on token ids: it makes no text and does not search for `params.stop`
+        strings; whoever makes the text does (LLM.generate, the server) and ends the sample with
+        `stop_sample` when one appears."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
@@ -99,7 +103,6 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival, prompt=text)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has nothing to be scored against
-        self.stopper.start(request)
         self.scheduler.add_request(request)
         self._unfinished_samples[request_id] = params.n
         return request_id
@@ -157,8 +160,21 @@ class LLMEngine:
         for sample in samples:
             self.scheduler.abort_request(sample.request_id)
             sample.times.finished = now
-            self.stopper.forget(sample)
         return True
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> RequestOutput | None:
+        """Ends sample `index` of a request as stopped (its text reached a stop string) and frees its
+        KV blocks at once; returns its final output, or None if it is unknown or already done."""
+        if request_id not in self._unfinished_samples:
+            return None
+        sample = next((r for r in self.scheduler.requests.values()
+                       if r.group_id == request_id and r.sample_index == index), None)
+        if sample is None or self.scheduler.abort_request(sample.request_id, RequestStatus.FINISHED_STOPPED) is None:
+            return None
+        sample.stop_reason = stop_reason
+        sample.times.finished = self.clock()
+        self._retire_sample(request_id)
+        return self._output(sample, [], None)
 
     # --- KV handover (prefill/decode disaggregation, conveyor/distributed) ----------------------
     def detach_request(self, request_id: str) -> Request | None:
@@ -167,7 +183,6 @@ class LLMEngine:
         request = self.scheduler.detach_request(request_id)
         if request is not None:
             self._unfinished_samples.pop(request.group_id, None)
-            self.stopper.forget(request)
         return request
 
     def add_prefilled_request(self, request: Request) -> None:
@@ -176,7 +191,6 @@ class LLMEngine:
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
-        self.stopper.start(request)
         self.scheduler.add_request(request)
         self._unfinished_samples[request.request_id] = 1
 
@@ -253,7 +267,6 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            text=self.stopper.final_text(request) if finished else None,
             times=request.times,
             num_preemptions=request.num_preemptions,
         )
