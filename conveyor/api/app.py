@@ -220,7 +220,8 @@ def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) ->
 
 def _echo_texts(state: ServerState, prompt: str | list, token_ids: list[list[int]]) -> list[str]:
     """The text each prompt is echoed as: as sent when it was text, else its tokens decoded."""
-    texts = [prompt] if isinstance(prompt, str) else [p if isinstance(p, str) else None for p in prompt]
+    texts: list[str | None] = [prompt] if isinstance(prompt, str) else [p if isinstance(p, str) else None
+                                                                          for p in prompt]
     if len(texts) != len(token_ids):  # a single prompt of token ids
         texts = [None] * len(token_ids)
     return [t if t is not None else state.tokenizer.decode(ids) for t, ids in zip(texts, token_ids)]

@@ -195,7 +195,7 @@ class Generation:
                 for delta, entries in choice.update(event):
                     yield choice, delta, entries
                 if choice.stopped_by_string:  # the engine keeps no sample past its stop string
-                    self.engine.stop_sample(event.request_id, getattr(event, "index", 0), choice.stop_reason)
+                    self.engine.stop_sample(event.request_id, getattr(event, "index", 0), choice.detok.stop_reason)
             elif isinstance(event, Failed):
                 self.error = event.error
             elif isinstance(event, Aborted):

@@ -48,7 +48,7 @@ class StreamOptions(_Strict):
 
 
 # vLLM's sampling extensions that conveyor does not implement, on both endpoints.
-_UNSUPPORTED_VLLM = {
+_UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search only
     "allowed_token_ids": (None,),
@@ -136,7 +136,7 @@ class _Sampling(_Strict):
             ignore_eos=bool(self.ignore_eos),
         )
         # Only pass what is set, so an engine without a parameter still serves the plain requests.
-        optional = dict(
+        optional: dict[str, tuple[Any, Any]] = dict(
             n=(self.n, 1), logprobs=(logprobs, None), prompt_logprobs=(self.prompt_logprobs, None),
             presence_penalty=(self.presence_penalty, None), frequency_penalty=(self.frequency_penalty, None),
             repetition_penalty=(self.repetition_penalty, None), min_p=(self.min_p, None),

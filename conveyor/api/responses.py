@@ -82,7 +82,7 @@ def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
                 "token": e.token,
                 "logprob": e.logprob,
                 "bytes": list(e.token_bytes),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top],
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top or []],
             }
             for e in entries or []
         ]

@@ -30,22 +30,25 @@ def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_i
     logits = logits.clone()
     vocab = logits.shape[-1]
     if suppress:  # EOS and stop tokens may not end the request before min_tokens
-        rows, cols = [], []
+        rows: list[int] = []
+        cols: list[int] = []
         for i in suppress:
             p = params[i]
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            ids = [t for t in ids if t < vocab]
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = [t for t in held if t < vocab]
             rows += [i] * len(ids)
             cols += ids
         logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
     if biased:
-        rows, cols, values = [], [], []
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        values: list[float] = []
         for i in biased:
             bias = params[i].logit_bias
-            rows += [i] * len(bias)
-            cols += bias.keys()
+            bias_rows += [i] * len(bias)
+            bias_cols += bias.keys()
             values += bias.values()
-        logits.index_put_((torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)),
+        logits.index_put_((torch.tensor(bias_rows, dtype=torch.long), torch.tensor(bias_cols, dtype=torch.long)),
                           torch.tensor(values, dtype=logits.dtype), accumulate=True)
     if penalized:
         logits[penalized] = _penalize(logits[penalized], [requests[i] for i in penalized])
