@@ -47,6 +47,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # With sampling_params.prompt_logprobs: {token id: logprob} per prompt token scored so far (the
+    # first token has none), filled chunk by chunk as the prompt is computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +74,7 @@ class Request:
             sample_index=index,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
         child.times.first_scheduled = self.times.first_scheduled
         return child

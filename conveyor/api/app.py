@@ -1,7 +1,9 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -15,7 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.api.errors import APIError, bad_request, install_handlers, unavailable
 from conveyor.api.generation import Generation
 from conveyor.api.metrics import Metrics
-from conveyor.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from conveyor import __version__
+from conveyor.api.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
+)
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
 from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
@@ -81,18 +86,26 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await _read_json(request))
         _check_model(state, body.model)
-        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt)
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
+        prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
         params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs)
+        if body.num_prompt_logprobs != body.prompt_logprobs:
+            params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
+        echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
+        echo = await asyncio.to_thread(_echo_texts, state, echo_source, prompts) if body.echo else None
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl")
         return await _serve(request, state, gen, prompts, CompletionFormat(_name(state, body.model)),
-                            bool(body.stream), body.include_usage)
+                            bool(body.stream), body.include_usage, echo)
 
     @v1.post("/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await _read_json(request))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
-        prompt = await asyncio.to_thread(_render_chat, state, messages)
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt), add_special)
+        prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
@@ -100,6 +113,43 @@ def build_app(state: ServerState) -> FastAPI:
                             bool(body.stream), body.include_usage)
 
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
+    tok = APIRouter(dependencies=[Depends(check_key)])
+
+    @tok.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        data = await _read_json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        body = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+        _check_model(state, body.model)
+        if chat:
+            messages = [m.as_template_input() for m in body.messages]
+            ids = await asyncio.to_thread(_render_chat, state, messages, body.add_generation_prompt,
+                                          body.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
+        reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [state.tokenizer.token_to_str(t) for t in ids]
+        return reply
+
+    @tok.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse(DetokenizeRequest, await _read_json(request))
+        _check_model(state, body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        # Special tokens kept (as vLLM does), so that /tokenize then /detokenize gives the text back.
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)}
+
+    app.include_router(tok)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:
@@ -134,7 +184,7 @@ def _name(state: ServerState, model: str | None) -> str:
     return model or state.model_names[0]
 
 
-def _tokenize_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
+def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts: list = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -143,19 +193,37 @@ def _tokenize_prompts(state: ServerState, prompt: str | list) -> list[list[int]]
         prompts = list(prompt)
     out = []
     for p in prompts:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
         out.append(ids)
     return out
 
 
-def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
+def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                 add_special_tokens: bool = True) -> list[int]:
     try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param="messages") from None
-    return state.tokenizer.encode(text)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the model takes)."""
+    if keep is None:
+        return prompts
+    keep = state.engine.max_model_len if keep == -1 else keep
+    return [p[-keep:] for p in prompts]
+
+
+def _echo_texts(state: ServerState, prompt: str | list, token_ids: list[list[int]]) -> list[str]:
+    """The text each prompt is echoed as: as sent when it was text, else its tokens decoded."""
+    texts: list[str | None] = [prompt] if isinstance(prompt, str) else [p if isinstance(p, str) else None
+                                                                          for p in prompt]
+    if len(texts) != len(token_ids):  # a single prompt of token ids
+        texts = [None] * len(token_ids)
+    return [t if t is not None else state.tokenizer.decode(ids) for t, ids in zip(texts, token_ids)]
 
 
 def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[int]], chat: bool) -> int:
@@ -173,12 +241,12 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
 
 
 async def _serve(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
-                 fmt: CompletionFormat, stream: bool, include_usage: bool) -> Response:
+                 fmt: CompletionFormat, stream: bool, include_usage: bool, echo: list[str] | None = None) -> Response:
     if state.draining:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
     try:
-        await gen.submit(prompts)
+        await gen.submit(prompts, echo)
     except QueueFullError as exc:
         state.metrics.rejected("queue_full").inc()
         raise unavailable(str(exc)) from None

@@ -64,6 +64,8 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = f"{param} is required"
+    elif first.get("type") == "extra_forbidden":  # OpenAI's wording for a parameter it does not know
+        message = f"Unrecognized request argument supplied: {param}"
     elif param:
         message = f"{param}: {message}"
     return bad_request(message, param=param, code=first.get("type"))

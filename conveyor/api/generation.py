@@ -12,16 +12,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from conveyor.api.detokenizer import IncrementalDetokenizer, token_bytes, token_text
+from conveyor.api.detokenizer import token_bytes, token_text
 from conveyor.engine.async_engine import Aborted, Failed
 from conveyor.engine.client import EngineClient
+from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 
 _NEG_INF_LOGPROB = -9999.0  # what OpenAI sends for a token of probability 0 (JSON has no -inf)
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _NEG_INF_LOGPROB
 
 
@@ -29,8 +30,8 @@ def _finite(logprob: float) -> float:
 class TokenLogprob:
     token: str
     token_bytes: bytes
-    logprob: float
-    top: list[tuple[str, bytes, float]]  # the top-k alternatives, best first
+    logprob: float | None  # None only for an echoed prompt's first token (nothing precedes it)
+    top: list[tuple[str, bytes, float]] | None  # the top-k alternatives, best first
     text_offset: int
 
 
@@ -40,48 +41,96 @@ class Choice:
     detok: IncrementalDetokenizer
     num_logprobs: int | None
     text: str = ""  # what has been released so far
-    num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    _logprobs_taken: int = 0
+    echo: str = ""  # completions with echo: the prompt's text, released before the first token's
+    echo_ids: list[int] = field(default_factory=list)  # and its token ids, to echo their logprobs
+    # vLLM's prompt_logprobs: {token id: logprob} per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    _started: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, out: RequestOutput) -> str:
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this output: those after a stop string's last one do not count."""
+        return len(self.detok.token_ids)
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.detok.stopped
+
+    def update(self, out: RequestOutput) -> list[tuple[str, list[TokenLogprob]]]:
+        """(text delta, logprob entries) per new token, so a stream sends one chunk per token; a
+        delta is empty while its token's text is held back (part of a character, or maybe the
+        start of a stop string). Ends the choice at a stop string, or when the engine says so."""
         tokenizer = self.detok.tokenizer
         step_logprobs = getattr(out, "logprobs", None)
+        pieces: list[tuple[str, list[TokenLogprob]]] = []
+        entries: list[TokenLogprob] = []
+        prefix = ""
+        if not self._started:
+            self._started, prefix = True, self.echo
+            self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+            if self.echo_ids and self.num_logprobs is not None:
+                entries = _echo_entries(tokenizer, self.echo_ids, self.prompt_logprobs, self.num_logprobs)
         for i, token in enumerate(out.new_token_ids):
-            offset = len(self.detok.text)
+            offset = len(self.echo) + len(self.detok.text)
             self.detok.add([token])
             if self.num_logprobs is not None and step_logprobs and i < len(step_logprobs):
-                self.logprobs.append(_entry(tokenizer, token, step_logprobs[i], self.num_logprobs, offset))
-        self.num_tokens = len(out.token_ids)
-        if out.finished:
-            self.finish_reason = out.finish_reason or "stop"
-            delta = self.detok.finish(out.text)
-        else:
-            delta = self.detok.release()
-        self.text += delta
-        return delta
+                entries.append(_entry(tokenizer, token, step_logprobs[i], self.num_logprobs, offset))
+            if self.detok.stopped:
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+            elif out.finished and i == len(out.new_token_ids) - 1:
+                self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
+            pieces.append((self.detok.finish() if self.finished else self.detok.release(), entries))
+            entries = []
+            if self.finished:
+                break
+        if not self.finished and out.finished:  # an end without a new token
+            self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
+            pieces.append((self.detok.finish(), entries))
+        if prefix:
+            pieces[0] = (prefix + pieces[0][0], pieces[0][1]) if pieces else (prefix, [])
+        for delta, new_entries in pieces:
+            self.text += delta
+            self.logprobs.extend(new_entries)
+        return pieces
 
     def abort(self) -> str:
         self.finish_reason = "abort"
-        delta = self.detok.finish(None)
+        delta = self.detok.finish()
         self.text += delta
         return delta
 
-    def take_logprobs(self) -> list[TokenLogprob]:
-        new, self._logprobs_taken = self.logprobs[self._logprobs_taken :], len(self.logprobs)
-        return new
+
+def _echo_entries(tokenizer: Any, ids: list[int], prompt_logprobs: list[dict[int, float] | None] | None, k: int
+                  ) -> list[TokenLogprob]:
+    """Logprob entries of an echoed prompt (OpenAI: the first token has none), offsets into its text."""
+    entries, offset, pending = [], 0, b""
+    for position, token in enumerate(ids):
+        scored = prompt_logprobs[position] if prompt_logprobs and position < len(prompt_logprobs) else None
+        if scored is None:
+            text = token_text(tokenizer, token)
+            entries.append(TokenLogprob(text, token_bytes(tokenizer, token), None, None, offset))
+        else:
+            entries.append(_entry(tokenizer, token, scored, k, offset))
+        pending += entries[-1].token_bytes
+        try:  # a character whose bytes span tokens counts once it is whole
+            offset, pending = offset + len(pending.decode("utf-8")), b""
+        except UnicodeDecodeError:
+            pass
+    return entries
 
 
 def _entry(tokenizer: Any, token: int, logprobs: dict[int, float], k: int, offset: int) -> TokenLogprob:
     ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:k]
-    top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), _finite(lp)) for t, lp in ranked]
+    top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
     chosen = logprobs.get(token, float("-inf"))
-    return TokenLogprob(token_text(tokenizer, token), token_bytes(tokenizer, token), _finite(chosen), top, offset)
+    return TokenLogprob(token_text(tokenizer, token), token_bytes(tokenizer, token), finite(chosen), top, offset)
 
 
 class Generation:
@@ -110,8 +159,9 @@ class Generation:
     def done(self) -> bool:
         return all(c.finished for c in self.choices) or self.error is not None
 
-    async def submit(self, prompts: Sequence[list[int]]) -> None:
-        """Hand every prompt to the engine; if one is refused, abort the others and re-raise."""
+    async def submit(self, prompts: Sequence[list[int]], echo: Sequence[str] | None = None) -> None:
+        """Hand every prompt to the engine; if one is refused, abort the others and re-raise.
+        `echo`: the prompts' texts, to come before each choice's output (completions' echo)."""
         arrival = time.perf_counter()
         try:
             for i, prompt in enumerate(prompts):
@@ -121,28 +171,37 @@ class Generation:
                 await self.engine.add_request(request_id, prompt, self.params, self.sink, arrival)
                 self.prompt_tokens += len(prompt)
                 for j in range(self.n):
-                    stop = self.params.stop
-                    self.choices.append(Choice(i * self.n + j, IncrementalDetokenizer(self.tokenizer, stop),
-                                               self.num_logprobs))
+                    p = self.params
+                    detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
+                                                   getattr(p, "skip_special_tokens", True))
+                    choice = Choice(i * self.n + j, detok, self.num_logprobs)
+                    if echo is not None:
+                        choice.echo, choice.echo_ids = echo[i], list(prompt)
+                    self.choices.append(choice)
         except BaseException:
             self.close()
             raise
 
-    async def updates(self) -> AsyncIterator[tuple[Choice, str]]:
-        """(choice, new text) for every change, until every choice has finished or the engine fails."""
+    async def updates(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+        """(choice, new text, new logprob entries) per generated token and for an abort, until every
+        choice has finished or the engine fails."""
         while not self.done:
             event = await self.sink.get()
             first = self._prompt_of[event.request_id] * self.n
             if isinstance(event, RequestOutput):
                 choice = self.choices[first + getattr(event, "index", 0)]
-                if not choice.finished:
-                    yield choice, choice.update(event)
+                if choice.finished:
+                    continue
+                for delta, entries in choice.update(event):
+                    yield choice, delta, entries
+                if choice.stopped_by_string:  # the engine keeps no sample past its stop string
+                    self.engine.stop_sample(event.request_id, getattr(event, "index", 0), choice.detok.stop_reason)
             elif isinstance(event, Failed):
                 self.error = event.error
             elif isinstance(event, Aborted):
                 for choice in self.choices[first : first + self.n]:
                     if not choice.finished:
-                        yield choice, choice.abort()
+                        yield choice, choice.abort(), []
 
     def close(self) -> None:
         """Abort whatever has not finished (the client went away, or an error); idempotent."""

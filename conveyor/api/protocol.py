@@ -1,12 +1,15 @@
-"""Request bodies of the OpenAI API subset we serve, validated strictly (wrong types are 400s).
+"""Request bodies of the OpenAI API we serve, validated strictly (wrong types are 400s).
 
-Ranges follow OpenAI (temperature 0..2, top_p (0, 1], logprobs 0..20); top_k and ignore_eos are
-vLLM's extensions. Parameters we do not implement are refused when set to a non-default value
-rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
+Ranges follow OpenAI (temperature 0..2, top_p (0, 1], penalties -2..2, logit_bias -100..100,
+logprobs 0..20); top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, skip_special_tokens, prompt_logprobs, truncate_prompt_tokens and
+add_special_tokens are vLLM's extensions. Nothing a client sends is silently ignored: a known
+field we do not implement is refused (400 naming it) unless it holds its no-op value, and an
+unknown field is refused as OpenAI does ("Unrecognized request argument supplied").
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -17,13 +20,57 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI; sample seeds add their index
 
+_ABSENT = object()
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+    # Fields of OpenAI's or vLLM's API that this server does not implement: name -> the values
+    # that mean "off" (accepted, as they ask for nothing). Anything else is a 400 naming the field.
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """Raises the 400 itself (pydantic passes it through), so that `param` names the field."""
+        if not isinstance(data, dict) or not cls.unsupported:
+            return data
+        for name, off in cls.unsupported.items():
+            value = data.get(name, _ABSENT)
+            if value is not _ABSENT and not any(value == v and type(value) is type(v) for v in off):
+                raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        return {k: v for k, v in data.items() if k not in cls.unsupported}
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    unsupported = {"continuous_usage_stats": (None, False)}
+
+
+# vLLM's sampling extensions that conveyor does not implement, on both endpoints.
+_UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),  # beam search only
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "priority": (None, 0),
+    "request_id": (None,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class _Sampling(_Strict):
@@ -32,31 +79,49 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
     n: int | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool | None = None  # default: true for completions, false for chat (vLLM)
+    user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
+
+    unsupported = dict(_UNSUPPORTED_VLLM)
 
     @model_validator(mode="after")
-    def _supported(self) -> "_Sampling":
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported by this server")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+    def _consistent(self) -> "_Sampling":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1")
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError (a 400) for what the engine refuses."""
@@ -70,11 +135,16 @@ class _Sampling(_Strict):
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
         )
-        # Only pass what is set, so an engine without n/logprobs still serves the plain requests.
-        if (self.n or 1) != 1:
-            kwargs["n"] = self.n
-        if logprobs is not None:
-            kwargs["logprobs"] = logprobs
+        # Only pass what is set, so an engine without a parameter still serves the plain requests.
+        optional: dict[str, tuple[Any, Any]] = dict(
+            n=(self.n, 1), logprobs=(logprobs, None), prompt_logprobs=(self.prompt_logprobs, None),
+            presence_penalty=(self.presence_penalty, None), frequency_penalty=(self.frequency_penalty, None),
+            repetition_penalty=(self.repetition_penalty, None), min_p=(self.min_p, None),
+            min_tokens=(self.min_tokens, None), stop_token_ids=(self.stop_token_ids, None),
+            include_stop_str_in_output=(self.include_stop_str_in_output, False),
+            skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),
+        )
+        kwargs.update({name: value for name, (value, unset) in optional.items() if value is not None and value != unset})
         try:
             return SamplingParams(**kwargs)
         except TypeError as exc:
@@ -84,21 +154,28 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
-    suffix: str | None = None
+    echo: bool | None = False  # the prompt comes first in the text (and its logprobs, with logprobs)
     best_of: int | None = None
+
+    unsupported = {**_UNSUPPORTED_VLLM, "suffix": (None, ""), "prompt_embeds": (None,)}
 
     @model_validator(mode="after")
     def _completion_only(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of other than n is not supported by this server")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine must compute: vLLM's prompt_logprobs, or echo with logprobs."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+
+_NOT_TEXT = "only text content is supported by this server"
 
 
 class ContentPart(_Strict):
@@ -111,12 +188,28 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    unsupported = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "audio": (None,),
+                   "refusal": (None,), "reasoning_content": (None,)}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"{_NOT_TEXT} (got a content part of type {kind!r})")
+        return data
+
     def as_template_input(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -124,22 +217,62 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    # Bookkeeping for the caller or hints to OpenAI's own service: they change no output here.
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    unsupported = {
+        **_UNSUPPORTED_VLLM,
+        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+        "functions": (None, []), "function_call": (None, "none"),
+        "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+        "web_search_options": (None,), "store": (None, False),
+        "echo": (None, False), "continue_final_message": (None, False), "documents": (None,),
+        "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,),
+        "media_io_kwargs": (None,), "include_reasoning": (None,),
+    }
 
     @model_validator(mode="after")
     def _chat_only(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
         return self
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's POST /tokenize of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's POST /tokenize of chat messages, rendered with the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+    unsupported = {"continue_final_message": (None, False), "chat_template": (None,),
+                   "chat_template_kwargs": (None, {}), "tools": (None, []), "mm_processor_kwargs": (None,),
+                   "media_io_kwargs": (None,)}
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(model: type[_Strict], data: Any) -> Any:
@@ -152,4 +285,5 @@ def parse(model: type[_Strict], data: Any) -> Any:
         raise from_validation(exc) from None
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "parse"]
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "parse"]

@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.api.errors import server_error
-from conveyor.api.generation import Choice, Generation, TokenLogprob
+from conveyor.api.detokenizer import token_text
+from conveyor.api.generation import Choice, Generation, TokenLogprob, finite
 
 
 class CompletionFormat:
@@ -23,33 +24,45 @@ class CompletionFormat:
     def __init__(self, model: str) -> None:
         self.model = model
 
-    def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
-        return []
-
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
+                     first: bool = False) -> dict[str, Any]:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
-        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
-        return self.choice_delta(choice, choice.text, choice.logprobs)
+        final = self.choice_delta(choice, choice.text, choice.logprobs)
+        if choice.prompt_logprobs is not None:
+            final["prompt_logprobs"] = prompt_logprobs(choice)
+        return final
 
 
 class ChatFormat(CompletionFormat):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
-        return [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None} for c in gen.choices]
-
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
+                     first: bool = False) -> dict[str, Any]:
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
-        content = {"content": delta} if delta else {}
-        return {"index": choice.index, "delta": content, "logprobs": lp, "finish_reason": choice.finish_reason}
+        # The role goes out with the first token, so that a client's TTFT is the first token's.
+        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        return {"index": choice.index, "delta": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         lp = _chat_logprobs(choice.logprobs) if choice.num_logprobs is not None else None
         message = {"role": "assistant", "content": choice.text}
-        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
+
+
+def prompt_logprobs(choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, decoded_token}}."""
+    tokenizer = choice.detok.tokenizer
+    return [
+        None if entry is None else
+        {str(t): {"logprob": finite(lp), "decoded_token": token_text(tokenizer, t)} for t, lp in entry.items()}
+        for entry in choice.prompt_logprobs or []
+    ]
 
 
 def _legacy_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
@@ -57,7 +70,7 @@ def _legacy_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries],
+        "top_logprobs": [None if e.top is None else {t: lp for t, _, lp in e.top} for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
 
@@ -69,7 +82,7 @@ def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
                 "token": e.token,
                 "logprob": e.logprob,
                 "bytes": list(e.token_bytes),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top],
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top or []],
             }
             for e in entries or []
         ]
@@ -96,12 +109,14 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
             body["usage"] = None
         return _sse(body)
 
-    for first in fmt.first_chunks(gen):
-        yield chunk([first])
-    async for choice, delta in gen.updates():
-        logprobs = choice.take_logprobs()
-        if delta or logprobs or choice.finished:
-            yield chunk([fmt.choice_delta(choice, delta, logprobs)])
+    started: set[int] = set()  # choices whose first chunk went out
+    async for choice, delta, logprobs in gen.updates():  # one chunk per token, its text empty or not
+        entry = fmt.choice_delta(choice, delta, logprobs, first=choice.index not in started)
+        if choice.index not in started:
+            started.add(choice.index)
+            if choice.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = prompt_logprobs(choice)
+        yield chunk([entry])
     if gen.error is not None:
         yield _sse(server_error(f"generation failed: {gen.error}").body())
     elif include_usage:
@@ -156,5 +171,7 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
     if gen.error is not None:
         raise server_error(f"generation failed: {gen.error}")
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
+    if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
     body["usage"] = usage(gen)
     return JSONResponse(body)

@@ -4,7 +4,8 @@ Each request is POST /v1/completions with `prompt` as a list of token ids (so ex
 requests reach every server), `max_tokens` = the drawn output length, `ignore_eos: true`,
 `temperature: 0`, `stream: true` and `stream_options.include_usage`. It records, as `vllm bench
 serve` does: TTFT at the first chunk carrying a token (a choice with text, or without a
-finish_reason: a token whose text is still held back), each later chunk's gap (ITL), and E2EL at
+finish_reason: a token whose text is still held back; never a chat chunk that only announces
+the assistant's role, which some servers send before any token), each later chunk's gap (ITL), and E2EL at
 the last chunk; the output length comes from the usage chunk, else from the chunks counted.
 Arrivals: all at once or gamma/Poisson at a rate (workloads.arrival_times); optional cap on
 requests in flight. Prints vLLM's result block and can save vLLM's JSON keys.
@@ -66,8 +67,13 @@ def _payload(cfg: ServeConfig, req: BenchRequest) -> dict[str, Any]:
 
 
 def _is_token_chunk(choice: dict[str, Any]) -> bool:
-    """A chunk carries a token unless it only announces the finish (empty text + finish_reason)."""
-    return bool(choice.get("text") or choice.get("delta", {}).get("content")) or choice.get("finish_reason") is None
+    """A chunk carries a token unless it only announces the finish (empty text + finish_reason) or,
+    in chat, only the role (empty content): a server that sends that at acceptance would otherwise
+    have its queueing time taken for the time to first token."""
+    delta = choice.get("delta") or {}
+    if choice.get("text") or delta.get("content"):
+        return True
+    return choice.get("finish_reason") is None and "role" not in delta
 
 
 async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRequest) -> RequestRecord:

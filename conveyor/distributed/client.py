@@ -115,6 +115,8 @@ class RayEngineClient:
             raise EngineStoppedError("the engine is not running")
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:  # the workers' output messages do not carry them
+            raise InvalidRequestError("prompt_logprobs (and echo with logprobs) are not supported with Ray workers")
         bound = self.max_waiting_requests
         if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) >= bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
@@ -146,6 +148,14 @@ class RayEngineClient:
 
     def abort_all(self) -> None:
         for request_id in list(self._tracked):
+            self.abort(request_id)
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
+        """A stop string ended the output: a single-sample request is aborted on its worker (its KV
+        freed at once; the metrics count it as aborted). A sample of n > 1 runs on to its own end,
+        its text already cut by the front end: the workers end requests, not samples."""
+        t = self._tracked.get(request_id)
+        if t is not None and t.params.n == 1:
             self.abort(request_id)
 
     # --- submission, handover, faults -----------------------------------------------------------

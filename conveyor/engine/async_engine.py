@@ -70,12 +70,19 @@ class _Abort:
 
 
 @dataclass
+class _StopSample:
+    request_id: str
+    index: int
+    stop_reason: str | None
+
+
+@dataclass
 class _Sink:
     queue: asyncio.Queue
     remaining: int  # samples not finished yet (n of them)
 
 
-class AsyncEngine(EngineLoop[_Add | _Abort]):
+class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
                  on_report: Callable[[StepReport], None] | None = None) -> None:
         super().__init__("conveyor-engine-loop")
@@ -157,13 +164,22 @@ class AsyncEngine(EngineLoop[_Add | _Abort]):
     def abort_all(self) -> None:
         self.send(_Abort(None))
 
+    def stop_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
+        """End one sample whose text reached a stop string, freeing its KV; thread-safe, idempotent."""
+        self.send(_StopSample(request_id, index, stop_reason))
+
     # --- the loop thread (EngineLoop's hooks) ---------------------------------------------------
     def _begin_iteration(self) -> None:
         self._report, self._resolved, self._events, self._taken = StepReport(0, 0, 0.0, 0, None), [], [], 0
 
-    def _handle(self, cmd: _Add | _Abort) -> None:
+    def _handle(self, cmd: _Add | _Abort | _StopSample) -> None:
         report = self._report
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, _StopSample):
+            stopped = self.engine.stop_sample(cmd.request_id, cmd.index, cmd.stop_reason)
+            if stopped is not None:
+                report.outputs.append(stopped)
+                self._route(stopped)
+        elif isinstance(cmd, _Add):
             self._taken += 1
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival_time)
@@ -187,18 +203,21 @@ class AsyncEngine(EngineLoop[_Add | _Abort]):
             self._num_waiting = self.engine.scheduler.num_waiting
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self._report.outputs = outputs
+        self._report.outputs += outputs  # after any stopped samples' final outputs (_handle)
         self._report.stats = self.engine.last_step
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            # The engine keeps appending to token_ids: hand the other thread a copy.
-            self._events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
-            if out.finished:
-                sink.remaining -= 1
-                if sink.remaining <= 0:
-                    del self._sinks[out.request_id]
+            self._route(out)
+
+    def _route(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        # The engine keeps appending to token_ids: hand the other thread a copy.
+        self._events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
+        if out.finished:
+            sink.remaining -= 1
+            if sink.remaining <= 0:
+                del self._sinks[out.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):

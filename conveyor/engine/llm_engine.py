@@ -16,7 +16,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError
 from conveyor.kv.manager import KVCacheManager, blocks_for
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
@@ -49,7 +49,7 @@ class LLMEngine:
         self.clock = clock
         self.kv = KVCacheManager(num_kv_blocks, config.block_size)
         self.scheduler = make_scheduler(config.scheduler, self.kv)
-        self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
+        self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.last_step = StepStats()
         # Lowers the batch cap / token budget to hold slo_tpot_ms; None without an SLO target.
         self.slo = SloController.from_scheduler_config(config.scheduler, num_kv_blocks * config.block_size)
@@ -81,7 +81,11 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError without touching engine state."""
+        """Validate and queue a request; raises InvalidRequestError without touching engine state.
+
+        The engine works on token ids: it makes no text and does not search for `params.stop`
+        strings; whoever makes the text does (LLM.generate, the server) and ends the sample with
+        `stop_sample` when one appears."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
@@ -90,8 +94,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
+        self._check_token_ids(params)
         request = Request(request_id, token_ids, params, arrival, prompt=text)
-        self.stopper.start(request)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing to be scored against
         self.scheduler.add_request(request)
         self._unfinished_samples[request_id] = params.n
         return request_id
@@ -111,6 +117,12 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         return token_ids
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
@@ -143,8 +155,21 @@ class LLMEngine:
         for sample in samples:
             self.scheduler.abort_request(sample.request_id)
             sample.times.finished = now
-            self.stopper.forget(sample)
         return True
+
+    def stop_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> RequestOutput | None:
+        """Ends sample `index` of a request as stopped (its text reached a stop string) and frees its
+        KV blocks at once; returns its final output, or None if it is unknown or already done."""
+        if request_id not in self._unfinished_samples:
+            return None
+        sample = next((r for r in self.scheduler.requests.values()
+                       if r.group_id == request_id and r.sample_index == index), None)
+        if sample is None or self.scheduler.abort_request(sample.request_id, RequestStatus.FINISHED_STOPPED) is None:
+            return None
+        sample.stop_reason = stop_reason
+        sample.times.finished = self.clock()
+        self._retire_sample(request_id)
+        return self._output(sample, [], None)
 
     # --- KV handover (prefill/decode disaggregation, conveyor/distributed) ----------------------
     def detach_request(self, request_id: str) -> Request | None:
@@ -153,7 +178,6 @@ class LLMEngine:
         request = self.scheduler.detach_request(request_id)
         if request is not None:
             self._unfinished_samples.pop(request.group_id, None)
-            self.stopper.forget(request)
         return request
 
     def add_prefilled_request(self, request: Request) -> None:
@@ -162,7 +186,6 @@ class LLMEngine:
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
-        self.stopper.start(request)
         self.scheduler.add_request(request)
         self._unfinished_samples[request.request_id] = 1
 
@@ -191,6 +214,8 @@ class LLMEngine:
         samplers = out.sampling_requests()
         sampled = self.runner.execute(out, self.kv, stats)
         t2 = self.clock()
+        for request_id, scored in (sampled.prompt_logprobs or {}).items():
+            self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
         outputs, finished = [], []
         logprobs = sampled.logprobs or [None] * len(samplers)
         for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
@@ -229,6 +254,7 @@ class LLMEngine:
             request_id=request.group_id,
             index=request.sample_index,
             logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=request.prompt_logprobs if len(request.output_token_ids) == 1 else None,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,
@@ -236,7 +262,6 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            text=self.stopper.final_text(request) if finished else None,
             times=request.times,
             num_preemptions=request.num_preemptions,
         )

@@ -16,8 +16,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort", as OpenAI/vLLM name them
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
-    text: str | None = None  # the decoded output, set once finished
+    text: str | None = None  # the output text, set by LLM.generate once finished (the engine makes none)
     times: RequestTimes | None = None
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples this is
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
+    # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -5,12 +5,13 @@ then multi-token prefill chunks. Logits rows follow the scheduler's order of sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.request import Request
 from conveyor.scheduler import SchedulerOutput
 
 
@@ -19,7 +20,16 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # one row per sampling request, in out.sampling_requests() order
+    # One row per sampling request, in out.sampling_requests() order, then the prompt rows below.
+    logits_indices: torch.Tensor
+    # Requests asking for prompt logprobs: (request, first position, count) of each one's run of
+    # rows that follows the sampling rows in logits_indices; the row at position p scores the
+    # prompt token at p + 1. Only positions whose logprobs the request does not have yet.
+    prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return len(self.logits_indices) - sum(n for _, _, n in self.prompt_logprob_rows)
 
 
 def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
@@ -30,13 +40,14 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
     positions: list[int] = []
     slots: list[int] = []
     last_row: dict[str, int] = {}
+    first_row: dict[str, int] = {}
 
     decode_tables: list[list[int]] = []
     context_lens: list[int] = []
     for request, _ in decodes:
         pos = request.num_computed_tokens
         table = kv.block_tables[request.request_id]
-        last_row[request.request_id] = len(input_ids)
+        last_row[request.request_id] = first_row[request.request_id] = len(input_ids)
         input_ids.append(request.token_at(pos))
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
@@ -48,6 +59,7 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
         start = request.num_computed_tokens
         table = kv.block_tables[request.request_id]
         chunks.append(PrefillChunk(len(input_ids), n, start, torch.tensor(table[: blocks_for(start + n, bs)])))
+        first_row[request.request_id] = len(input_ids)
         input_ids.extend(request.token_slice(start, start + n))
         positions.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -62,6 +74,17 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
     for parent, child in out.forks:  # a new sample reads its parent's logits
         last_row[child.request_id] = last_row[parent.request_id]
     logits_rows = [last_row[r.request_id] for r in out.sampling_requests()]
+    prompt_rows = []
+    for request, n in out.scheduled:
+        if request.sampling_params.prompt_logprobs is None:
+            continue
+        # Positions whose next token is a prompt token not scored yet (a recompute scores none).
+        start = max(request.num_computed_tokens, len(request.prompt_logprobs or [None]) - 1)
+        end = min(request.num_computed_tokens + n, request.num_prompt_tokens - 1)
+        if start < end:
+            row = first_row[request.request_id] + start - request.num_computed_tokens
+            logits_rows.extend(range(row, row + end - start))
+            prompt_rows.append((request, start, end - start))
     return ModelInputs(
         input_ids=torch.tensor(input_ids),
         positions=torch.tensor(positions),
@@ -73,4 +96,5 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
             prefills=chunks,
         ),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        prompt_logprob_rows=prompt_rows,
     )

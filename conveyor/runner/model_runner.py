@@ -68,7 +68,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else ())
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @classmethod
@@ -99,10 +99,22 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
         t2 = time.perf_counter()
-        sampled = self.sampler(logits, out.sampling_requests()) if len(inputs.logits_indices) else SamplerOutput([])
+        num_sampling = inputs.num_sampling_rows
+        sampled = self.sampler(logits[:num_sampling], out.sampling_requests()) if num_sampling else SamplerOutput([])
+        if inputs.prompt_logprob_rows:
+            sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
         t3 = time.perf_counter()
         stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2
         return sampled
+
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: list) -> dict[str, list[dict[int, float]]]:
+        result, at = {}, 0
+        for request, start, count in rows:
+            targets = request.prompt_token_ids[start + 1 : start + 1 + count]
+            top = request.sampling_params.prompt_logprobs
+            result[request.request_id] = self.sampler.prompt_logprobs(logits[at : at + count], targets, top)
+            at += count
+        return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -8,6 +8,9 @@ from conveyor.errors import InvalidRequestError
 _MAX_STOP_STRINGS = 16
 _MAX_N = 64
 _MAX_LOGPROBS = 20
+_MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
+_MAX_REPETITION_PENALTY = 2.0  # vLLM's: (0, 2]
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is in [-100, 100]
 
 
 @dataclass
@@ -16,6 +19,18 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 disables top-k (vLLM uses -1); top_p 1 disables nucleus.
     A seed makes a sampled request reproducible regardless of what it is batched with.
+
+    Logit adjustments, applied in this order before temperature (as vLLM): min_tokens (EOS and
+    stop_token_ids cannot be sampled until that many tokens are out), logit_bias (token id ->
+    bias added to its logit), repetition_penalty (vLLM's: over prompt and output tokens, a
+    positive logit is divided by it, a negative one multiplied), then frequency_penalty and
+    presence_penalty (OpenAI's: logit -= count * frequency + (count > 0) * presence, counts over
+    output tokens). min_p (drop tokens less likely than min_p times the likeliest) applies to the
+    tempered distribution, with top-k and top-p. Logprobs are always of the model's own
+    distribution, before any of these.
+
+    Stop strings (`stop`) are searched for where text is made (LLM.generate and the server's
+    detokenizer), never on the engine thread; the engine stops on token ids only.
     """
 
     max_tokens: int = 16
@@ -29,6 +44,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks
     logprobs: int | None = None  # top alternatives to report per generated token (0..20)
+    prompt_logprobs: int | None = None  # top alternatives to report per prompt token (0..20), as vLLM
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True  # in the output text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +59,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_types()
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -55,6 +79,27 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must fit in a signed 64-bit integer (less n - 1), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+        self._check_logit_adjustments()
+
+    def _check_logit_adjustments(self) -> None:
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -_MAX_PENALTY <= getattr(self, name) <= _MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{_MAX_PENALTY:g}, {_MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= _MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {_MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
+        bad = [t for t, b in self.logit_bias.items() if t < 0 or not -_MAX_LOGIT_BIAS <= b <= _MAX_LOGIT_BIAS]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias takes token ids >= 0 with biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]; "
+                f"bad entries for: {bad[:5]}")
 
     def _check_types(self) -> None:
         def is_int(v: object) -> bool:
@@ -74,6 +119,15 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool)),
             ("n", is_int(self.n)),
             ("logprobs", self.logprobs is None or is_int(self.logprobs)),
+            ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs)),
+            ("presence_penalty", is_num(self.presence_penalty)),
+            ("frequency_penalty", is_num(self.frequency_penalty)),
+            ("repetition_penalty", is_num(self.repetition_penalty)),
+            ("min_p", is_num(self.min_p)),
+            ("min_tokens", is_int(self.min_tokens)),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool)),
+            ("logit_bias", isinstance(self.logit_bias, dict)
+             and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items())),
         ]
         for name, ok in checks:
             if not ok:
@@ -87,3 +141,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Uses a penalty that needs the tokens seen so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

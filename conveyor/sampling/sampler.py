@@ -1,7 +1,10 @@
-"""Vectorised sampling: greedy, temperature, top-k, top-p, per-request seeds, in one pass per step.
+"""Vectorised sampling: logit adjustments (min_tokens, logit_bias, penalties), greedy, temperature,
+min-p, top-k, top-p and per-request seeds, in one pass per step over the [rows, vocab] logits.
 
 Each sampled row draws one uniform number and inverts its CDF. The number comes from the
 request's own generator when it has a seed, so its draws do not depend on its batch-mates.
+Rows that use no adjustment pay nothing for them: each adjustment builds its tensors only for
+the rows that ask for it.
 """
 from __future__ import annotations
 
@@ -14,18 +17,100 @@ from conveyor.request import Request
 from conveyor.sampling.outputs import SamplerOutput
 
 
+def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """min_tokens, logit_bias, repetition/frequency/presence penalties, before temperature (vLLM's
+    order). Returns `logits` itself when no request adjusts anything, else an adjusted copy, so the
+    caller's logits stay the model's own (logprobs are reported from those)."""
+    params = [r.sampling_params for r in requests]
+    suppress = [i for i, (r, p) in enumerate(zip(requests, params)) if len(r.output_token_ids) < p.min_tokens]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if not (suppress or biased or penalized):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if suppress:  # EOS and stop tokens may not end the request before min_tokens
+        rows: list[int] = []
+        cols: list[int] = []
+        for i in suppress:
+            p = params[i]
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = [t for t in held if t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+        logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
+    if biased:
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        values: list[float] = []
+        for i in biased:
+            bias = params[i].logit_bias
+            bias_rows += [i] * len(bias)
+            bias_cols += bias.keys()
+            values += bias.values()
+        logits.index_put_((torch.tensor(bias_rows, dtype=torch.long), torch.tensor(bias_cols, dtype=torch.long)),
+                          torch.tensor(values, dtype=logits.dtype), accumulate=True)
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [requests[i] for i in penalized])
+    return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts, from one scatter over the lists padded to one length
+    (padding goes to a spare column that is dropped)."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape))
+    return counts[:, :vocab]
+
+
+def _penalize(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """logits: the rows of `requests` only, every one of which uses a penalty."""
+    params = [r.sampling_params for r in requests]
+    vocab = logits.shape[-1]
+    output_counts = _token_counts([r.output_token_ids for r in requests], vocab)
+    repetition = torch.tensor([p.repetition_penalty for p in params])
+    if bool((repetition != 1.0).any()):
+        prompt_seen = _token_counts([r.prompt_token_ids if p.repetition_penalty != 1.0 else () for r, p in
+                                     zip(requests, params)], vocab) > 0
+        seen = prompt_seen | (output_counts > 0)
+        factor = torch.where(seen, repetition[:, None], torch.ones(()))
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    frequency = torch.tensor([p.frequency_penalty for p in params])
+    presence = torch.tensor([p.presence_penalty for p in params])
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
+        self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: fp32 [len(requests), vocab]."""
-        tokens = self._sample(logits, requests)
+        tokens = self._sample(adjust_logits(logits, requests, self.eos_token_ids), requests)
         wanted = [r.sampling_params.logprobs for r in requests]
         if all(k is None for k in wanted):
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, self._logprobs(logits, tokens, wanted))
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
+        """{token: logprob} for each row's target token and its `top` best alternatives."""
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)].tolist()
+        top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+        result = []
+        for target, value, ids, values in zip(targets, chosen, top_ids.tolist(), top_values.tolist()):
+            entry = dict(zip(ids, values))
+            entry[target] = value
+            result.append(entry)
+        return result
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[dict[int, float] | None]:
@@ -50,6 +135,8 @@ class Sampler:
             return greedy.tolist()
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         scaled = logits / temperature[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            scaled = self._min_p(scaled, params)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             scaled = self._truncate(scaled, params)
         cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
@@ -57,6 +144,14 @@ class Sampler:
         sampled = torch.searchsorted(cdf, uniform[:, None]).squeeze(1).clamp_(max=logits.shape[-1] - 1)
         is_greedy = torch.tensor([p.greedy for p in params])
         return torch.where(is_greedy, greedy, sampled).tolist()
+
+    @staticmethod
+    def _min_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+        # Of the tempered distribution, before top-k/top-p (vLLM): p < min_p * max p is dropped.
+        # In log space: logit < max logit + log(min_p); min_p 0 gives -inf and drops nothing.
+        min_p = torch.tensor([p.min_p for p in params])
+        floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        return logits.masked_fill(logits < floor, float("-inf"))
 
     @staticmethod
     def _truncate(logits: torch.Tensor, params: Sequence) -> torch.Tensor:

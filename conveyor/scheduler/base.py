@@ -76,11 +76,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """Ends a request now and frees its blocks; `status` says why (a stop string found by the
+        caller is FINISHED_STOPPED)."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
 
     def detach_request(self, request_id: str) -> Request | None:

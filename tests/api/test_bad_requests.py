@@ -42,7 +42,33 @@ CASES = [
      ""),
     ("messages of wrong type", CHAT, {**OK_CHAT, "messages": "Hi"}, 400, "messages", ""),
     ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, None, "logprobs"),
-    ("unsupported penalty", CHAT, {**OK_CHAT, "frequency_penalty": 0.5}, 400, None, "not supported"),
+    ("penalty out of range", CHAT, {**OK_CHAT, "frequency_penalty": 2.5}, 400, "frequency_penalty", ""),
+    ("repetition_penalty of 0", COMPLETIONS, {**OK_COMPLETION, "repetition_penalty": 0}, 400, "repetition_penalty",
+     ""),
+    ("logit_bias out of range", COMPLETIONS, {**OK_COMPLETION, "logit_bias": {"5": 300}}, 400, None, "logit_bias"),
+    ("logit_bias key not a token id", COMPLETIONS, {**OK_COMPLETION, "logit_bias": {"x": 1}}, 400, "logit_bias",
+     "token id"),
+    ("logit_bias out of vocabulary", COMPLETIONS, {**OK_COMPLETION, "logit_bias": {"99999999": 1}}, 400, None,
+     "vocabulary"),
+    ("min_tokens above max_tokens", COMPLETIONS, {**OK_COMPLETION, "max_tokens": 3, "min_tokens": 5}, 400, None,
+     "min_tokens"),
+    ("min_p above 1", CHAT, {**OK_CHAT, "min_p": 1.5}, 400, "min_p", ""),
+    ("beam search", COMPLETIONS, {**OK_COMPLETION, "use_beam_search": True}, 400, "use_beam_search",
+     "not supported"),
+    ("suffix", COMPLETIONS, {**OK_COMPLETION, "suffix": "end"}, 400, "suffix", "not supported"),
+    ("spaces_between_special_tokens off", CHAT, {**OK_CHAT, "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens", "not supported"),
+    ("chat echo", CHAT, {**OK_CHAT, "echo": True}, 400, "echo", "not supported"),
+    ("unknown field", COMPLETIONS, {**OK_COMPLETION, "temprature": 0.5}, 400, "temprature", "Unrecognized"),
+    ("image content", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     400, "messages.0", "only text content is supported"),
+    ("audio content", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, 400, "messages.0",
+     "only text content is supported"),
+    ("prompt_logprobs above 20", COMPLETIONS, {**OK_COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs", ""),
+    ("truncate_prompt_tokens of 0", COMPLETIONS, {**OK_COMPLETION, "truncate_prompt_tokens": 0}, 400, None,
+     "truncate_prompt_tokens"),
     ("unknown model on chat", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model", ""),
 ]
 
@@ -71,6 +97,22 @@ def test_unknown_route_and_method_are_json_errors(http):
     assert http.get("/v1/nothing-here").json()["error"]["code"] == "not_found"
     response = http.get(COMPLETIONS)
     assert response.status_code == 405 and "error" in response.json()
+
+
+# Fields of OpenAI's and vLLM's requests that the server takes at their "off" value (a client
+# library may send them so): they must be answered, not refused.
+NO_OPS = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "priority": 0,
+          "skip_special_tokens": True, "include_stop_str_in_output": False, "best_of": 1, "user": "u-1",
+          "suffix": None, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "min_tokens": 0,
+          "repetition_penalty": 1.0, "min_p": 0.0, "echo": False}
+
+
+def test_fields_at_their_off_value_are_accepted(http):
+    assert http.post(COMPLETIONS, json={**OK_COMPLETION, **NO_OPS}).status_code == 200
+    chat_no_ops = {k: v for k, v in NO_OPS.items() if k not in ("suffix", "best_of")}
+    chat = {**OK_CHAT, **chat_no_ops, "tools": [], "tool_choice": "none", "store": False, "metadata": {"a": "b"},
+            "response_format": {"type": "text"}, "service_tier": "auto", "modalities": ["text"]}
+    assert http.post(CHAT, json=chat).status_code == 200, http.post(CHAT, json=chat).text
 
 
 def test_good_requests_still_served_after_bad_ones(http, client):

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from conveyor.api.detokenizer import IncrementalDetokenizer
+from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Aborted, AsyncEngine
 from conveyor.engine.llm_engine import LLMEngine
@@ -23,15 +23,17 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def stream(text: str, stop=(), final: str | None = None) -> list[str]:
-    detok = IncrementalDetokenizer(ByteTokenizer(), stop)
+def stream(text: str, stop=(), include_stop: bool = False) -> list[str]:
+    """One piece per token, as a stream sends them, until a stop string or the end."""
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop, include_stop)
     ids = list(text.encode())
     pieces = []
-    for token in ids[:-1]:
+    for i, token in enumerate(ids):
         detok.add([token])
+        if detok.stopped or i == len(ids) - 1:
+            pieces.append(detok.finish())
+            break
         pieces.append(detok.release())
-    detok.add(ids[-1:])
-    pieces.append(detok.finish(text if final is None else final))
     return pieces
 
 
@@ -44,13 +46,42 @@ def test_multibyte_characters_are_never_split():
 
 def test_text_at_or_past_a_stop_string_is_never_streamed():
     text = "Hello world. STOP here"
-    final = "Hello world. "  # the engine cuts its final text at the stop string
-    pieces = stream(text, stop=["STOP"], final=final)
-    assert "".join(pieces) == final
+    pieces = stream(text, stop=["STOP"])
+    assert "".join(pieces) == "Hello world. "
+    assert len(pieces) == len("Hello world. STOP")  # it ended on the token that completed the string
     released = ""
     for piece in pieces:
         released += piece
         assert "S" not in released  # not even the start of the stop string leaked early
+    assert "".join(stream(text, stop=["STOP"], include_stop=True)) == "Hello world. STOP"
+
+
+def test_stop_strings_are_found_across_tokens_and_characters_once():
+    calls = []
+
+    class Counting(ByteTokenizer):
+        def decode(self, ids, skip_special_tokens: bool = True) -> str:
+            calls.append(len(ids))
+            return super().decode(ids)
+
+    detok = IncrementalDetokenizer(Counting(), ["☕ ok", "zz"])
+    text = "é" * 300 + " ☕ ok and more"
+    for token in text.encode():
+        detok.add([token])
+        if detok.stopped:
+            break
+    assert detok.stopped and detok.stop_reason == "☕ ok" and detok.finish() == "é" * 300 + " "
+    assert max(calls) <= 8  # a short window per token, never the whole output
+    assert detok.num_tokens_at_stop == len(("é" * 300 + " ☕ ok").encode())
+
+
+def test_finish_flushes_an_incomplete_character_as_a_whole_decode_does():
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    ids = list("ab☕".encode())[:-1]
+    for token in ids:
+        detok.add([token])
+    assert detok.release() == "ab"
+    assert detok.finish() == bytes(ids).decode("utf-8", errors="replace")[2:]
 
 
 def test_partial_stop_prefix_is_released_once_it_cannot_match():

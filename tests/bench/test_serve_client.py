@@ -116,3 +116,16 @@ def test_failures_concurrency_cap_and_saved_json() -> None:
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "itls"):
         assert key in saved
     assert math.isfinite(saved["mean_e2el_ms"])
+
+
+def test_a_role_announcement_is_not_the_first_token():
+    from conveyor.bench.serve_client import _is_token_chunk
+
+    # A chat server that announces the role at acceptance: that chunk must not start the TTFT clock.
+    assert not _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    assert not _is_token_chunk({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
+    assert _is_token_chunk({"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None})
+    assert _is_token_chunk({"index": 0, "delta": {"content": ""}, "finish_reason": None})  # a held-back token
+    assert _is_token_chunk({"index": 0, "text": "", "finish_reason": None})
+    assert not _is_token_chunk({"index": 0, "text": "", "finish_reason": "length"})  # only the finish
+    assert _is_token_chunk({"index": 0, "text": "end", "finish_reason": "stop"})

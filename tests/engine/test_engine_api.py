@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.engine.llm import LLM
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling import SamplingParams
@@ -23,26 +24,47 @@ def test_stop_reasons(make_engine):
     rid = engine.add_request("The capital of France is", greedy)
     full = finish_all(engine)[rid]
     assert full.finish_reason == "length" and len(full.token_ids) == 24
-    assert full.text.startswith(" Paris.")
+    full_text = engine.tokenizer.decode(full.token_ids)
+    assert full_text.startswith(" Paris.") and full.text is None  # the engine makes no text
 
     stop_at = full.token_ids[3]
-    ids = {
-        "token": engine.add_request("The capital of France is",
-                                    SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])),
-        "string": engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"])),
-        "kept": engine.add_request(
-            "The capital of France is",
-            SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"], include_stop_str_in_output=True),
-        ),
-    }
-    results = finish_all(engine)
-    by_token = results[ids["token"]]
+    rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0,
+                                                                       stop_token_ids=[stop_at]))
+    by_token = finish_all(engine)[rid]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_at
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
-    by_string = results[ids["string"]]
+
+    # Stop strings are found where the text is made: LLM.generate ends the sample at once.
+    params = [SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"]),
+              SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"], include_stop_str_in_output=True),
+              greedy]
+    by_string, kept, plain = LLM.from_engine(engine).generate(["The capital of France is"] * 3, params)
     assert by_string.finish_reason == "stop" and by_string.stop_reason == "answer"
-    assert by_string.text == full.text[: full.text.index("answer")]
-    assert results[ids["kept"]].text == full.text[: full.text.index("answer") + len("answer")]
+    assert by_string.text == full_text[: full_text.index("answer")]
+    assert kept.text == full_text[: full_text.index("answer") + len("answer")]
+    assert plain.text == full_text and plain.finish_reason == "length"
+    # It stopped on the token that completed the string, and its KV went back at once.
+    assert engine.tokenizer.decode(by_string.token_ids[:-1]).find("answer") < 0 <= full_text.find("answer")
+    assert "answer" in engine.tokenizer.decode(by_string.token_ids)
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_stop_sample_frees_one_sample_and_spares_its_siblings(make_engine):
+    engine = make_engine()
+    rid = engine.add_request("Once upon a time", SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=2,
+                                                                ignore_eos=True))
+    engine.step()
+    free_before = engine.kv.pool.num_free
+    stopped = engine.stop_sample(rid, 1, "once")
+    assert stopped is not None and stopped.finished and stopped.index == 1
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "once"
+    assert engine.stop_sample(rid, 1) is None and engine.stop_sample("nope", 0) is None
+    assert engine.kv.pool.num_free >= free_before  # the fork's own blocks are back
+    results = []
+    while engine.has_unfinished_requests:
+        results += [o for o in engine.step() if o.finished]
+    assert [(o.index, len(o.token_ids), o.finish_reason) for o in results] == [(0, 10, "length")]
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 
 def test_eos_stops_unless_ignored(make_engine):
@@ -53,7 +75,7 @@ def test_eos_stops_unless_ignored(make_engine):
     results = finish_all(engine)
     out = results[rid]
     assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
-    assert len(out.token_ids) < 64 and out.text.startswith("Hello")
+    assert len(out.token_ids) < 64 and engine.tokenizer.decode(out.token_ids).startswith("Hello")
     assert results[ignored].finish_reason == "length" and len(results[ignored].token_ids) == 64
     assert results[ignored].token_ids[: len(out.token_ids)] == out.token_ids
 

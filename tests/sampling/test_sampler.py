@@ -6,7 +6,7 @@ import torch
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
-from conveyor.sampling.sampler import Sampler
+from conveyor.sampling.sampler import Sampler, adjust_logits
 
 
 def requests(*params: SamplingParams) -> list[Request]:
@@ -85,6 +85,18 @@ def test_top_k_and_top_p_restrict_support():
         dict(seed=2**63 - 1, n=2),
         dict(n=0),
         dict(logprobs=21),
+        dict(prompt_logprobs=-1),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0.0),
+        dict(repetition_penalty=2.5),
+        dict(min_p=1.5),
+        dict(min_tokens=-1),
+        dict(min_tokens=5, max_tokens=3),
+        dict(logit_bias={5: 101.0}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={"5": 1.0}),
+        dict(skip_special_tokens="no"),
     ],
 )
 def test_bad_sampling_params_raise_typed_error(kwargs):
@@ -105,3 +117,114 @@ def test_logprobs_report_chosen_and_top_alternatives():
         assert abs(value - float(expected[0, token])) < 1e-5
     assert list(out.logprobs[2]) == [out.tokens[2]]
     assert Sampler()(logits, requests(SamplingParams())).logprobs is None
+
+
+# --- logit adjustments: each checked against its definition, computed the slow way -------------
+def reference_adjusted(logits: torch.Tensor, request: Request, eos: tuple[int, ...] = ()) -> torch.Tensor:
+    """vLLM's order, one token at a time: min_tokens, logit_bias, repetition, frequency, presence."""
+    p, out = request.sampling_params, logits.clone()
+    if len(request.output_token_ids) < p.min_tokens:
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
+            out[t] = float("-inf")
+    for t, b in p.logit_bias.items():
+        out[t] += b
+    seen = set(request.prompt_token_ids) | set(request.output_token_ids)
+    for t in range(len(out)):
+        if t in seen:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        count = request.output_token_ids.count(t)
+        out[t] -= count * p.frequency_penalty + (count > 0) * p.presence_penalty
+    return out
+
+
+def made_request(rid: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
+    request = Request(rid, prompt, params, 0.0)
+    request.output_token_ids = list(output)
+    return request
+
+
+def test_penalties_bias_and_min_tokens_follow_their_definitions():
+    torch.manual_seed(0)
+    vocab = 30
+    logits = torch.randn(6, vocab) * 3
+    reqs = [
+        made_request("plain", [1, 2], [3, 3], SamplingParams(temperature=0.0)),
+        made_request("freq", [1, 2], [3, 3, 3, 7], SamplingParams(frequency_penalty=0.7)),
+        made_request("pres", [4], [5, 5, 9], SamplingParams(presence_penalty=-1.3)),
+        made_request("rep", [0, 1, 2, 11], [12, 12, 20], SamplingParams(repetition_penalty=1.8)),
+        made_request("all", [8, 8, 6], [6, 10, 10, 10], SamplingParams(
+            repetition_penalty=0.6, frequency_penalty=0.4, presence_penalty=0.5, logit_bias={10: 5.0, 2: -100.0})),
+        made_request("min", [1], [2], SamplingParams(min_tokens=3, stop_token_ids=[4], logit_bias={0: 2.0})),
+    ]
+    adjusted = adjust_logits(logits, reqs, eos_token_ids=(0,))
+    for i, request in enumerate(reqs):
+        expected = reference_adjusted(logits[i], request, eos=(0,))
+        assert torch.allclose(adjusted[i], expected, atol=1e-6), request.request_id
+    assert torch.equal(adjusted[0], logits[0])  # a row without adjustments is untouched
+    assert adjusted[5, 0] == float("-inf") and adjusted[5, 4] == float("-inf")
+    # The chosen token under greedy sampling is the argmax of the adjusted row, not of the model's.
+    greedy = [SamplingParams(temperature=0.0, **kw) for kw in ({}, {"logit_bias": {int(logits[1].argmin()): 100.0}})]
+    tokens = Sampler()(logits[:2], [made_request(str(i), [1], [], p) for i, p in enumerate(greedy)]).tokens
+    assert tokens == [int(logits[0].argmax()), int(logits[1].argmin())]
+
+
+def test_adjustments_leave_the_callers_logits_and_logprobs_alone():
+    logits = torch.randn(2, 20)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.0, logprobs=2, frequency_penalty=2.0, logit_bias={3: 50.0})
+    out = Sampler()(logits, [made_request("a", [1], [5, 5], params), made_request("b", [1], [], SamplingParams())])
+    assert torch.equal(logits, before) and out.tokens[0] == 3
+    assert abs(out.logprobs[0][3] - float(torch.log_softmax(before[0], -1)[3])) < 1e-6  # the model's own
+
+
+def test_penalized_sampling_follows_the_adjusted_softmax():
+    n = 20000
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5]]).repeat(n, 1)
+    params = SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5,
+                            logit_bias={3: 1.0})
+    reqs = [made_request(str(i), [2], [0, 0, 1], params) for i in range(n)]
+    tokens = torch.tensor(Sampler(seed=4)(logits, reqs).tokens)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    expected = (reference_adjusted(logits[0], reqs[0]) / 0.8).softmax(-1)
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]])).repeat(4000, 1)
+    reqs = [made_request(str(i), [1], [], SamplingParams(temperature=1.0, min_p=0.2)) for i in range(4000)]
+    tokens = Sampler(seed=9)(logits, reqs).tokens
+    assert set(tokens) == {0, 1, 2}  # 0.08 < 0.2 * 0.5 is dropped, 0.12 is kept
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / len(tokens)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.12, 0.0]) / 0.92, atol=0.025), freq
+
+
+def test_penalized_seeded_request_is_invariant_to_its_batch():
+    torch.manual_seed(1)
+    row = torch.randn(1, 200)
+    params = SamplingParams(temperature=1.0, seed=77, frequency_penalty=1.0, repetition_penalty=1.3)
+
+    def draw(before: int) -> list[int]:
+        target = made_request("t", [5, 6], [], params)
+        others = [made_request(f"o{i}", [1], [], SamplingParams(presence_penalty=0.5)) for i in range(before)]
+        sampler, tokens = Sampler(seed=before), []
+        for _ in range(12):
+            batch = others + [target]
+            logits = torch.randn(len(batch), 200)
+            logits[before] = row
+            token = sampler(logits, batch).tokens[before]
+            tokens.append(token)
+            target.output_token_ids.append(token)
+            for o in others:
+                o.output_token_ids.append(0)
+        return tokens
+
+    assert draw(0) == draw(4)
+
+
+def test_prompt_logprobs_of_given_logits():
+    logits = torch.randn(3, 12)
+    out = Sampler.prompt_logprobs(logits, [4, 0, 7], top=2)
+    logp = torch.log_softmax(logits, -1)
+    for row, (target, entry) in enumerate(zip([4, 0, 7], out)):
+        assert abs(entry[target] - float(logp[row, target])) < 1e-6
+        assert set(logp[row].topk(2).indices.tolist()) <= set(entry) and len(entry) <= 3

@@ -1,0 +1,142 @@
+"""The server's sampling controls, tokenizer endpoints and exact streams, on the real model:
+one chunk per generated token (empty text included), the chat role with the first token,
+echo and prompt logprobs equal to the offline engine's, stop strings that free the KV at once."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.api.conftest import MODEL, metric
+
+PROMPT = "The capital of France is"
+
+
+def sse(http, path: str, body: dict) -> list[dict]:
+    events = []
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_tokenize_detokenize_and_version(http, offline_tokenizer):
+    ids = offline_tokenizer.encode(PROMPT)
+    reply = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert reply["tokens"] == ids and reply["count"] == len(ids) and reply["max_model_len"] > 1000
+    strs = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()["token_strs"]
+    assert strs == [offline_tokenizer.token_to_str(t) for t in ids]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == offline_tokenizer.encode(offline_tokenizer.apply_chat_template(messages))
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT}
+    round_trip = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert round_trip == offline_tokenizer.apply_chat_template(messages)  # special tokens kept
+    bad = http.post("/detokenize", json={"tokens": [1, 10**8]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "x", "nonsense": 1}).status_code == 400
+    assert http.get("/version").json()["version"]
+
+
+@pytest.fixture(scope="module")
+def offline_tokenizer():
+    from conveyor.model.loader import load_checkpoint, resolve_model_path
+
+    return load_checkpoint(str(resolve_model_path(None))).tokenizer
+
+
+def test_one_chunk_per_token_even_when_its_text_is_empty(http, offline_tokenizer):
+    # Bias the model onto the lone byte 0xE2 (the first of a 3-byte character): no token completes it.
+    byte = offline_tokenizer.encode("☕")[0]
+    assert offline_tokenizer.decode([byte]) == "\ufffd"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logit_bias": {str(byte): 100}}
+    events = sse(http, "/v1/completions", body)
+    chunks = [e for e in events if e["choices"]]
+    assert len(chunks) == 3 == events[-1]["usage"]["completion_tokens"]
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["", ""]  # held back, but sent
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full
+
+
+def test_multibyte_streams_count_every_token_and_chat_sends_the_role_with_the_first(http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Écris « café crème » et ☕ trois fois."}],
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    events = sse(http, "/v1/chat/completions", body)
+    chunks = [e for e in events if e["choices"]]
+    assert len(chunks) == 24 == events[-1]["usage"]["completion_tokens"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    full = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full
+
+
+def test_penalties_bias_min_tokens_and_stop_token_ids_reach_the_sampler(http, offline_tokenizer):
+    def complete(**kw) -> dict:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **kw}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    forced = offline_tokenizer.encode(" banana")[0]
+    assert complete(logit_bias={str(forced): 100}, max_tokens=3)["text"] == " banana" * 3
+    plain = complete(max_tokens=24, ignore_eos=True)["text"]
+    repeated = complete(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0,
+                        repetition_penalty=1.5)["text"]
+    assert repeated != plain  # the exact effect is checked against its definition in tests/sampling
+    first_word = offline_tokenizer.encode(plain)[1]
+    stopped = complete(stop_token_ids=[first_word], max_tokens=24, ignore_eos=True)
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == first_word
+    held = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                              "ignore_eos": True, "stop_token_ids": [first_word], "min_tokens": 6})
+    assert held.json()["usage"]["completion_tokens"] >= 6
+    # min_p 1 keeps only the likeliest token: sampling at any temperature is greedy.
+    assert complete(min_p=1.0, temperature=1.5, seed=1, max_tokens=6)["text"] == complete(max_tokens=6)["text"]
+
+
+def test_echo_and_prompt_logprobs_equal_the_engines(http, offline_tokenizer):
+    from conveyor import SamplingParams
+    from conveyor.engine.llm import LLM
+
+    ids = offline_tokenizer.encode(PROMPT)
+    full = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                              "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert full["text"].startswith(PROMPT)
+    lp = full["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == full["text"] and lp["text_offset"][len(ids)] == len(PROMPT)
+    vllm_style = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1,
+                                                    "temperature": 0, "prompt_logprobs": 0}).json()["choices"][0]
+    scored = vllm_style["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    engine = LLM(max_num_seqs=2).engine  # an engine of our own: its prompt logprobs are tested against HF's
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    reference = next(o for o in engine.step() if o.request_id == rid).prompt_logprobs
+    for position in range(1, len(ids)):
+        want = reference[position][ids[position]]
+        assert scored[position][str(ids[position])]["logprob"] == pytest.approx(want, abs=1e-4)
+        assert lp["token_logprobs"][position] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_stop_string_ends_the_request_and_frees_its_kv_at_once(http, server):
+    base = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
+                                              "temperature": 0}).json()["choices"][0]["text"]
+    stop = base.split()[2]
+    before = metric(http.get("/metrics").text, "conveyor:generation_tokens_total")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stop": [stop]}
+    reply = http.post("/v1/completions", json=body).json()
+    assert reply["choices"][0]["text"] == base[: base.index(stop)]
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["choices"][0]["stop_reason"] == stop
+    deadline = time.monotonic() + 10
+    while True:
+        page = http.get("/metrics").text
+        if metric(page, "conveyor:num_requests_running") == 0 and metric(page, "conveyor:kv_cache_usage_perc") == 0:
+            break
+        assert time.monotonic() < deadline, page
+        time.sleep(0.05)
+    generated = metric(page, "conveyor:generation_tokens_total") - before
+    assert generated <= reply["usage"]["completion_tokens"] + 3  # not 1500: it ended at the stop string
