@@ -16,7 +16,9 @@ from conveyor.model.llama import KVCache, LlamaModel
 from conveyor.model.loader import load_checkpoint
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
+from conveyor.sampling.masking import apply_token_masks
 from conveyor.sampling.sampler import Sampler
+from conveyor.sampling.structured import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,6 +53,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 class ModelRunner:
+    supports_token_masks = True  # execute() applies structured-output masks
+
     def __init__(
         self,
         model: LlamaModel,
@@ -92,13 +96,16 @@ class ModelRunner:
         return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats,
+                token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, kv)
         t1 = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
         t2 = time.perf_counter()
+        if token_masks is not None:
+            apply_token_masks(logits, token_masks)
         sampled = self.sampler(logits, out.sampling_requests()) if len(inputs.logits_indices) else SamplerOutput([])
         t3 = time.perf_counter()
         stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from conveyor.errors import InvalidRequestError
+from conveyor.sampling.structured import GrammarSpec
 
 _MAX_STOP_STRINGS = 16
 _MAX_N = 64
@@ -29,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks
     logprobs: int | None = None  # top alternatives to report per generated token (0..20)
+    structured: GrammarSpec | None = None  # constrain the output to a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +76,7 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool)),
             ("n", is_int(self.n)),
             ("logprobs", self.logprobs is None or is_int(self.logprobs)),
+            ("structured", self.structured is None or isinstance(self.structured, GrammarSpec)),
         ]
         for name, ok in checks:
             if not ok:
