@@ -17,6 +17,8 @@ from conveyor.api.generation import Generation
 from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
+from conveyor.api.structured import compile_grammar, requested_grammar
+from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.async_engine import EngineStoppedError, QueueFullError
 from conveyor.engine.client import EngineClient
 from conveyor.errors import InvalidRequestError
@@ -83,7 +85,9 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(CompletionRequest, await _read_json(request))
         _check_model(state, body.model)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt)
-        params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs)
+        grammar = await _grammar(state, requested_grammar(body))
+        params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs,
+                                      grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl")
         return await _serve(request, state, gen, prompts, CompletionFormat(_name(state, body.model)),
                             bool(body.stream), body.include_usage)
@@ -93,12 +97,18 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(ChatCompletionRequest, await _read_json(request))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
-        prompt = await asyncio.to_thread(_render_chat, state, messages)
+        tools = plan_tools(body.tools, body.tool_choice)
+        asked = requested_grammar(body)
+        if tools is not None and tools.spec is not None and asked is not None:
+            raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
+        grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
+        prompt = await asyncio.to_thread(_render_chat, state, messages, tools)
         requested = body.max_completion_tokens or body.max_tokens
-        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs)
+        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
-        return await _serve(request, state, gen, [prompt], ChatFormat(_name(state, body.model)),
-                            bool(body.stream), body.include_usage)
+        name = _name(state, body.model)
+        fmt = ToolCallFormat(name, tools) if tools is not None and tools.mode != "none" else ChatFormat(name)
+        return await _serve(request, state, gen, [prompt], fmt, bool(body.stream), body.include_usage)
 
     app.include_router(v1)
 
@@ -151,12 +161,25 @@ def _tokenize_prompts(state: ServerState, prompt: str | list) -> list[list[int]]
     return out
 
 
-def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
+async def _grammar(state: ServerState, asked: tuple | None) -> Any:
+    """The request's constraint compiled (off the engine thread), or None."""
+    return None if asked is None else await compile_grammar(state.tokenizer, *asked)
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, Any]], tools: ToolPlan | None = None) -> list[int]:
+    tokenizer = state.tokenizer
     try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **({"tools": tools.tools} if tools else {}))
+        if tools is not None and tools.mode == "auto" and \
+                text == tokenizer.apply_chat_template(messages, add_generation_prompt=True):
+            raise bad_request("tool_choice 'auto' needs a chat template that renders the tools, and this model's "
+                              "does not: start the server with --chat-template FILE (e.g. examples/"
+                              "tool_chat_template_hermes.jinja), or send tool_choice 'required' or a named function",
+                              param="tool_choice")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param="messages") from None
-    return state.tokenizer.encode(text)
+    return tokenizer.encode(text)
 
 
 def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[int]], chat: bool) -> int:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.structured import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -42,6 +43,13 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "_Sampling":
@@ -58,7 +66,8 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: GrammarSpec | None = None) -> SamplingParams:
         """Raises InvalidRequestError (a 400) for what the engine refuses."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kwargs: dict[str, Any] = dict(
@@ -75,6 +84,8 @@ class _Sampling(_Strict):
             kwargs["n"] = self.n
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if structured is not None:
+            kwargs["structured"] = structured
         try:
             return SamplingParams(**kwargs)
         except TypeError as exc:
@@ -110,13 +121,19 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn answering one
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -124,17 +141,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # conveyor/api/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_only(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
         return self
 
     @property

@@ -26,7 +26,7 @@ class CompletionFormat:
     def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
         return []
 
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
         return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
 
@@ -101,7 +101,9 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
     async for choice, delta in gen.updates():
         logprobs = choice.take_logprobs()
         if delta or logprobs or choice.finished:
-            yield chunk([fmt.choice_delta(choice, delta, logprobs)])
+            entry = fmt.choice_delta(choice, delta, logprobs)
+            if entry is not None:  # a tool-call format holding text back until the call is whole
+                yield chunk([entry])
     if gen.error is not None:
         yield _sse(server_error(f"generation failed: {gen.error}").body())
     elif include_usage:

@@ -40,7 +40,9 @@ class GrammarSpec:
         return {"kind": self.kind, "source": self.source, "compiled": None}
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str | bool) -> "GrammarSpec":
+    def json_schema(cls, schema: dict[str, Any] | str | bool, strict: bool = False) -> "GrammarSpec":
+        """strict (OpenAI's): an object admits only the properties its schema lists, unless the
+        schema says otherwise with `additionalProperties`; plain JSON Schema admits any others."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -48,6 +50,8 @@ class GrammarSpec:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema must be a JSON object")
+        if strict:
+            schema = closed_objects(schema)
         return cls("json", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
@@ -80,3 +84,16 @@ class TokenMasks:
 
     rows: list[int]
     bitmask: Any  # numpy int32 [len(rows), ceil(vocab / 32)]
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists properties
+    and says nothing about others."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else closed_objects(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
