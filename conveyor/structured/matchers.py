@@ -18,7 +18,7 @@ from typing import Sequence
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask
 
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
@@ -34,7 +34,6 @@ class GrammarMatchers:
         self.words = (vocab_size + 31) // 32
         self.compiler: GrammarCompiler | None = compiler_for(tokenizer, vocab_size) if tokenizer else None
         self._matchers: weakref.WeakKeyDictionary[Request, llguidance.LLMatcher] = weakref.WeakKeyDictionary()
-        self._executor: llguidance.LLExecutor | None = None
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -68,9 +67,10 @@ class GrammarMatchers:
         if not rows:
             return None
         bitmask = np.full((len(rows), self.words), -1, dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(self._executor, [(m, j) for j, (_, m) in enumerate(rows)], bitmask)
+        # One after another on this thread: a JSON mask takes microseconds, and llguidance's thread
+        # pool (LLExecutor) only adds hand-offs that wait for a core on a busy 2-core machine.
+        for j, (_, matcher) in enumerate(rows):
+            fill_next_token_bitmask(matcher, bitmask, j)
         return TokenMasks([i for i, _ in rows], bitmask)
 
     def accept(self, request: Request, token: int) -> bool:
