@@ -1,4 +1,9 @@
-"""Applying a step's grammar masks to the logits: one unpack and one masked fill, constrained rows only."""
+"""Applying a step's grammar masks to the logits: one bit unpack and one masked fill for the batch.
+
+Done in numpy on the logits' own memory: a single-threaded pass over [batch, vocab] costs a few
+milliseconds less than torch's OpenMP-parallel masked_fill on a loaded 2-core machine, where the
+parallel version waits at barriers for a core (benchmarks/structured_cost.py).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +14,12 @@ from conveyor.sampling.structured import TokenMasks
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     """Set every disallowed token of the constrained rows to -inf, in place; other rows untouched."""
-    vocab = logits.shape[-1]
-    # Little-endian int32 words read as bytes, bits least significant first: bit t lands at column t.
-    allowed = np.unpackbits(np.ascontiguousarray(masks.bitmask).view(np.uint8), axis=1, bitorder="little")
-    disallowed = torch.from_numpy(allowed[:, :vocab]) == 0
-    rows = torch.tensor(masks.rows, dtype=torch.long)
-    logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
+    batch, vocab = logits.shape
+    # The bitmask's int32 words read as little-endian bytes, inverted: bit t set = token t disallowed.
+    disallowed_bits = np.zeros((batch, masks.bitmask.shape[1] * 4), dtype=np.uint8)
+    disallowed_bits[masks.rows] = (~np.ascontiguousarray(masks.bitmask, dtype=np.int32)).view(np.uint8)
+    disallowed = np.unpackbits(disallowed_bits, axis=1, count=vocab, bitorder="little").view(np.bool_)
+    if logits.is_contiguous() and logits.dtype == torch.float32:
+        np.putmask(logits.numpy(), disallowed, -np.inf)
+    else:
+        logits.masked_fill_(torch.from_numpy(disallowed), float("-inf"))

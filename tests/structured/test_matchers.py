@@ -99,8 +99,10 @@ def test_mask_application_matches_llguidance_reference_and_spares_other_rows():
     sub = expected[[1, 3]].clone()
     llg_numpy.apply_token_bitmask_inplace(sub.numpy(), bitmask)  # llguidance's own bit order
     expected[[1, 3]] = sub
+    strided = logits.t().contiguous().t()  # not contiguous: the torch path
     apply_token_masks(logits, TokenMasks([1, 3], bitmask))
-    assert torch.equal(logits, expected)
+    apply_token_masks(strided, TokenMasks([1, 3], bitmask))
+    assert torch.equal(logits, expected) and torch.equal(strided, expected)
     assert torch.isinf(logits[[1, 3]]).any() and not torch.isinf(logits[[0, 2, 4]]).any()
 
 
