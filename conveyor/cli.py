@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 
@@ -63,6 +64,10 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model_path or args.model
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or "smollm2-135m"]
+    try:
+        chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    except OSError as exc:
+        raise SystemExit(f"conveyor serve: cannot read --chat-template: {exc}") from None
     return run_server(
         config,
         host=args.host,
@@ -72,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
+        chat_template=chat_template,
         deployment=DeploymentConfig(args.replicas, args.prefill_workers, args.decode_workers, args.ray_address,
                                     args.worker_cpus),
     )
@@ -92,6 +98,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
     ray = srv.add_argument_group("scale-out on Ray (see README: Scaling out)")
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas as Ray actors behind this front end")
     ray.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (disaggregated serving)")

@@ -22,6 +22,8 @@ from conveyor.api.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
 )
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
+from conveyor.api.structured import compile_grammar, requested_grammar
+from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
 
@@ -89,7 +91,9 @@ def build_app(state: ServerState) -> FastAPI:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
         prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
-        params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs)
+        grammar = await _grammar(state, requested_grammar(body))
+        params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs,
+                                      grammar)
         if body.num_prompt_logprobs != body.prompt_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
@@ -103,14 +107,21 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(ChatCompletionRequest, await _read_json(request))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
+        tools = plan_tools(body.tools, body.tool_choice)
+        asked = requested_grammar(body)
+        if tools is not None and tools.spec is not None and asked is not None:
+            raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
+        grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt), add_special)
+        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt), add_special,
+                                         tools)
         prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
         requested = body.max_completion_tokens or body.max_tokens
-        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs)
+        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
-        return await _serve(request, state, gen, [prompt], ChatFormat(_name(state, body.model)),
-                            bool(body.stream), body.include_usage)
+        name = _name(state, body.model)
+        fmt = ToolCallFormat(name, tools) if tools is not None and tools.mode != "none" else ChatFormat(name)
+        return await _serve(request, state, gen, [prompt], fmt, bool(body.stream), body.include_usage)
 
     app.include_router(v1)
 
@@ -200,13 +211,28 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
     return out
 
 
-def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = True) -> list[int]:
+
+
+async def _grammar(state: ServerState, asked: tuple | None) -> Any:
+    """The request's constraint compiled (off the engine thread), or None."""
+    return None if asked is None else await compile_grammar(state.tokenizer, *asked)
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 add_special_tokens: bool = True, tools: ToolPlan | None = None) -> list[int]:
+    tokenizer = state.tokenizer
     try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools.tools} if tools else {}))
+        if tools is not None and tools.mode == "auto" and \
+                text == tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt):
+            raise bad_request("tool_choice 'auto' needs a chat template that renders the tools, and this model's "
+                              "does not: start the server with --chat-template FILE (e.g. examples/"
+                              "tool_chat_template_hermes.jinja), or send tool_choice 'required' or a named function",
+                              param="tool_choice")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param="messages") from None
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.structured import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -62,14 +63,8 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "cache_salt": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -99,6 +94,14 @@ class _Sampling(_Strict):
     add_special_tokens: bool | None = None  # default: true for completions, false for chat (vLLM)
     user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
 
+    # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
     unsupported = dict(_UNSUPPORTED_VLLM)
 
     @model_validator(mode="after")
@@ -123,7 +126,8 @@ class _Sampling(_Strict):
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
         return bias
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: GrammarSpec | None = None) -> SamplingParams:
         """Raises InvalidRequestError (a 400) for what the engine refuses."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kwargs: dict[str, Any] = dict(
@@ -145,6 +149,8 @@ class _Sampling(_Strict):
             skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),
         )
         kwargs.update({name: value for name, (value, unset) in optional.items() if value is not None and value != unset})
+        if structured is not None:
+            kwargs["structured"] = structured
         try:
             return SamplingParams(**kwargs)
         except TypeError as exc:
@@ -187,8 +193,10 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn answering one
 
-    unsupported = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "audio": (None,),
+    unsupported = {"function_call": (None,), "audio": (None,),
                    "refusal": (None,), "reasoning_content": (None,)}
 
     @model_validator(mode="before")
@@ -201,14 +209,15 @@ class ChatMessage(_Strict):
                 raise ValueError(f"{_NOT_TEXT} (got a content part of type {kind!r})")
         return data
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -225,9 +234,12 @@ class ChatCompletionRequest(_Sampling):
     service_tier: Literal["auto", "default"] | None = None
     modalities: list[Literal["text"]] | None = None
 
+    tools: list[Any] | None = None  # conveyor/api/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call is made either way, which both values allow
+
     unsupported = {
         **_UNSUPPORTED_VLLM,
-        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
         "functions": (None, []), "function_call": (None, "none"),
         "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
         "web_search_options": (None,), "store": (None, False),

@@ -25,7 +25,7 @@ class CompletionFormat:
         self.model = model
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
-                     first: bool = False) -> dict[str, Any]:
+                     first: bool = False) -> dict[str, Any] | None:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
         return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
@@ -112,6 +112,8 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
     started: set[int] = set()  # choices whose first chunk went out
     async for choice, delta, logprobs in gen.updates():  # one chunk per token, its text empty or not
         entry = fmt.choice_delta(choice, delta, logprobs, first=choice.index not in started)
+        if entry is None:  # a tool-call format holding text back until the call is whole
+            continue
         if choice.index not in started:
             started.add(choice.index)
             if choice.prompt_logprobs is not None:

@@ -80,6 +80,7 @@ def run_server(
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
     deployment: "DeploymentConfig | None" = None,
+    chat_template: str | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("loading model %s", config.model or "smollm2-135m")
@@ -96,6 +97,8 @@ def run_server(
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
                  engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
         engine_client = local
+    if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
+        engine_client.tokenizer.set_chat_template(chat_template)
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
     app = build_app(state)
     uv_config = uvicorn.Config(

@@ -21,11 +21,14 @@ from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
+from conveyor.structured.matchers import GrammarMatchers
 
 
 class Runner(Protocol):
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
-        """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`."""
+        """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`.
+        A runner with `supports_token_masks` also takes `token_masks=` (structured outputs) and
+        applies them to those rows before sampling; only such a runner gets constrained requests."""
         ...
 
 
@@ -50,6 +53,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_kv_blocks, config.block_size)
         self.scheduler = make_scheduler(config.scheduler, self.kv)
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
+        self.grammars = GrammarMatchers(tokenizer, vocab_size)  # structured outputs (conveyor/structured)
         self.last_step = StepStats()
         # Lowers the batch cap / token budget to hold slo_tpot_ms; None without an SLO target.
         self.slo = SloController.from_scheduler_config(config.scheduler, num_kv_blocks * config.block_size)
@@ -98,6 +102,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival, prompt=text)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has nothing to be scored against
+        self._start_grammar(request)
         self.scheduler.add_request(request)
         self._unfinished_samples[request_id] = params.n
         return request_id
@@ -186,8 +191,16 @@ class LLMEngine:
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
+        self._start_grammar(request)  # replays the output it already has
         self.scheduler.add_request(request)
         self._unfinished_samples[request.request_id] = 1
+
+    def _start_grammar(self, request: Request) -> None:
+        if request.sampling_params.structured is None:
+            return
+        if not getattr(self.runner, "supports_token_masks", False):
+            raise InvalidRequestError("this engine's runner cannot constrain outputs (structured outputs)")
+        self.grammars.start(request)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -212,7 +225,13 @@ class LLMEngine:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = t1
         samplers = out.sampling_requests()
-        sampled = self.runner.execute(out, self.kv, stats)
+        for parent, child in out.forks:
+            self.grammars.fork(parent, child)
+        masks = self.grammars.masks(samplers)
+        if masks is None:
+            sampled = self.runner.execute(out, self.kv, stats)
+        else:
+            sampled = self.runner.execute(out, self.kv, stats, token_masks=masks)  # type: ignore[call-arg]
         t2 = self.clock()
         for request_id, scored in (sampled.prompt_logprobs or {}).items():
             self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
@@ -223,7 +242,10 @@ class LLMEngine:
             request.times.tokens.append(t2)
             if request.times.first_token is None:
                 request.times.first_token = t2
+            grammar_done = self.grammars.accept(request, token)
             status = self.stopper.check(request, token)
+            if grammar_done and status is not RequestStatus.FINISHED_STOPPED:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 finished.append((request, status, token_logprobs))
             else:

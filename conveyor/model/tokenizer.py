@@ -154,13 +154,19 @@ class Tokenizer:
                 self._compiled = _compile_template(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"the checkpoint's chat template does not compile: {e}") from e
-        variables = {**self._template_vars, **kwargs}
+        variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}  # tools=[...] for tool calls
         try:
-            return self._compiled.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
-            )
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate")
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+
+    def set_chat_template(self, template: str) -> None:
+        """Replace the checkpoint's chat template (`conveyor serve --chat-template FILE`)."""
+        try:
+            compiled = _compile_template(template)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+        self.chat_template, self._compiled = template, compiled
 
     @classmethod
     def from_gguf(cls, source: Any) -> Tokenizer:

@@ -17,7 +17,9 @@ from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
+from conveyor.sampling.masking import apply_token_masks
 from conveyor.sampling.sampler import Sampler
+from conveyor.sampling.structured import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,6 +54,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 class ModelRunner:
+    supports_token_masks = True  # execute() applies structured-output masks
+
     def __init__(
         self,
         model: LlamaModel,
@@ -92,7 +96,8 @@ class ModelRunner:
         return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats,
+                token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, kv)
@@ -100,6 +105,8 @@ class ModelRunner:
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
         t2 = time.perf_counter()
         num_sampling = inputs.num_sampling_rows
+        if token_masks is not None:
+            apply_token_masks(logits[:num_sampling], token_masks)
         sampled = self.sampler(logits[:num_sampling], out.sampling_requests()) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
             sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)

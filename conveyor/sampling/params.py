@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from conveyor.errors import InvalidRequestError
+from conveyor.sampling.structured import GrammarSpec
 
 _MAX_STOP_STRINGS = 16
 _MAX_N = 64
@@ -52,6 +53,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True  # in the output text
+    structured: GrammarSpec | None = None  # constrain the output to a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +130,7 @@ class SamplingParams:
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool)),
             ("logit_bias", isinstance(self.logit_bias, dict)
              and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items())),
+            ("structured", self.structured is None or isinstance(self.structured, GrammarSpec)),
         ]
         for name, ok in checks:
             if not ok:

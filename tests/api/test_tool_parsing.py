@@ -1,0 +1,63 @@
+"""Tool-call plumbing without a server: the Hermes/Qwen parser, tool_choice plans, and the
+"auto" format's streamed deltas (content until a call may start, the call once whole)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.api.errors import APIError
+from conveyor.api.generation import Choice
+from conveyor.api.tools import ToolCallFormat, parse_hermes, plan_tools
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_hermes_parser_extracts_calls_and_keeps_the_rest():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    unterminated = parse_hermes('<tool_call>{"name": "f", "arguments": {"a": 1}}')[1]
+    assert [(c.name, c.arguments) for c in unterminated] == [("f", '{"a": 1}')]
+
+
+def test_plans():
+    assert plan_tools(None, None) is None
+    assert plan_tools([TOOL], None).mode == "auto"
+    named = plan_tools([TOOL], {"type": "function", "function": {"name": "get_weather"}})
+    assert named.mode == "named" and named.param == "tools.0.function.parameters"
+    assert json.loads(named.spec.source)["additionalProperties"] is False  # strict: true closes the object
+    required = json.loads(plan_tools([TOOL, TOOL | {"function": {**TOOL["function"], "name": "other"}}],
+                                     "required").spec.source)
+    assert [v["properties"]["name"] for v in required["anyOf"]] == [{"const": "get_weather"}, {"const": "other"}]
+    for tools, choice, param in [(None, "required", "tool_choice"), ([{"type": "x"}], None, "tools.0"),
+                                 ([TOOL], "sometimes", "tool_choice"), ([TOOL, TOOL], None, "tools")]:
+        with pytest.raises(APIError) as err:
+            plan_tools(tools, choice)
+        assert err.value.param == param
+
+
+class _Detok:
+    tokenizer = None
+
+
+def test_auto_stream_holds_back_a_possible_call_and_sends_it_whole():
+    fmt = ToolCallFormat("m", plan_tools([TOOL], "auto"))
+    choice = Choice(0, _Detok(), None)  # type: ignore[arg-type]
+    sent = []
+    for piece in ["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']:
+        choice.text += piece
+        sent.append(fmt.choice_delta(choice, piece, None))
+    choice.finish_reason = "stop"
+    last = fmt.choice_delta(choice, "", None)
+    assert [s["delta"].get("content") for s in sent if s] == ["Sure", ". "]
+    assert last["finish_reason"] == "tool_calls"
+    (call,) = last["delta"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    final = fmt.choice_final(choice)
+    assert final["message"]["content"] == "Sure." and final["message"]["tool_calls"][0]["type"] == "function"
