@@ -46,6 +46,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache when the request first started (None:
+    # not started yet); what the API reports as usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int | None = None
     stop_reason: int | str | None = None
     times: RequestTimes = field(init=False)
 
@@ -71,6 +74,7 @@ class Request:
             sample_index=index,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
         )
         child.times.first_scheduled = self.times.first_scheduled
         return child

@@ -53,7 +53,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.clock = clock
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        # The cache salt is the model's identity: a key never matches KV another model computed.
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, cache_salt=f"{config.model}|{config.dtype}"
+        )
         self.scheduler = make_scheduler(config.scheduler, self.kv)
         self.stopper = StopChecker(tokenizer, tuple(eos_token_ids), max_model_len)
         self.last_step = StepStats()
@@ -244,4 +247,5 @@ class LLMEngine:
             text=self.stopper.final_text(request) if finished else None,
             times=request.times,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )

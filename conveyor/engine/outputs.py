@@ -29,6 +29,7 @@ class RequestOutput:
     text: str | None = None  # the decoded output, set once finished
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's n samples this is
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
 

@@ -32,9 +32,11 @@ class Harness:
         chunked: bool = True,
         max_model_len: int = 256,
         clock=None,  # noqa: ANN001
+        prefix_caching: bool = False,  # the traces below assume every prompt is computed whole
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
+            enable_prefix_caching=prefix_caching,
             scheduler=SchedulerConfig(policy, max_num_seqs, budget, chunked),
         )
         self.runner = FakeRunner()
