@@ -193,8 +193,8 @@ class LLMEngine:
         if self.slo is not None:
             self.slo.on_scheduled(out, self.scheduler)
         stats.num_requests, stats.num_tokens, stats.num_preempted = len(out.scheduled), out.num_tokens, len(out.preempted)
-        for request, _ in out.scheduled:
-            if request.times.first_scheduled is None:
+        for request in [r for r, _ in out.scheduled] + [child for _, child in out.forks]:
+            if request.times.first_scheduled is None:  # a fork of a parent first scheduled now, too
                 request.times.first_scheduled = t1
         samplers = out.sampling_requests()
         sampled = self.runner.execute(out, self.kv, stats)
