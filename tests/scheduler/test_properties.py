@@ -384,6 +384,7 @@ def run_scenario(sc: Scenario) -> None:
     samples: dict[str, Request] = {}  # every sample, forks of n > 1 included
     arrival_of: dict[str, Arrival] = {}
     aborted: set[str] = set()
+    aborted_samples: set[str] = set()
     streamed: dict[tuple[str, int], list[RequestOutput]] = defaultdict(list)
     first_admitted: dict[str, None] = {}  # ordered set
     by_step: dict[int, list[Arrival]] = defaultdict(list)
@@ -441,13 +442,14 @@ def run_scenario(sc: Scenario) -> None:
             if not pool:
                 continue
             rid = pool[pick % len(pool)]
-            expected = rid in accepted and not accepted[rid].is_finished
+            unfinished = [r for r in samples.values() if r.group_id == rid and not r.is_finished]
+            expected = rid in accepted and bool(unfinished)  # a finished sample's siblings may still run
             free_before = engine.kv.num_free_blocks
             assert engine.abort_request(rid) is expected
             if expected:
                 aborted.add(rid)
-                for r in samples.values():
-                    if r.group_id == rid:
+                aborted_samples.update(r.request_id for r in unfinished)
+                for r in unfinished:
                         assert r.status is RequestStatus.FINISHED_ABORTED
                         assert r.times.finished is not None
                         assert r.request_id not in engine.kv.block_tables
@@ -527,7 +529,7 @@ def run_scenario(sc: Scenario) -> None:
         assert [t for o in outs for t in o.new_token_ids] == r.output_token_ids
         if outs:
             assert all(o.num_cached_tokens == (r.num_cached_tokens or 0) for o in outs)
-        if r.group_id in aborted:
+        if rid in aborted_samples:
             assert r.status is RequestStatus.FINISHED_ABORTED and r.status.value == "abort"
             assert len(r.output_token_ids) < a.max_tokens
             assert not outs or not outs[-1].finished
