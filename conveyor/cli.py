@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "under --max-num-seqs / --max-num-batched-tokens as load requires")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the KV of full blocks across requests with the same prefix")
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -43,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         slo_tpot_ms=args.slo_tpot_ms,
         slo_ttft_ms=args.slo_ttft_ms,
         kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         seed=args.seed,

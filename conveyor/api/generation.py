@@ -98,9 +98,15 @@ class Generation:
         self.request_ids: list[str] = []
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # prompt index -> its tokens served from the prefix cache
         self.error: BaseException | None = None
         self._prompt_of: dict[str, int] = {}
         self._closed = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details)."""
+        return sum(self._cached_tokens.values())
 
     @property
     def completion_tokens(self) -> int:
@@ -134,6 +140,7 @@ class Generation:
             event = await self.sink.get()
             first = self._prompt_of[event.request_id] * self.n
             if isinstance(event, RequestOutput):
+                self._cached_tokens[first] = event.num_cached_tokens
                 choice = self.choices[first + getattr(event, "index", 0)]
                 if not choice.finished:
                     yield choice, choice.update(event)

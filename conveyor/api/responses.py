@@ -76,9 +76,10 @@ def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
     }
 
 
-def usage(gen: Generation) -> dict[str, int]:
+def usage(gen: Generation) -> dict[str, Any]:
     p, c = gen.prompt_tokens, gen.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def _envelope(gen: Generation, fmt: CompletionFormat, obj: str, choices: list) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from conveyor.bench.metrics import BenchmarkMetrics, compute_metrics, metrics_dict, per_request_dict
 from conveyor.bench.offline import OfflineResult, run_offline, warm_up
 from conveyor.bench.workloads import (
-    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+    BenchRequest, WorkloadConfig, describe, request_arrivals, generate_requests, parse_rate_schedule,
 )
 
 
@@ -46,6 +46,7 @@ class CompareConfig:
     chunk_size: int = 128  # the token budget of continuous-chunked
     kv_cache_memory: str = "1GiB"
     block_size: int = 16
+    enable_prefix_caching: bool = True
     model: str | None = None
     dtype: str = "float32"
     dequantize_weights: bool = False  # dense fp32 matmuls even where the GGUF has Q4_1 / Q8_0 blocks
@@ -115,7 +116,8 @@ def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest])
     return dict(
         model=cfg.model, dtype=cfg.dtype, dequantize_weights=cfg.dequantize_weights, num_threads=cfg.num_threads,
         max_num_seqs=cfg.max_num_seqs,
-        kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size, **POLICIES[policy](cfg, longest),
+        kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching, **POLICIES[policy](cfg, longest),
     )
 
 
@@ -137,9 +139,10 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
     results = []
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     for rate in [math.nan] if schedule else cfg.request_rates:
-        arrivals = arrival_times(len(requests), rate, cfg.burstiness, cfg.workload.seed, schedule)
+        arrivals = request_arrivals(requests, rate, cfg.burstiness, cfg.workload.seed, schedule)
         if schedule:
-            rate = float(f"{len(requests) / max(arrivals[-1], 1e-9):.3g}")  # its mean rate labels the run
+            last = max(t for t in arrivals if not math.isnan(t))
+            rate = float(f"{len(requests) / max(last, 1e-9):.3g}")  # its mean rate labels the run
         for policy in cfg.policies:
             kwargs = engine_kwargs(cfg, policy, requests)
             engine = LLMEngine.from_config(EngineConfig.from_kwargs(**kwargs), loaded)
@@ -148,6 +151,8 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
             echo(f"running {policy} at rate {rate} ...")
             offline = run_offline(engine, requests, arrivals, progress=cfg.progress)
             metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)
+            if cfg.enable_prefix_caching:
+                echo("  prefix cache: " + ", ".join(f"{k} {v:.3g}" for k, v in offline.extra.items()))
             results.append(RunResult(policy, rate, kwargs, offline, metrics))
             del engine
             gc.collect()

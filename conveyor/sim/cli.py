@@ -24,6 +24,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """Every SchedulerConfig field the parser has (so scheduler options added later flow through)."""
     kwargs = {name: getattr(args, name) for name in SchedulerConfig.__dataclass_fields__ if hasattr(args, name)}
     kwargs["block_size"] = args.block_size
+    kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -74,6 +75,9 @@ def _run(args: argparse.Namespace) -> int:
         if run.workers:
             print(_deployment_line(cfg, run.result.offline.extra))
         print(format_result(run.result.metrics, selected, request_rate=cfg.request_rate))
+        cache = {k: v for k, v in run.result.offline.extra.items() if k.startswith(("prefix", "cached", "ttft_mean"))}
+        if cache:
+            print("prefix cache: " + ", ".join(f"{k} {v:.3g}" for k, v in cache.items()))
         runs, extra = [run], {}
     steps = sum(r.num_steps for r in runs)
     print(f"simulated {sum(r.result.metrics.completed for r in runs)} requests, {steps} engine steps "
@@ -161,6 +165,8 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
                      help="the SLO controller holds P99 TPOT under this (lowers the cap and budget under the two above)")
     eng.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target: misses are counted, not dropped")
     eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="share the KV of full blocks across requests with the same prefix")
     dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
     dep.add_argument("--prefill-workers", type=int, default=0, help="prefill/decode disaggregation (with --decode-workers)")
     dep.add_argument("--decode-workers", type=int, default=0)
