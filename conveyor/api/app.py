@@ -85,7 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt)
         params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs)
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl")
-        return await _serve(request, state, gen, prompts, CompletionFormat(_name(state, body.model)),
+        return await _serve(request, state, gen, prompts, CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage)
 
     @v1.post("/chat/completions")
@@ -97,7 +97,7 @@ def build_app(state: ServerState) -> FastAPI:
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
-        return await _serve(request, state, gen, [prompt], ChatFormat(_name(state, body.model)),
+        return await _serve(request, state, gen, [prompt], ChatFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage)
 
     app.include_router(v1)

@@ -43,7 +43,9 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     _logprobs_taken: int = 0
+    _token_ids_taken: int = 0
 
     @property
     def finished(self) -> bool:
@@ -52,6 +54,7 @@ class Choice:
     def update(self, out: RequestOutput) -> str:
         tokenizer = self.detok.tokenizer
         step_logprobs = getattr(out, "logprobs", None)
+        self.token_ids.extend(out.new_token_ids)
         for i, token in enumerate(out.new_token_ids):
             offset = len(self.detok.text)
             self.detok.add([token])
@@ -71,6 +74,10 @@ class Choice:
         delta = self.detok.finish(None)
         self.text += delta
         return delta
+
+    def take_token_ids(self) -> list[int]:
+        new, self._token_ids_taken = self.token_ids[self._token_ids_taken :], len(self.token_ids)
+        return new
 
     def take_logprobs(self) -> list[TokenLogprob]:
         new, self._logprobs_taken = self.logprobs[self._logprobs_taken :], len(self.logprobs)

@@ -36,6 +36,9 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool | None = False
+    # vLLM's extension: each choice also carries the generated token ids ("token_ids"), so a client can
+    # send the next turn of a conversation as token ids that match what the server computed.
+    return_token_ids: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

@@ -20,15 +20,22 @@ from conveyor.api.generation import Choice, Generation, TokenLogprob
 class CompletionFormat:
     object_name, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, return_token_ids: bool = False) -> None:
         self.model = model
+        self.return_token_ids = return_token_ids
+
+    def with_token_ids(self, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.return_token_ids:
+            body["token_ids"] = token_ids
+        return body
 
     def first_chunks(self, gen: Generation) -> list[dict[str, Any]]:
         return []
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
-        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+        body = {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return self.with_token_ids(body, choice.take_token_ids())
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         return self.choice_delta(choice, choice.text, choice.logprobs)
@@ -44,12 +51,14 @@ class ChatFormat(CompletionFormat):
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
         content = {"content": delta} if delta else {}
-        return {"index": choice.index, "delta": content, "logprobs": lp, "finish_reason": choice.finish_reason}
+        body = {"index": choice.index, "delta": content, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return self.with_token_ids(body, choice.take_token_ids())
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         lp = _chat_logprobs(choice.logprobs) if choice.num_logprobs is not None else None
         message = {"role": "assistant", "content": choice.text}
-        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason}
+        body = {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return self.with_token_ids(body, list(choice.token_ids))
 
 
 def _legacy_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:

@@ -59,7 +59,10 @@ class FakeOpenAIServer:
             if i:
                 await asyncio.sleep(GAP_S)
             writer.write(b": keep-alive comment\n\n" if i == 1 else b"")
-            writer.write(event({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None}))
+            choice = {"index": 0, "text": f"t{i}", "finish_reason": None}
+            if payload.get("return_token_ids"):
+                choice["token_ids"] = [500 + i]
+            writer.write(event({"choices": [choice], "usage": None}))
             await writer.drain()
         writer.write(event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None}))
         writer.write(event({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
@@ -116,3 +119,17 @@ def test_failures_concurrency_cap_and_saved_json() -> None:
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "itls"):
         assert key in saved
     assert math.isfinite(saved["mean_e2el_ms"])
+
+
+def test_multi_turn_sends_the_next_turn_with_the_history_after_the_think_time() -> None:
+    requests = [BenchRequest([20, 21], 3), BenchRequest([30], 2), BenchRequest([22], 2, follows=0, think_time=0.1),
+                BenchRequest([23, 24], 2, follows=2, think_time=0.0)]
+    cfg = ServeConfig(model="fake", workload=WorkloadConfig(), disable_tqdm=True, ready_timeout_s=0)
+    fake, records, _ = _run(cfg, requests)
+    by_prompt = {tuple(p["prompt"]): p for p in fake.payloads}
+    turn2 = (20, 21, 500, 501, 502, 22)
+    assert turn2 in by_prompt and by_prompt[turn2].get("return_token_ids")
+    assert turn2 + (500, 501, 23, 24) in by_prompt
+    assert [r.prompt_len for r in records] == [2, 1, 6, 10]
+    assert all(r.success for r in records)
+    assert records[2].start >= records[0].start + records[0].latency + 0.1 - 1e-3
