@@ -13,8 +13,8 @@ SYSTEM = (
     "when you can, and say so when you do not know.<|im_end|>\n<|im_start|>user\n"
 )
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 12 times 12?",
-             "Who wrote Hamlet?", "What is the boiling point of water?", "Name a planet."]
-NEW = 8
+             "Who wrote Hamlet?"]
+NEW = 6
 
 
 def prompts(engine: LLMEngine) -> list[list[int]]:
@@ -51,9 +51,8 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], arr
 @pytest.mark.parametrize(
     "case, kwargs",
     [
-        ("continuous", dict(max_num_seqs=8)),
-        ("tiny chunks", dict(max_num_batched_tokens=24, max_num_seqs=4)),
-        ("preemption storm", dict(num_kv_blocks=14, block_size=8, max_num_seqs=6)),
+        ("chunked", dict(max_num_batched_tokens=40, max_num_seqs=4)),
+        ("preemption storm", dict(num_kv_blocks=12, block_size=8, max_num_seqs=5)),
         ("static", dict(policy="static", max_num_seqs=3)),
     ],
 )
@@ -73,7 +72,7 @@ def test_the_cache_changes_no_output(make_engine, case, kwargs) -> None:
 def test_the_next_turn_hits_the_previous_answer(make_engine) -> None:
     on, off = make_engine(max_num_seqs=4), make_engine(max_num_seqs=4, enable_prefix_caching=False)
     first = prompts(on)[0]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     answer = run(on, [(first, greedy)])[(0, 0)]
     assert answer == run(off, [(first, greedy)])[(0, 0)]
     follow = on.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n")
