@@ -55,6 +55,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
+    # Share the KV of full blocks across requests with the same prefix (conveyor/kv/manager.py)
+    enable_prefix_caching: bool = True
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -46,6 +46,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache when the request first started (None:
+    # not started yet); what the API reports as usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int | None = None
     stop_reason: int | str | None = None
     # With sampling_params.prompt_logprobs: {token id: logprob} per prompt token scored so far (the
     # first token has none), filled chunk by chunk as the prompt is computed.
@@ -75,6 +78,7 @@ class Request:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
         child.times.first_scheduled = self.times.first_scheduled
         return child

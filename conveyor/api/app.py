@@ -99,7 +99,8 @@ def build_app(state: ServerState) -> FastAPI:
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
         echo = await asyncio.to_thread(_echo_texts, state, echo_source, prompts) if body.echo else None
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl")
-        return await _serve(request, state, gen, prompts, CompletionFormat(_name(state, body.model)),
+        return await _serve(request, state, gen, prompts,
+                            CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)
 
     @v1.post("/chat/completions")
@@ -120,7 +121,8 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
         name = _name(state, body.model)
-        fmt = ToolCallFormat(name, tools) if tools is not None and tools.mode != "none" else ChatFormat(name)
+        fmt = (ToolCallFormat(name, tools) if tools is not None and tools.mode != "none"
+               else ChatFormat(name, bool(body.return_token_ids)))
         return await _serve(request, state, gen, [prompt], fmt, bool(body.stream), body.include_usage)
 
     app.include_router(v1)

@@ -49,6 +49,8 @@ class Choice:
     # vLLM's prompt_logprobs: {token id: logprob} per prompt token (None for the first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     _started: bool = False
+    token_ids: list[int] = field(default_factory=list)  # every generated token, for return_token_ids
+    _token_ids_taken: int = 0
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,7 @@ class Choice:
             self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
             if self.echo_ids and self.num_logprobs is not None:
                 entries = _echo_entries(tokenizer, self.echo_ids, self.prompt_logprobs, self.num_logprobs)
+        self.token_ids.extend(out.new_token_ids)
         for i, token in enumerate(out.new_token_ids):
             offset = len(self.echo) + len(self.detok.text)
             self.detok.add([token])
@@ -126,6 +129,12 @@ def _echo_entries(tokenizer: Any, ids: list[int], prompt_logprobs: list[dict[int
     return entries
 
 
+def take_token_ids(choice: Choice) -> list[int]:
+    """The choice's token ids not handed out yet (return_token_ids streams them chunk by chunk)."""
+    new, choice._token_ids_taken = choice.token_ids[choice._token_ids_taken :], len(choice.token_ids)
+    return new
+
+
 def _entry(tokenizer: Any, token: int, logprobs: dict[int, float], k: int, offset: int) -> TokenLogprob:
     ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:k]
     top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
@@ -147,9 +156,15 @@ class Generation:
         self.request_ids: list[str] = []
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # prompt index -> its tokens served from the prefix cache
         self.error: BaseException | None = None
         self._prompt_of: dict[str, int] = {}
         self._closed = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details)."""
+        return sum(self._cached_tokens.values())
 
     @property
     def completion_tokens(self) -> int:
@@ -189,6 +204,7 @@ class Generation:
             event = await self.sink.get()
             first = self._prompt_of[event.request_id] * self.n
             if isinstance(event, RequestOutput):
+                self._cached_tokens[first] = event.num_cached_tokens
                 choice = self.choices[first + getattr(event, "index", 0)]
                 if choice.finished:
                     continue

@@ -44,6 +44,10 @@ class Metrics:
         self.preemptions = counter("conveyor:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("conveyor:prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("conveyor:generation_tokens", "Generated tokens.")
+        self.prefix_cache_queries = counter(
+            "conveyor:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (when a request starts).")
+        self.prefix_cache_hits = counter(
+            "conveyor:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held (when a request starts).")
         success = Counter(
             "conveyor:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
             registry=r,
@@ -98,6 +102,9 @@ class Metrics:
         generated = 0
         for out in report.outputs:
             generated += len(out.new_token_ids)
+            if len(out.token_ids) == len(out.new_token_ids) and out.index == 0:  # a request's first token
+                self.prefix_cache_queries.inc(len(out.prompt_token_ids))
+                self.prefix_cache_hits.inc(out.num_cached_tokens)
             if out.finished:
                 self._observe_finished(out)
         if generated:

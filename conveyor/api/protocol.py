@@ -56,7 +56,6 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "priority": (None, 0),
     "request_id": (None,),
@@ -82,6 +81,9 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0)
+    # vLLM's extension: each choice also carries the generated token ids ("token_ids"), so a client can
+    # send the next turn of a conversation as token ids that match what the server computed.
+    return_token_ids: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -15,23 +15,32 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.api.errors import server_error
 from conveyor.api.detokenizer import token_text
-from conveyor.api.generation import Choice, Generation, TokenLogprob, finite
+from conveyor.api.generation import Choice, Generation, TokenLogprob, finite, take_token_ids
 
 
 class CompletionFormat:
     object_name, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, return_token_ids: bool = False) -> None:
         self.model = model
+        self.return_token_ids = return_token_ids
+
+    def with_token_ids(self, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.return_token_ids:
+            body["token_ids"] = token_ids
+        return body
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
                      first: bool = False) -> dict[str, Any] | None:
         lp = _legacy_logprobs(logprobs) if choice.num_logprobs is not None else None
-        return {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason,
+        body = {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
+        return self.with_token_ids(body, take_token_ids(choice))
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         final = self.choice_delta(choice, choice.text, choice.logprobs)
+        assert final is not None
+        self.with_token_ids(final, list(choice.token_ids))
         if choice.prompt_logprobs is not None:
             final["prompt_logprobs"] = prompt_logprobs(choice)
         return final
@@ -45,14 +54,16 @@ class ChatFormat(CompletionFormat):
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
         # The role goes out with the first token, so that a client's TTFT is the first token's.
         message = {"role": "assistant", "content": delta} if first else {"content": delta}
-        return {"index": choice.index, "delta": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+        body = {"index": choice.index, "delta": message, "logprobs": lp, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
+        return self.with_token_ids(body, take_token_ids(choice))
 
     def choice_final(self, choice: Choice) -> dict[str, Any]:
         lp = _chat_logprobs(choice.logprobs) if choice.num_logprobs is not None else None
         message = {"role": "assistant", "content": choice.text}
-        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason,
+        body = {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
+        return self.with_token_ids(body, list(choice.token_ids))
 
 
 def prompt_logprobs(choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
@@ -89,9 +100,10 @@ def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
     }
 
 
-def usage(gen: Generation) -> dict[str, int]:
+def usage(gen: Generation) -> dict[str, Any]:
     p, c = gen.prompt_tokens, gen.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def _envelope(gen: Generation, fmt: CompletionFormat, obj: str, choices: list) -> dict[str, Any]:

@@ -22,6 +22,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prompt-len", type=int, default=1024, help="long-prompts: the long prompts' length")
     g.add_argument("--long-prompt-every", type=int, default=8, help="long-prompts: one long prompt every N requests")
     g.add_argument("--long-prompt-output-len", type=int, default=16)
+    g.add_argument("--num-groups", type=int, default=16, help="prefix: groups of requests sharing a prefix")
+    g.add_argument("--prefix-len", type=int, default=1024, help="prefix: the shared prefix's length")
+    g.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
+    g.add_argument("--turn-len", type=int, default=32, help="multi-turn: new user tokens per later turn")
+    g.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between turns")
     g.add_argument("--seed", type=int, default=0, help="seeds the lengths, token ids and arrival times")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
@@ -57,6 +62,8 @@ def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN20
         dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, long_prompt_len=args.long_prompt_len,
         long_prompt_every=args.long_prompt_every, long_prompt_output_len=args.long_prompt_output_len,
+        num_groups=args.num_groups, prefix_len=args.prefix_len, num_turns=args.num_turns, turn_len=args.turn_len,
+        think_time=args.think_time,
         vocab_size=vocab_size, seed=args.seed,
     )
 
@@ -89,6 +96,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         rate_schedule=args.rate_schedule, slo_tpot_ms=args.slo_tpot_ms,
         policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
         model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
         output_dir=args.output_dir,
         percentiles=percentiles,

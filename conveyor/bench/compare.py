@@ -32,10 +32,10 @@ from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import (
     BenchRequest,
     WorkloadConfig,
-    arrival_times,
     describe,
     generate_requests,
     parse_rate_schedule,
+    request_arrivals,
 )
 from conveyor.config import EngineConfig, SchedulerConfig
 
@@ -54,6 +54,7 @@ class CompareConfig:
     # The engine's own defaults (conveyor/config.py)
     kv_cache_memory: str | int = EngineConfig.kv_cache_memory
     block_size: int = EngineConfig.block_size
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     model: str | None = EngineConfig.model
     dtype: str = EngineConfig.dtype
     dequantize_weights: bool = EngineConfig.dequantize_weights
@@ -110,7 +111,8 @@ def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest])
     return dict(
         model=cfg.model, dtype=cfg.dtype, dequantize_weights=cfg.dequantize_weights, num_threads=cfg.num_threads,
         max_num_seqs=cfg.max_num_seqs,
-        kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size, **POLICIES[policy](cfg, longest),
+        kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching, **POLICIES[policy](cfg, longest),
     )
 
 
@@ -131,9 +133,10 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
     results = []
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     for rate in [math.nan] if schedule else cfg.request_rates:
-        arrivals = arrival_times(len(requests), rate, cfg.burstiness, cfg.workload.seed, schedule)
+        arrivals = request_arrivals(requests, rate, cfg.burstiness, cfg.workload.seed, schedule)
         if schedule:
-            rate = float(f"{len(requests) / max(arrivals[-1], 1e-9):.3g}")  # its mean rate labels the run
+            last = max(t for t in arrivals if not math.isnan(t))
+            rate = float(f"{len(requests) / max(last, 1e-9):.3g}")  # its mean rate labels the run
         for policy in cfg.policies:
             kwargs = engine_kwargs(cfg, policy, requests)
             engine = LLMEngine.from_config(EngineConfig.from_kwargs(**kwargs), loaded)
@@ -142,6 +145,8 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
             echo(f"running {policy} at rate {rate} ...")
             offline = run_offline(engine, requests, arrivals, progress=cfg.progress)
             metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)
+            if cfg.enable_prefix_caching:
+                echo("  prefix cache: " + ", ".join(f"{k} {v:.3g}" for k, v in offline.extra.items()))
             results.append(RunResult(policy, rate, kwargs, offline, metrics))
             del engine
             gc.collect()

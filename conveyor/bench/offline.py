@@ -9,6 +9,7 @@ ends), tokens computed, waiting count and the step's duration.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from conveyor.bench.metrics import RequestRecord
-from conveyor.bench.workloads import FIRST_REGULAR_ID, BenchRequest
+from conveyor.bench.workloads import FIRST_REGULAR_ID, BenchRequest, followers, next_turn_prompt
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
 from conveyor.request import RequestTimes
@@ -99,41 +100,58 @@ def run_offline(
     clock = engine.clock
     bar = _progress_bar(len(requests)) if progress else None
     preempted_before = engine.scheduler.num_preemptions
+    queries_before, hits_before = engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits
     times: dict[str, RequestTimes] = {}
     rejected: dict[str, RequestRecord] = {}
     trace: list[IterationSample] = []
     start = clock()
-    next_i = 0
-    while next_i < len(requests) or engine.has_unfinished_requests:
+    # (send time, index): first turns at their arrival; a later turn once its predecessor finished.
+    due = [(arrivals[i], i) for i, r in enumerate(requests) if r.follows is None]
+    heapq.heapify(due)
+    released_by = followers(list(requests))
+    prompts = {i: r.prompt_token_ids for i, r in enumerate(requests) if r.follows is None}
+    cached: dict[str, int] = {}
+    sent = 0
+
+    def release(index: int, output: list[int], at: float) -> None:
+        for k in released_by.get(index, []):
+            prompts[k] = next_turn_prompt(prompts[index], output, requests[k])
+            heapq.heappush(due, (at - start + requests[k].think_time, k))
+
+    while sent < len(requests) or engine.has_unfinished_requests:
         now = clock()
-        while next_i < len(requests) and start + arrivals[next_i] <= now:
-            req = requests[next_i]
+        while due and start + due[0][0] <= now:
+            at, i = heapq.heappop(due)
+            req, sent = requests[i], sent + 1
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-            arrival = start + arrivals[next_i]
+            arrival = start + at
             try:
-                engine.add_request(req.prompt_token_ids, params, request_id=str(next_i), arrival_time=arrival)
+                engine.add_request(prompts[i], params, request_id=str(i), arrival_time=arrival)
             except InvalidRequestError as exc:  # e.g. longer than the KV cache: a failed request, as a server's 400
-                rejected[str(next_i)] = RequestRecord(req.prompt_len, start=arrival - start, success=False,
-                                                      error=str(exc))
+                rejected[str(i)] = RequestRecord(len(prompts[i]), start=arrival - start, success=False, error=str(exc))
+                release(i, [], arrival)
                 if bar is not None:
                     bar.update(1)
-            next_i += 1
         if not engine.has_unfinished_requests:
-            if next_i < len(requests):
-                sleep(max(0.0, start + arrivals[next_i] - clock()))
+            if due:
+                sleep(max(0.0, start + due[0][0] - clock()))
+            elif sent < len(requests):
+                raise RuntimeError("requests wait for a turn that never ran")
             continue
         t0 = clock()
         outputs = engine.step()
         t1 = clock()
         stats = engine.last_step
         if stats.num_requests == 0:
-            if next_i >= len(requests):
+            if not due:
                 raise RuntimeError("the engine has unfinished requests but scheduled nothing")
-            sleep(max(0.0, min(0.001, start + arrivals[next_i] - clock())))
+            sleep(max(0.0, min(0.001, start + due[0][0] - clock())))
             continue
         finished = [o for o in outputs if o.finished]
         for o in finished:
             times[o.request_id] = o.times  # type: ignore[assignment]
+            cached[o.request_id] = o.num_cached_tokens
+            release(int(o.request_id), list(o.token_ids), t1)
         running = engine.scheduler.num_running + len(finished)
         trace.append(IterationSample(
             t=t1 - start, duration=t1 - t0, running=running, held=_held_slots(engine, running),
@@ -144,8 +162,8 @@ def run_offline(
             bar.update(len(finished))
     if bar is not None:
         bar.close()
-    records = [rejected.get(str(i)) or record_from_times(r.prompt_len, times[str(i)], start)
-               for i, r in enumerate(requests)]
+    records = [rejected.get(str(i)) or record_from_times(len(prompts[i]), times[str(i)], start)
+               for i in range(len(requests))]
     duration = max((r.start + r.latency for r in records if r.success), default=clock() - start)
     return OfflineResult(
         records=records,
@@ -153,7 +171,26 @@ def run_offline(
         duration=duration,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         num_preemptions=engine.scheduler.num_preemptions - preempted_before,
+        extra=prefix_cache_summary(requests, records, [cached.get(str(i), 0) for i in range(len(requests))],
+                                   engine.scheduler.prefix_cache_queries - queries_before,
+                                   engine.scheduler.prefix_cache_hits - hits_before),
     )
+
+
+def prefix_cache_summary(requests: Sequence[BenchRequest], records: Sequence[RequestRecord], cached: Sequence[int],
+                         queries: int, hits: int) -> dict[str, Any]:
+    """What the prefix cache did for a run: hit rate over every lookup (preempted restarts too),
+    cached share of the prompt tokens, and the mean TTFT of later turns (multi-turn)."""
+    ok = [i for i, r in enumerate(records) if r.success]
+    prompt_tokens = sum(records[i].prompt_len for i in ok)
+    later = [records[i].ttft for i in ok if requests[i].follows is not None]
+    out: dict[str, Any] = {
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "cached_prompt_share": sum(cached[i] for i in ok) / prompt_tokens if prompt_tokens else 0.0,
+    }
+    if later:
+        out["ttft_mean_later_turns_ms"] = 1000 * float(np.mean(later))
+    return out
 
 
 def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> None:

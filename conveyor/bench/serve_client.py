@@ -29,7 +29,8 @@ from conveyor.bench.metrics import (
     METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, metrics_dict, per_request_dict,
 )
 from conveyor.bench.workloads import (
-    BenchRequest, WorkloadConfig, arrival_times, describe, generate_requests, parse_rate_schedule,
+    BenchRequest, WorkloadConfig, describe, followers, generate_requests, next_turn_prompt, parse_rate_schedule,
+    request_arrivals,
 )
 
 
@@ -54,10 +55,13 @@ class ServeConfig:
     label: str = "conveyor-bench"
 
 
-def _payload(cfg: ServeConfig, req: BenchRequest) -> dict[str, Any]:
+def _payload(cfg: ServeConfig, req: BenchRequest, prompt: list[int] | None = None,
+             return_token_ids: bool = False) -> dict[str, Any]:
+    extra = {"return_token_ids": True} if return_token_ids else {}
     return {
+        **extra,
         "model": cfg.model,
-        "prompt": req.prompt_token_ids,
+        "prompt": req.prompt_token_ids if prompt is None else prompt,
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -76,14 +80,18 @@ def _is_token_chunk(choice: dict[str, Any]) -> bool:
     return choice.get("finish_reason") is None and "role" not in delta
 
 
-async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRequest) -> RequestRecord:
-    record = RequestRecord(prompt_len=req.prompt_len, success=False)
+async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRequest,
+                       prompt: list[int] | None = None, output_ids: list[int] | None = None) -> RequestRecord:
+    """`prompt` overrides the request's (a later turn's whole history); with `output_ids` the server is
+    asked for the generated token ids (vLLM's return_token_ids), collected there."""
+    record = RequestRecord(prompt_len=req.prompt_len if prompt is None else len(prompt), success=False)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = time.perf_counter()
     record.start = start
     last, chunks, usage_tokens = start, 0, None
     try:
-        async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint, json=_payload(cfg, req),
+        payload = _payload(cfg, req, prompt, output_ids is not None)
+        async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint, json=payload,
                                  headers=headers) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
@@ -101,6 +109,8 @@ async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRe
                     record.error = json.dumps(message["error"])[:300]
                     return record
                 choices = message.get("choices")
+                if choices and output_ids is not None:
+                    output_ids.extend(choices[0].get("token_ids") or [])
                 if choices and _is_token_chunk(choices[0]):
                     now = time.perf_counter()
                     if chunks == 0:
@@ -142,7 +152,8 @@ async def wait_until_ready(client: httpx.AsyncClient, cfg: ServeConfig) -> None:
 async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
     """Sends every request on its schedule; returns the records (in workload order) and the duration."""
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
-    arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
+    arrivals = request_arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
+    released_by = followers(requests)
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
     bar = None
@@ -154,27 +165,42 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s), limits=limits) as client:
         await wait_until_ready(client, cfg)
 
-        async def one(req: BenchRequest) -> RequestRecord:
-            async with semaphore:
-                record = await send_request(client, cfg, req)
+        records: list[RequestRecord | None] = [None] * len(requests)
+        later: list[asyncio.Task] = []
+
+        async def one(i: int, prompt: list[int]) -> None:
+            """Send request i, then release the later turns of its conversation (multi-turn)."""
+            output: list[int] | None = [] if released_by.get(i) else None
+            async with semaphore:  # type: ignore[attr-defined]
+                records[i] = await send_request(client, cfg, requests[i], prompt, output)
             if bar is not None:
                 bar.update(1)
-            return record
+            for k in released_by.get(i, []):
+                later.append(asyncio.create_task(turn(k, next_turn_prompt(prompt, output or [], requests[k]))))
+
+        async def turn(k: int, prompt: list[int]) -> None:
+            await asyncio.sleep(requests[k].think_time)
+            await one(k, prompt)
 
         start = time.perf_counter()
         tasks = []
-        for req, at in zip(requests, arrivals):
+        for i, (req, at) in enumerate(zip(requests, arrivals)):
+            if req.follows is not None:
+                continue
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
-        records = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(one(i, req.prompt_token_ids)))
+        await asyncio.gather(*tasks)
+        while later:  # later turns release further turns as they finish
+            await later.pop(0)
         duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    for r in records:  # starts relative to the run's start, as the offline driver records them
+    done = [r for r in records if r is not None]
+    for r in done:  # starts relative to the run's start, as the offline driver records them
         r.start -= start
-    return list(records), duration
+    return done, duration
 
 
 def result_dict(cfg: ServeConfig, records: list[RequestRecord], metrics: BenchmarkMetrics) -> dict[str, Any]:

@@ -14,6 +14,16 @@ they set the *mean* of the distribution, before clipping):
 | `chat`         | lognormal, mean 160, sigma 1.2, in [4, 1024] | lognormal, mean 340, sigma 0.9, in [4, 1024] |
 | `seed`         | lognormal, mean 128, sigma 0.6, in [16, 1024] | lognormal, mean 300, sigma 0.9, in [8, 2048] |
 | `long-prompts` | L_in (32); every k-th request L_long (1024) | L_out x [1 - r, 1 + r] (128, r 0.5); long: 16 |
+| `prefix`       | a group's shared P tokens (1024) + L_in unique (32) | exactly L_out (64)            |
+| `multi-turn`   | turn 1: L_in (128); turn k: the history + 32 new | exactly L_out (64)                  |
+
+`prefix` (vLLM's prefix-repetition dataset): `--num-groups` G groups, each sharing one
+`--prefix-len` P-token prefix, every request with its own suffix; request i belongs to group i % G, so
+each group's first request arrives early and the rest can hit its cached prefix. `multi-turn`:
+num_prompts / `--num-turns` K conversations of K turns. Turn 1 is L_in tokens; turn k's prompt is
+turn k-1's whole prompt, its generated tokens, then `--turn-len` new user tokens, sent an exponential
+think time (mean `--think-time` s) after turn k-1 finished. Only first turns follow the arrival
+process; later turns are released by the client (`follows`), as a chat user would send them.
 
 `r` is `--range-ratio` (as in `vllm bench serve --dataset-name random`). `chat` follows the
 shape of ShareGPT conversations as the vLLM paper reports them (mean input 161, mean output 338
@@ -40,17 +50,36 @@ import numpy as np
 from conveyor.errors import ConfigError
 
 FIRST_REGULAR_ID = 10  # ids below are special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...)
-DATASETS = ("random", "uniform", "chat", "seed", "long-prompts")
+DATASETS = ("random", "uniform", "chat", "seed", "long-prompts", "prefix", "multi-turn")
 
 
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    # A conversation's later turn: the prompt sent is the previous turn's (request `follows`) whole
+    # prompt, then its generated tokens, then prompt_token_ids; sent think_time s after it finished.
+    follows: int | None = None
+    think_time: float = 0.0
 
     @property
     def prompt_len(self) -> int:
+        """Of a later turn: its new tokens only (the history is known once the previous turn ends)."""
         return len(self.prompt_token_ids)
+
+
+def next_turn_prompt(previous_prompt: list[int], previous_output: list[int], request: BenchRequest) -> list[int]:
+    """The prompt a later turn sends: the conversation so far, then its own new tokens."""
+    return previous_prompt + previous_output + request.prompt_token_ids
+
+
+def followers(requests: list[BenchRequest]) -> dict[int, list[int]]:
+    """Request index -> the later turns it releases when it finishes."""
+    out: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.follows is not None:
+            out.setdefault(r.follows, []).append(i)
+    return out
 
 
 @dataclass
@@ -63,6 +92,11 @@ class WorkloadConfig:
     long_prompt_len: int = 1024  # long-prompts: the occasional long prompt
     long_prompt_every: int = 8
     long_prompt_output_len: int = 16
+    num_groups: int = 16  # prefix: groups sharing a prefix
+    prefix_len: int = 1024  # prefix: the shared prefix's length
+    num_turns: int = 6  # multi-turn: turns per conversation
+    turn_len: int = 32  # multi-turn: new user tokens per later turn
+    think_time: float = 1.0  # multi-turn: mean seconds between a turn's end and the next turn
     vocab_size: int = 49152
     seed: int = 0
 
@@ -75,6 +109,8 @@ class WorkloadConfig:
             raise ValueError("range_ratio must be in [0, 1)")
         if self.vocab_size <= FIRST_REGULAR_ID:
             raise ValueError(f"vocab_size must exceed {FIRST_REGULAR_ID}")
+        if min(self.num_groups, self.num_turns) < 1 or self.prefix_len < 0 or self.turn_len < 0 or self.think_time < 0:
+            raise ValueError("num_groups and num_turns must be positive; prefix_len, turn_len and think_time >= 0")
 
 
 @dataclass(frozen=True)
@@ -94,7 +130,8 @@ _LONG_TAILED = {
     "chat": (_LogNormal(160, 1.2, 4, 1024), _LogNormal(340, 0.9, 4, 1024)),
     "seed": (_LogNormal(128, 0.6, 16, 1024), _LogNormal(300, 0.9, 8, 2048)),
 }
-_DEFAULT_LENS = {"random": (128, 128), "uniform": (128, 128), "long-prompts": (32, 128)}
+_DEFAULT_LENS = {"random": (128, 128), "uniform": (128, 128), "long-prompts": (32, 128), "prefix": (32, 64),
+                 "multi-turn": (128, 64)}
 
 
 def _lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -120,9 +157,35 @@ def _lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> tuple[np.ndarray,
     return ins, outs
 
 
+def _prefix_requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[BenchRequest]:
+    len_in, len_out = cfg.input_len or 32, cfg.output_len or 64
+    prefixes = [rng.integers(FIRST_REGULAR_ID, cfg.vocab_size, cfg.prefix_len).tolist() for _ in range(cfg.num_groups)]
+    return [BenchRequest(prefixes[i % cfg.num_groups] + rng.integers(FIRST_REGULAR_ID, cfg.vocab_size, len_in).tolist(),
+                         len_out) for i in range(cfg.num_prompts)]
+
+
+def _multi_turn_requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[BenchRequest]:
+    len_in, len_out = cfg.input_len or 128, cfg.output_len or 64
+    conversations = max(1, cfg.num_prompts // cfg.num_turns)
+    requests: list[BenchRequest] = []
+    for turn in range(cfg.num_turns):  # turn-major: every conversation's first turn is listed first
+        for c in range(conversations):
+            if turn == 0:
+                requests.append(BenchRequest(rng.integers(FIRST_REGULAR_ID, cfg.vocab_size, len_in).tolist(), len_out))
+            else:
+                think = float(rng.exponential(cfg.think_time)) if cfg.think_time else 0.0
+                requests.append(BenchRequest(rng.integers(FIRST_REGULAR_ID, cfg.vocab_size, cfg.turn_len).tolist(),
+                                             len_out, follows=(turn - 1) * conversations + c, think_time=think))
+    return requests
+
+
 def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
-    """The workload's requests, in arrival order; the same config always gives the same list."""
+    """The workload's requests, first turns in arrival order; the same config always gives the same list."""
     rng = np.random.default_rng([cfg.seed, 0])
+    if cfg.dataset == "prefix":
+        return _prefix_requests(cfg, rng)
+    if cfg.dataset == "multi-turn":
+        return _multi_turn_requests(cfg, rng)
     ins, outs = _lengths(cfg, rng)
     requests = []
     for n_in, n_out in zip(ins.tolist(), outs.tolist()):
@@ -196,6 +259,18 @@ def arrival_times(num: int, request_rate: float, burstiness: float = 1.0, seed: 
     if times[-1] > 0:  # pin the total span to num / rate, as vLLM does, so throughput is comparable
         times *= (num / request_rate) / times[-1]
     return times.tolist()
+
+
+def request_arrivals(requests: list[BenchRequest], request_rate: float, burstiness: float = 1.0, seed: int = 0,
+                     schedule: RateSchedule | None = None) -> list[float]:
+    """arrival_times for the requests that start a conversation (all but later turns, which get nan:
+    their predecessor releases them)."""
+    first = [i for i, r in enumerate(requests) if r.follows is None]
+    times = arrival_times(len(first), request_rate, burstiness, seed, schedule)
+    out = [math.nan] * len(requests)
+    for i, t in zip(first, times):
+        out[i] = t
+    return out
 
 
 def describe(requests: list[BenchRequest]) -> str:

@@ -50,7 +50,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.clock = clock
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        # The cache salt is the model's identity: a key never matches KV another model computed.
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, cache_salt=f"{config.model}|{config.dtype}"
+        )
         self.scheduler = make_scheduler(config.scheduler, self.kv)
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.grammars = GrammarMatchers(tokenizer, vocab_size)  # structured outputs (conveyor/structured)
@@ -221,8 +224,8 @@ class LLMEngine:
         if self.slo is not None:
             self.slo.on_scheduled(out, self.scheduler)
         stats.num_requests, stats.num_tokens, stats.num_preempted = len(out.scheduled), out.num_tokens, len(out.preempted)
-        for request, _ in out.scheduled:
-            if request.times.first_scheduled is None:
+        for request in [r for r, _ in out.scheduled] + [child for _, child in out.forks]:
+            if request.times.first_scheduled is None:  # a fork of a parent first scheduled now, too
                 request.times.first_scheduled = t1
         samplers = out.sampling_requests()
         for parent, child in out.forks:
@@ -286,4 +289,5 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             times=request.times,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )

@@ -19,6 +19,7 @@ class RequestOutput:
     text: str | None = None  # the output text, set by LLM.generate once finished (the engine makes none)
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's n samples this is
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.

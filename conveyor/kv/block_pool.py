@@ -1,7 +1,15 @@
-"""A fixed pool of KV blocks: a free list and a ref count per block; O(1) allocate and free."""
+"""A fixed pool of KV blocks: ref counts, a free list, and content keys for prefix caching.
+
+A block with ref count 0 is free. A free block with no key is plain; a free block that still holds
+the KV of a full, keyed block (prefix caching) is evictable: it waits, least recently freed first,
+in case a later request with the same prefix takes it back. Allocation takes plain blocks first and
+evicts (drops the key of) the least recently freed evictable block only when no plain one is left.
+Every operation is O(1) per block: the plain list is a deque (only its ends are touched) and the
+evictable list an OrderedDict, so a hit removes a block from the middle in O(1).
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class OutOfBlocksError(RuntimeError):
@@ -13,26 +21,52 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # plain free blocks, FIFO
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free keyed blocks, LRU first
         self._ref_counts = [0] * num_blocks
+        self._key_of: list[bytes | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: plain free ones and cached-but-evictable ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a key, owned or evictable."""
+        return len(self._block_of)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def key_of(self, block_id: int) -> bytes | None:
+        return self._key_of[block_id]
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._block_of.get(key)
+
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._ref_counts[b] = 1
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._key_of[block]]  # type: ignore[index]
+                self._key_of[block] = None
+            self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def share(self, block_id: int) -> None:
@@ -41,13 +75,35 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free and cannot be shared")
         self._ref_counts[block_id] += 1
 
+    def take_cached(self, block_id: int) -> None:
+        """A prefix-cache hit: take a reference to a keyed block, owned or evictable."""
+        if self._key_of[block_id] is None:
+            raise ValueError(f"block {block_id} holds no cached content")
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
+    def cache(self, block_id: int, key: bytes) -> bool:
+        """Give an owned, full block its content key; False (and nothing changes) if the block has a
+        key already or another block holds the same content (the first one stays the cached copy)."""
+        if self._ref_counts[block_id] < 1:
+            raise ValueError(f"block {block_id} is free and cannot be cached")
+        if self._key_of[block_id] is not None or key in self._block_of:
+            return False
+        self._key_of[block_id] = key
+        self._block_of[key] = block_id
+        return True
+
     def free(self, blocks: list[int]) -> None:
-        # Reverse order: the tail of a sequence goes back first, so the head blocks, which a
-        # future prefix cache would most likely reuse, stay out of the free list longest.
+        # Reverse order: the tail of a sequence goes back first, so its head, which later requests
+        # are likeliest to share, is evicted last.
         for b in reversed(blocks):
             count = self._ref_counts[b]
             if count < 1:
                 raise ValueError(f"block {b} freed twice")
             self._ref_counts[b] = count - 1
             if count == 1:
-                self._free.append(b)
+                if self._key_of[b] is None:
+                    self._free.append(b)
+                else:
+                    self._evictable[b] = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from conveyor.config import SchedulerConfig
 from conveyor.kv.manager import KVCacheManager, blocks_for
@@ -47,6 +47,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Prefix cache, in tokens: looked up when a request starts (or restarts) holding no KV, and hit.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # Lower limits an SLO controller may set under the configured ones (None: the configured).
         self.seq_cap: int | None = None
         self.token_cap: int | None = None
@@ -121,31 +124,55 @@ class Scheduler:
         raise NotImplementedError
 
     # --- shared mechanics -------------------------------------------------------------------
-    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
-        """How many of the request's pending tokens fit the budget; 0 if it must wait."""
-        pending = request.num_pending_tokens
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks a request holding no KV (new, or back after preemption) may start from:
+        the longest cached run of its full blocks, never its last token, whose logits are needed."""
+        return self.kv.cached_prefix(request.request_id, request.token_slice, request.num_tokens - 1)
+
+    def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:
+        """How many of the request's pending tokens (after a prefix hit on `cached`) fit the
+        budget; 0 if it must wait."""
+        pending = request.num_pending_tokens - len(cached) * self.kv.block_size
         if pending <= budget:
             return pending
         return budget if self.config.chunked_prefill else 0
 
-    def _reserve(self, request: Request, num_new: int, victims: list[Request], out: SchedulerOutput) -> bool:
-        """Give `request` slots for num_new tokens, preempting from the end of `victims` (the most
-        recently admitted) until they fit. False if the request itself had to give way."""
-        total = request.num_computed_tokens + num_new
-        if not self.kv.can_allocate(request.request_id, total):
-            self._evict_waiting(request, total, out)
-        while not self.kv.can_allocate(request.request_id, total):
+    def _total(self, request: Request, num_new: int, cached: Sequence[int] = ()) -> int:
+        """Tokens the request will have slots for after this step."""
+        return request.num_computed_tokens + len(cached) * self.kv.block_size + num_new
+
+    def _reserve(
+        self, request: Request, num_new: int, victims: list[Request], out: SchedulerOutput,
+        cached: Sequence[int] = (),
+    ) -> bool:
+        """Give `request` slots for num_new tokens (after a prefix hit on `cached`), preempting from
+        the end of `victims` (the most recently admitted) until they fit. False if the request
+        itself had to give way."""
+        total = self._total(request, num_new, cached)
+        rid = request.request_id
+        if not self.kv.can_allocate(rid, total, cached):
+            self._evict_waiting(request, total, out, cached)
+        while not self.kv.can_allocate(rid, total, cached):
             victim = self._pick_victim(victims, out)
             if victim is None:
                 return False
             self._preempt(victim, out)
             if victim is request:
                 return False
-        self.kv.allocate(request.request_id, total)
+        starts = rid not in self.kv.block_tables
+        self.kv.allocate(rid, total, cached)
+        if starts:
+            hit = len(cached) * self.kv.block_size
+            request.num_computed_tokens += hit  # the prefix hit: those tokens' KV is in `cached`
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit
+            if self.kv.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += hit
         out.scheduled.append((request, num_new))
         return True
 
-    def _evict_waiting(self, head: Request, total: int, out: SchedulerOutput) -> None:
+    def _evict_waiting(self, head: Request, total: int, out: SchedulerOutput, cached: Sequence[int] = ()) -> None:
         """Free the blocks of waiting requests (other than `head`), newest first, until `head`
         has room for `total` tokens.
 
@@ -156,15 +183,11 @@ class Scheduler:
         over and over. They go first, before running requests are preempted: recomputed later
         like any preempted request."""
         for candidate in reversed(self.waiting):
-            if self.kv.can_allocate(head.request_id, total):
+            if self.kv.can_allocate(head.request_id, total, cached):
                 return
             if candidate is head or candidate.request_id not in self.kv.block_tables:
                 continue
-            self.kv.free(candidate.request_id)
-            candidate.num_computed_tokens = 0
-            candidate.num_preemptions += 1
-            self.num_preemptions += 1
-            out.preempted.append(candidate)
+            self._drop_kv(candidate, out)
 
     def _finish_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         """Branch off the extra samples of n > 1 requests that sample their first token now."""
@@ -190,13 +213,17 @@ class Scheduler:
                 return candidate
         return None
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        # Recompute, not swap: drop the KV and let the request catch up from token 0 later.
+    def _drop_kv(self, request: Request, out: SchedulerOutput) -> None:
+        # Recompute, not swap: drop the KV and let the request catch up from token 0 later (or
+        # from what the prefix cache still holds of it).
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._drop_kv(request, out)
         self._on_preempt(request)
 
     def _on_preempt(self, request: Request) -> None:
@@ -206,6 +233,7 @@ class Scheduler:
         """Account for the computed tokens, then retire the requests the engine says are done."""
         for request, n in out.scheduled:
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_slice)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         for request, status in finished:

@@ -40,16 +40,17 @@ class ContinuousScheduler(Scheduler):
             # An empty batch always takes the head, so a cap lowered under a request's n cannot stall it.
             if seats and seats + 1 + request.pending_forks > self.max_num_seqs:
                 break
-            n = self._tokens_to_schedule(request, budget)
+            cached = self._cached_prefix(request)
+            n = self._tokens_to_schedule(request, budget, cached)
             if n and not self.running:
-                self._evict_waiting(request, request.num_computed_tokens + n, out)
-            if n == 0 or not self.kv.can_allocate(request.request_id, request.num_computed_tokens + n):
+                self._evict_waiting(request, self._total(request, n, cached), out, cached)
+            if n == 0 or not self.kv.can_allocate(request.request_id, self._total(request, n, cached), cached):
                 break
             self.waiting.popleft()
             seats += 1 + request.pending_forks
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._reserve(request, n, [], out)
+            self._reserve(request, n, [], out, cached)
             budget -= n
         return self._finish_schedule(out)
 

@@ -42,8 +42,9 @@ class StaticScheduler(Scheduler):
                 break
             if request.is_finished or request in out.preempted:
                 continue
-            n = self._tokens_to_schedule(request, budget)
-            if n and self._reserve(request, n, self.batch, out):
+            cached = self._cached_prefix(request)
+            n = self._tokens_to_schedule(request, budget, cached)
+            if n and self._reserve(request, n, self.batch, out, cached):
                 request.status = RequestStatus.RUNNING
                 budget -= n
         return self._finish_schedule(out)

@@ -25,6 +25,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """Every SchedulerConfig field the parser has (so scheduler options added later flow through)."""
     kwargs = {name: getattr(args, name) for name in SchedulerConfig.__dataclass_fields__ if hasattr(args, name)}
     kwargs["block_size"] = args.block_size
+    kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -75,6 +76,9 @@ def _run(args: argparse.Namespace) -> int:
         if run.workers:
             print(_deployment_line(cfg, run.result.offline.extra))
         print(format_result(run.result.metrics, selected, request_rate=cfg.request_rate))
+        cache = {k: v for k, v in run.result.offline.extra.items() if k.startswith(("prefix", "cached", "ttft_mean"))}
+        if cache:
+            print("prefix cache: " + ", ".join(f"{k} {v:.3g}" for k, v in cache.items()))
         runs, extra = [run], {}
     steps = sum(r.num_steps for r in runs)
     print(f"simulated {sum(r.result.metrics.completed for r in runs)} requests, {steps} engine steps "

@@ -165,6 +165,8 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     if requests is None:
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
+    if any(r.follows is not None for r in requests):
+        raise ConfigError("conversations (the multi-turn workload) run on one simulated engine, not a deployment")
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
     max_len, block_size = cfg.max_model_len or model.max_model_len, engine_config.block_size

@@ -115,6 +115,8 @@ def measure(engine: LLMEngine, grid: ProfileGrid,
             echo: Callable[[str], None] | None = print) -> list[tuple[StepShape, float]]:
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
+    # The grid's prompts repeat: each must be computed whole for the step shapes to be the planned ones.
+    engine.kv.enable_prefix_caching = False
     run_episode(engine, Episode([Wave([32, 48], 4)]), recorder)  # warm-up, not recorded
     samples: list[tuple[StepShape, float]] = []
     episodes = grid.episodes()

@@ -11,7 +11,7 @@ import time
 from conveyor.bench.metrics import compute_metrics
 from conveyor.bench.offline import run_offline
 from conveyor.bench.results import RunResult
-from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
+from conveyor.bench.workloads import BenchRequest, generate_requests, parse_rate_schedule, request_arrivals
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
@@ -35,7 +35,7 @@ def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
                        max_model_len=cfg.max_model_len or model.max_model_len,
                        vocab_size=model.vocab_size, clock=clock)
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
-    arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
+    arrivals = request_arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
     offline = run_offline(engine, requests, arrivals, sleep=clock.sleep)
     metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(policy_label(engine_config), cfg.request_rate, dict(cfg.engine), offline, metrics)

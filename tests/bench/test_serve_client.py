@@ -59,7 +59,10 @@ class FakeOpenAIServer:
             if i:
                 await asyncio.sleep(GAP_S)
             writer.write(b": keep-alive comment\n\n" if i == 1 else b"")
-            writer.write(event({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None}))
+            choice = {"index": 0, "text": f"t{i}", "finish_reason": None}
+            if payload.get("return_token_ids"):
+                choice["token_ids"] = [500 + i]
+            writer.write(event({"choices": [choice], "usage": None}))
             await writer.drain()
         writer.write(event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None}))
         writer.write(event({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
@@ -129,3 +132,17 @@ def test_a_role_announcement_is_not_the_first_token():
     assert _is_token_chunk({"index": 0, "text": "", "finish_reason": None})
     assert not _is_token_chunk({"index": 0, "text": "", "finish_reason": "length"})  # only the finish
     assert _is_token_chunk({"index": 0, "text": "end", "finish_reason": "stop"})
+
+
+def test_multi_turn_sends_the_next_turn_with_the_history_after_the_think_time() -> None:
+    requests = [BenchRequest([20, 21], 3), BenchRequest([30], 2), BenchRequest([22], 2, follows=0, think_time=0.1),
+                BenchRequest([23, 24], 2, follows=2, think_time=0.0)]
+    cfg = ServeConfig(model="fake", workload=WorkloadConfig(), disable_tqdm=True, ready_timeout_s=0)
+    fake, records, _ = _run(cfg, requests)
+    by_prompt = {tuple(p["prompt"]): p for p in fake.payloads}
+    turn2 = (20, 21, 500, 501, 502, 22)
+    assert turn2 in by_prompt and by_prompt[turn2].get("return_token_ids")
+    assert turn2 + (500, 501, 23, 24) in by_prompt
+    assert [r.prompt_len for r in records] == [2, 1, 6, 10]
+    assert all(r.success for r in records)
+    assert records[2].start >= records[0].start + records[0].latency + 0.1 - 1e-3

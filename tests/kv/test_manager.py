@@ -95,18 +95,14 @@ def test_allocate_never_shrinks() -> None:
     check_manager(kv)
 
 
-def test_num_new_blocks_and_can_allocate() -> None:
+def test_can_allocate_counts_new_blocks() -> None:
     kv = KVCacheManager(3, 4)
-    assert kv.num_new_blocks("a", 0) == 0
-    assert kv.num_new_blocks("a", 1) == 1
-    assert kv.num_new_blocks("a", 12) == 3
-    assert kv.can_allocate("a", 12) and not kv.can_allocate("a", 13)
+    assert kv.can_allocate("a", 0) and kv.can_allocate("a", 12) and not kv.can_allocate("a", 13)
     kv.allocate("a", 6)
-    assert kv.num_new_blocks("a", 6) == 0
-    assert kv.num_new_blocks("a", 7) == 0
-    assert kv.num_new_blocks("a", 9) == 1
-    assert kv.num_new_blocks("a", 3) == 0  # never negative
-    assert kv.can_allocate("b", 4) and not kv.can_allocate("b", 5)
+    assert kv.allocate("a", 7) == []  # the second block has room
+    assert len(kv.allocate("a", 9)) == 1
+    assert kv.allocate("a", 3) == []  # never shrinks
+    assert kv.can_allocate("b", 0) and not kv.can_allocate("b", 1)
     assert kv.can_allocate("a", 12) and not kv.can_allocate("a", 13)
 
 
@@ -213,7 +209,6 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         need = blocks_for(n, self.kv.block_size)
-        assert self.kv.num_new_blocks(rid, n) == need
         if need > self.kv.num_free_blocks:
             assert not self.kv.can_allocate(rid, n)
             before = self._snapshot()
@@ -234,7 +229,6 @@ class ManagerMachine(RuleBasedStateMachine):
         old_table = list(self.kv.block_tables[rid])
         total = self.tokens[rid] + k
         need = blocks_for(total, self.kv.block_size) - len(old_table)
-        assert self.kv.num_new_blocks(rid, total) == need
         bs, written = self.kv.block_size, self.tokens[rid]
         # Writing into a partly filled block that someone else also holds copies it first.
         cow = k > 0 and written % bs != 0 and self.kv.pool.ref_count(old_table[written // bs]) > 1

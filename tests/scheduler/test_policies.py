@@ -27,11 +27,13 @@ class Harness:
         chunked: bool = True,
         max_model_len: int = 256,
         clock=None,  # noqa: ANN001
+        prefix_caching: bool = False,  # the traces below assume every prompt is computed whole
     ) -> None:
         self.runner = FakeRunner()
         self.engine = fake_engine(self.runner, policy, block_size=block_size, num_blocks=num_blocks,
                                   max_num_seqs=max_num_seqs, budget=budget, chunked=chunked,
-                                  max_model_len=max_model_len, clock=clock)
+                                  max_model_len=max_model_len, clock=clock,
+                                  prefix_caching=prefix_caching)
         self.trace: Trace = []
         self.preempted: list[list[str]] = []
         self.finished_at: dict[str, int] = {}

@@ -1,9 +1,11 @@
 """Property tests: LLMEngine + a fake runner under random arrivals, sizes, pools, policies, aborts.
 
-The runner models the paged KV cache: every computed token is written into the slot its block table
-gives, a request's already computed prefix must still be there untouched, and the sampled token is a
-pure function of the sequence read back from the slots. So outputs equal the solo run only if
-preemption, recompute, chunking and block ownership are all right.
+The runner models the paged KV cache: every computed token writes into the slot its block table gives
+what a real forward would (a function of the whole sequence up to it), a request's already computed
+prefix must read back exactly that (whether it computed it or a prefix-cache hit gave it the block),
+nobody writes into a block someone else holds, and the sampled token is a function of the last slot
+read back. So outputs equal the solo run only if preemption, recompute, chunking, forks with
+copy-on-write, prefix hits and block ownership are all right.
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ from tests.fakes import FakeRunner, fake_engine
 VOCAB = 1000
 
 
-def seq_token(seq: list[int]) -> int:
-    h = 0
+def prefix_hashes(seq: list[int]) -> list[int]:
+    """What a forward writes at each position: it depends on every token up to it."""
+    h, out = 0, []
     for t in seq:
         h = (h * 1_000_003 + t + 1) % 2_305_843_009_213_693_951
-    return h % VOCAB
+        out.append(h)
+    return out
 
 
 class PagedRunner(FakeRunner):
@@ -43,7 +47,7 @@ class PagedRunner(FakeRunner):
 
     def __init__(self) -> None:
         super().__init__(VOCAB)
-        self.slots: dict[int, tuple[str, int, int]] = {}  # slot -> (request id, position, token)
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, what the forward wrote)
         self.free_at_execute: list[int] = []
         self.split_prefill = False  # some step computed fewer tokens than the request had pending
 
@@ -51,7 +55,13 @@ class PagedRunner(FakeRunner):
         super().execute(out, kv, stats)  # records the step, checks sampling requests have slots
         self.free_at_execute.append(kv.num_free_blocks)
         bs = kv.block_size
+        for src, dst in out.block_copies:  # copy-on-write before the forward, as the real runner does
+            for offset in range(bs):
+                if src * bs + offset in self.slots:
+                    self.slots[dst * bs + offset] = self.slots[src * bs + offset]
         seen: set[str] = set()
+        for parent, child in out.forks:
+            assert kv.block_tables[child.request_id] == kv.block_tables[parent.request_id]
         for request, n in out.scheduled:
             rid = request.request_id
             assert rid not in seen, f"{rid} scheduled twice in one step"
@@ -63,15 +73,21 @@ class PagedRunner(FakeRunner):
             start, end = request.num_computed_tokens, request.num_computed_tokens + n
             assert len(table) * bs >= end, f"{rid} computes tokens up to {end} without slots"
             assert kv.num_slotted_tokens[rid] >= end
-            for pos in range(start):  # the computed prefix is still in this request's slots
-                assert self.slots.get(table[pos // bs] * bs + pos % bs) == (rid, pos, request.token_at(pos))
+            written = prefix_hashes(request.token_slice(0, end))
+            # The computed prefix (computed here, or a prefix hit's blocks) holds what recompute would write.
+            for pos in range(start):
+                assert self.slots.get(table[pos // bs] * bs + pos % bs) == (pos, written[pos]), f"{rid} at {pos}"
+            # Nobody writes into a block someone else holds, but for the samples that fork off it
+            # this step (they share the prompt's KV being written).
+            sharers = 1 + sum(1 for parent, _ in out.forks if parent is request)
             for pos in range(start, end):
-                self.slots[table[pos // bs] * bs + pos % bs] = (rid, pos, request.token_at(pos))
+                assert kv.pool.ref_count(table[pos // bs]) <= sharers, f"{rid} writes into a shared block"
+                self.slots[table[pos // bs] * bs + pos % bs] = (pos, written[pos])
         tokens = []
         for request in out.sampling_requests():
             table = kv.block_tables[request.request_id]
-            seq = [self.slots[table[p // bs] * bs + p % bs][2] for p in range(request.num_tokens)]
-            tokens.append(seq_token(seq))
+            last = request.num_tokens - 1
+            tokens.append(self.slots[table[last // bs] * bs + last % bs][1] % VOCAB)
         return SamplerOutput(tokens)
 
 
@@ -84,10 +100,11 @@ def make_engine(
     budget: int = 64,
     chunked: bool = True,
     max_model_len: int = 1024,
+    prefix_caching: bool = True,
 ) -> tuple[LLMEngine, PagedRunner]:
     runner = PagedRunner()
     engine = fake_engine(runner, policy, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                         budget=budget, chunked=chunked, max_model_len=max_model_len)
+                         budget=budget, chunked=chunked, max_model_len=max_model_len, prefix_caching=prefix_caching)
     return engine, runner
 
 
@@ -95,7 +112,9 @@ def make_engine(
 def solo(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     """The request's tokens when it runs alone in a roomy engine."""
     total = len(prompt) + max_tokens
-    engine, _ = make_engine(num_blocks=blocks_for(total, 4) + 4, budget=total + 8, max_model_len=total + 8)
+    engine, _ = make_engine(
+        num_blocks=blocks_for(total, 4) + 4, budget=total + 8, max_model_len=total + 8, prefix_caching=False
+    )
     rid = engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     request = engine.scheduler.requests[rid]
     while engine.has_unfinished_requests:
@@ -119,6 +138,7 @@ def engine_state(engine: LLMEngine) -> tuple:
         {k: list(v) for k, v in kv.block_tables.items()},
         dict(kv.num_slotted_tokens),
         list(kv.pool._free),
+        list(kv.pool._evictable),
         list(kv.pool._ref_counts),
         s.num_preemptions,
         sorted((r.request_id, r.status, r.num_computed_tokens, len(r.output_token_ids)) for r in s.requests.values()),
@@ -126,15 +146,21 @@ def engine_state(engine: LLMEngine) -> tuple:
 
 
 def check_blocks(engine: LLMEngine) -> None:
-    kv = engine.kv
-    owner: dict[int, str] = {}
-    for rid, table in kv.block_tables.items():
+    kv, pool = engine.kv, engine.kv.pool
+    owners: dict[int, int] = defaultdict(int)
+    for table in kv.block_tables.values():
+        assert len(set(table)) == len(table)
         for b in table:
-            assert b not in owner, f"block {b} in the tables of {owner[b]} and {rid}"
-            owner[b] = rid
-    assert kv.pool.num_free + len(owner) == kv.num_blocks, "blocks leaked or double counted"
-    assert not set(kv.pool._free) & set(owner)
-    assert all(kv.pool.ref_count(b) == 1 for b in owner)
+            owners[b] += 1
+    assert pool.num_free + len(owners) == kv.num_blocks, "blocks leaked or double counted"
+    free = set(pool._free) | set(pool._evictable)
+    assert len(free) == pool.num_free and not free & set(owners), "a block both free and owned"
+    for b in range(kv.num_blocks):
+        assert pool.ref_count(b) == owners.get(b, 0), f"ref count of block {b} is not its number of owners"
+    assert all(pool.key_of(b) is not None for b in pool._evictable)
+    assert all(pool.key_of(b) is None for b in pool._free)
+    if not kv.enable_prefix_caching:
+        assert pool.num_cached == 0
     usage = kv.usage()
     assert usage.wasted_slots <= (kv.block_size - 1) * usage.num_requests
 
@@ -159,6 +185,8 @@ def check_requests(engine: LLMEngine, cfg: SchedulerConfig, accepted: dict[str, 
         assert s.requests.get(rid) is r
         assert any(w is r for w in waiting) or any(m is r for m in mem)
         assert 0 <= r.num_computed_tokens < r.num_tokens  # something is always pending
+        # A hit never covers the last prompt token: its logits give the first output token.
+        assert r.num_cached_tokens is None or 0 <= r.num_cached_tokens < r.num_prompt_tokens
         if r.status is RequestStatus.WAITING:
             assert rid not in kv.block_tables and r.num_computed_tokens == 0
         else:
@@ -169,7 +197,8 @@ def check_requests(engine: LLMEngine, cfg: SchedulerConfig, accepted: dict[str, 
 
 
 def check_decision(  # noqa: ANN001
-    engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps_before
+    engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps_before,
+    before_seats,
 ) -> None:
     """What one schedule() may decide, given the queues just before it."""
     s = engine.scheduler
@@ -215,25 +244,30 @@ def check_decision(  # noqa: ANN001
         budget_left = cfg.max_num_batched_tokens - out.num_tokens
         if skipped:
             assert budget_left == 0 and not new, "a running request was skipped with budget left"
-        if not out.preempted and len(new) < len(before_waiting):
+        if not out.preempted and len(new) < len(before_waiting) and not engine.kv.enable_prefix_caching:
             head = before_waiting[len(new)]
             pending = head.num_tokens  # it held nothing, so everything is pending
             chunk = pending if not cfg.chunked_prefill or pending <= budget_left else budget_left
+            seats = before_seats + sum(r.sampling_params.n for r in new)
             assert (
-                len(before_members) + len(new) >= cfg.max_num_seqs
+                seats + 1 + (head.sampling_params.n - 1 if not head.output_token_ids else 0) > cfg.max_num_seqs
                 or budget_left == 0
                 or (not cfg.chunked_prefill and pending > budget_left)
                 or blocks_for(chunk, engine.kv.block_size) > free_at_execute
             ), "continuous left a waiting request out although it fitted"
     else:
-        batch = members(engine)
+        forked = {id(child) for _, child in out.forks}
+        batch = [m for m in members(engine) if id(m) not in forked]  # the members before this step's forks
         assert all(any(m is r for m in batch) for r in scheduled)
         assert all(any(m is p for m in batch) for p in out.preempted)
         changed = [id(m) for m in batch] != [id(m) for m in before_members]
         if changed:
             assert before_all_finished, "static admitted while its batch still had unfinished members"
         if before_all_finished and before_waiting:
-            k = min(cfg.max_num_seqs, len(before_waiting))
+            k, seats = 0, 0  # a request of n samples takes n seats (the first always joins)
+            while k < len(before_waiting) and (not seats or seats + before_waiting[k].sampling_params.n <= cfg.max_num_seqs):
+                seats += before_waiting[k].sampling_params.n
+                k += 1
             assert [id(m) for m in batch] == [id(r) for r in before_waiting[:k]], "static batch is FCFS"
 
 
@@ -243,6 +277,7 @@ class Arrival:
     step: int
     prompt: list[int]
     max_tokens: int
+    n: int = 1
 
 
 @dataclass
@@ -255,6 +290,7 @@ class Scenario:
     budget: int
     max_model_len: int
     arrivals: list[Arrival]
+    prefix_caching: bool = True
     aborts: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, pick)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (step, pick)
 
@@ -273,7 +309,9 @@ def scenarios(draw, pressure: bool = False) -> Scenario:  # noqa: ANN001
     max_model_len = draw(st.one_of(st.integers(2, 96), st.just(96)))
     cap = min(max_model_len, num_blocks * block_size, budget if not chunked else max_model_len)
     burst = pressure or draw(st.booleans())  # everything arrives within a few steps
-    arrivals = []
+    prefix_caching = draw(st.integers(0, 3).map(bool))
+    stem = [random.Random(draw(st.integers(0, 2**32))).randrange(VOCAB) for _ in range(48)]
+    arrivals: list[Arrival] = []
     for _ in range(draw(st.integers(2 if pressure else 1, 10))):
         step = draw(st.integers(0, 3) if burst else st.integers(0, 25))
         if cap >= 2 and draw(st.integers(0, 7)):
@@ -288,12 +326,22 @@ def scenarios(draw, pressure: bool = False) -> Scenario:  # noqa: ANN001
         else:
             prompt_len = draw(st.one_of(st.integers(1, total - 1), st.integers(max(1, (total - 1) // 2), total - 1)))
         rng = random.Random(draw(st.integers(0, 2**32)))
-        arrivals.append(Arrival(step, [rng.randrange(VOCAB) for _ in range(prompt_len)], total - prompt_len))
+        tail = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+        origin = draw(st.sampled_from(["fresh", "shared stem", "next turn"]))
+        if origin == "shared stem":  # a system prompt: the stem's head, then the request's own tokens
+            prompt = (stem[: draw(st.integers(0, prompt_len))] + tail)[:prompt_len]
+        elif origin == "next turn" and arrivals:  # carries an earlier request's prompt and answer
+            prev = arrivals[draw(st.integers(0, len(arrivals) - 1))]
+            prompt = (prev.prompt + list(solo(tuple(prev.prompt), prev.max_tokens)) + tail)[:prompt_len]
+        else:
+            prompt = tail
+        n = draw(st.sampled_from([1, 1, 2, 3]))
+        arrivals.append(Arrival(step, prompt, total - prompt_len, n))
     kinds = st.sampled_from(["waiting", "running", "finished", "unknown"])
     aborts = draw(st.lists(st.tuples(st.integers(0, 20), kinds, st.integers(0, 1000)), max_size=4))
     duplicates = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 1000)), max_size=1))
     return Scenario(policy, chunked, block_size, num_blocks, max_num_seqs, budget, max_model_len, arrivals,
-                    aborts, duplicates)
+                    prefix_caching, aborts, duplicates)
 
 
 def note_events(*names: str) -> None:
@@ -311,19 +359,22 @@ def fits(sc: Scenario, a: Arrival) -> bool:
         total <= sc.max_model_len
         and blocks_for(total, sc.block_size) <= sc.num_blocks
         and (sc.chunked or total <= sc.budget)
+        and a.n <= sc.max_num_seqs
     )
 
 
 def run_scenario(sc: Scenario) -> None:
     engine, runner = make_engine(
         sc.policy, block_size=sc.block_size, num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
-        budget=sc.budget, chunked=sc.chunked, max_model_len=sc.max_model_len,
+        budget=sc.budget, chunked=sc.chunked, max_model_len=sc.max_model_len, prefix_caching=sc.prefix_caching,
     )
     cfg = engine.config.scheduler
-    accepted: dict[str, Request] = {}
+    accepted: dict[str, Request] = {}  # by the id the caller knows: the first sample of each request
+    samples: dict[str, Request] = {}  # every sample, forks of n > 1 included
     arrival_of: dict[str, Arrival] = {}
     aborted: set[str] = set()
-    streamed: dict[str, list[RequestOutput]] = defaultdict(list)
+    aborted_samples: set[str] = set()
+    streamed: dict[tuple[str, int], list[RequestOutput]] = defaultdict(list)
     first_admitted: dict[str, None] = {}  # ordered set
     by_step: dict[int, list[Arrival]] = defaultdict(list)
     for a in sc.arrivals:
@@ -343,11 +394,11 @@ def run_scenario(sc: Scenario) -> None:
     while step <= last_event or engine.has_unfinished_requests:
         assert step < 20_000, "the engine stopped making progress"
         for a in by_step[step]:
-            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, n=a.n)
             before = engine_state(engine)
             if fits(sc, a):
                 rid = engine.add_request(a.prompt, params)
-                accepted[rid] = engine.scheduler.requests[rid]
+                accepted[rid] = samples[rid] = engine.scheduler.requests[rid]
                 arrival_of[rid] = a
                 assert accepted[rid].status is RequestStatus.WAITING
             else:
@@ -356,6 +407,7 @@ def run_scenario(sc: Scenario) -> None:
                     ("max_model_len", total > sc.max_model_len),
                     ("pool", blocks_for(total, sc.block_size) > sc.num_blocks),
                     ("budget", not sc.chunked and total > sc.budget),
+                    ("n", a.n > sc.max_num_seqs),
                 ] if over])
                 with pytest.raises(InvalidRequestError):
                     engine.add_request(a.prompt, params)
@@ -379,23 +431,27 @@ def run_scenario(sc: Scenario) -> None:
             if not pool:
                 continue
             rid = pool[pick % len(pool)]
-            expected = rid in accepted and not accepted[rid].is_finished
-            free_before, held = engine.kv.num_free_blocks, len(engine.kv.block_tables.get(rid, ()))
+            unfinished = [r for r in samples.values() if r.group_id == rid and not r.is_finished]
+            expected = rid in accepted and bool(unfinished)  # a finished sample's siblings may still run
+            free_before = engine.kv.num_free_blocks
             assert engine.abort_request(rid) is expected
             if expected:
                 aborted.add(rid)
-                r = accepted[rid]
-                assert r.status is RequestStatus.FINISHED_ABORTED
-                assert r.times.finished is not None
-                assert engine.kv.num_free_blocks == free_before + held
+                aborted_samples.update(r.request_id for r in unfinished)
+                for r in unfinished:
+                        assert r.status is RequestStatus.FINISHED_ABORTED
+                        assert r.times.finished is not None
+                        assert r.request_id not in engine.kv.block_tables
+                assert engine.kv.num_free_blocks >= free_before
         check_blocks(engine)
-        check_requests(engine, cfg, accepted)
+        check_requests(engine, cfg, samples)
 
         had_work = engine.has_unfinished_requests
         before_waiting = list(engine.scheduler.waiting)
         before_members = members(engine)
         before_all_finished = all(m.is_finished for m in before_members)
         before_holding = set(engine.kv.block_tables)
+        before_seats = sum(1 + r.pending_forks for r in before_members)  # n > 1 holds n seats from admission
         n_steps = len(runner.steps)
         outputs = engine.step()
         if had_work:
@@ -403,7 +459,8 @@ def run_scenario(sc: Scenario) -> None:
         else:
             assert outputs == [] and len(runner.steps) == n_steps
         check_decision(
-            engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps
+            engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps,
+            before_seats,
         )
         if len(runner.steps) > n_steps:
             if isinstance(engine.scheduler, ContinuousScheduler):
@@ -413,13 +470,18 @@ def run_scenario(sc: Scenario) -> None:
             for r in joined:
                 if r.request_id not in first_admitted:
                     first_admitted[r.request_id] = None
+        for _, r in runner.steps[-1].forks if len(runner.steps) > n_steps else []:  # samples branched off
+            if r.request_id not in samples:
+                samples[r.request_id] = r
+                arrival_of[r.request_id] = arrival_of[r.group_id]
         for o in outputs:
             assert o.request_id in accepted and o.request_id not in aborted
-            assert not streamed[o.request_id] or not streamed[o.request_id][-1].finished
+            key = (o.request_id, o.index)
+            assert not streamed[key] or not streamed[key][-1].finished
             assert len(o.new_token_ids) == 1
-            streamed[o.request_id].append(o)
+            streamed[key].append(o)
         check_blocks(engine)
-        check_requests(engine, cfg, accepted)
+        check_requests(engine, cfg, samples)
         step += 1
 
     note_events(
@@ -428,26 +490,35 @@ def run_scenario(sc: Scenario) -> None:
         f"rejected={'yes' if len(accepted) < len(sc.arrivals) else 'no'}",
         f"aborted={'yes' if aborted else 'no'}",
         f"split prefill={'yes' if runner.split_prefill else 'no'}",
+        f"prefix hit={'yes' if engine.scheduler.prefix_cache_hits else 'no'}",
+        f"n>1={'yes' if len(samples) > len(accepted) else 'no'}",
     )
 
     # FCFS over the whole run: first admissions (continuous) or batch membership (static) follow the
     # order in which requests were added; only preempted requests may jump the queue.
     add_index = {rid: i for i, rid in enumerate(accepted)}
-    order = [add_index[rid] for rid in first_admitted]
+    order = [add_index[rid] for rid in first_admitted if rid in add_index]
     assert order == sorted(order), "requests were admitted out of arrival order"
 
     # --- the end state ----------------------------------------------------------------------------
     kv, s = engine.kv, engine.scheduler
     assert kv.num_free_blocks == kv.num_blocks and kv.block_tables == {} and kv.num_slotted_tokens == {}
+    assert kv.pool.num_free == kv.pool.num_blocks and kv.usage().used_blocks == 0, "every block back in the pool"
+    assert kv._keys == {} and kv._num_offered == {}
+    assert s.prefix_cache_hits <= s.prefix_cache_queries
     assert s.requests == {} and not s.waiting and s.num_running == 0
     if isinstance(s, ContinuousScheduler):
         assert s.running == []
-    assert s.num_preemptions == sum(r.num_preemptions for r in accepted.values())
-    for rid, r in accepted.items():
+    assert s.num_preemptions == sum(r.num_preemptions for r in samples.values())
+    assert all(len([r for r in samples.values() if r.group_id == rid]) == arrival_of[rid].n
+               for rid in accepted if rid not in aborted)
+    for rid, r in samples.items():
         a = arrival_of[rid]
-        outs = streamed[rid]
+        outs = streamed[(r.group_id, r.sample_index)]
         assert [t for o in outs for t in o.new_token_ids] == r.output_token_ids
-        if rid in aborted:
+        if outs:
+            assert all(o.num_cached_tokens == (r.num_cached_tokens or 0) for o in outs)
+        if rid in aborted_samples:
             assert r.status is RequestStatus.FINISHED_ABORTED and r.status.value == "abort"
             assert len(r.output_token_ids) < a.max_tokens
             assert not outs or not outs[-1].finished
