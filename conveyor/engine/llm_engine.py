@@ -86,8 +86,12 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError without touching engine state."""
-        params = params or SamplingParams()
+        """Validate and queue a request; raises InvalidRequestError without touching engine state.
+
+        Every per-request value that reaches a tensor is checked or bounded here, before the
+        request can share a step with others (a value that overflowed inside the step would fail
+        the whole batch)."""
+        params = (params or SamplingParams()).bounded(self.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -166,6 +170,7 @@ class LLMEngine:
         (allocated and written by the caller); it resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
+        request.sampling_params = request.sampling_params.bounded(self.vocab_size)
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
         self.stopper.start(request)
         self.scheduler.add_request(request)
