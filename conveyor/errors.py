@@ -19,3 +19,8 @@ class UnsupportedModelError(ModelLoadError):
 
 class ConfigError(ConveyorError, ValueError):
     """An engine configuration that cannot work (e.g. a KV budget too small for one block)."""
+
+
+class RequestFailedError(ConveyorError):
+    """The engine could not compute this request: a step raised with it in the batch and ran
+    without it, so it alone fails (its KV blocks freed) while the rest of the batch goes on."""

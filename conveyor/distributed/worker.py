@@ -286,6 +286,10 @@ class EngineWorker:
 
     def _collect(self, outputs: list[RequestOutput], events: list[Any]) -> None:
         for out in outputs:
+            if out.error is not None:  # the engine failed this request alone (failure isolation)
+                events.append(RequestError(out.request_id, str(out.error)))
+                self._prefill_only.discard(out.request_id)
+                continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions))
             if out.request_id not in self._prefill_only:

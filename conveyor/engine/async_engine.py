@@ -293,6 +293,10 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
+            if out.error is not None:  # the engine failed this request alone (failure isolation)
+                events.append((sink.queue, Failed(out.request_id, out.error)))
+                del self._sinks[out.request_id]
+                continue
             # The engine keeps appending to token_ids: hand the other thread a copy.
             events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
             if out.finished:

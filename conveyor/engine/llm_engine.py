@@ -6,6 +6,7 @@ times turns this same loop into a simulator, and tests drive it with a fake one.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -13,14 +14,19 @@ from conveyor.config import EngineConfig
 from conveyor.control import SloController
 from conveyor.engine.outputs import RequestOutput, SamplerOutput, StepStats
 from conveyor.engine.stopping import StopChecker
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, RequestFailedError
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
 
+log = logging.getLogger("conveyor.engine")
+
 
 class Runner(Protocol):
+    """Optionally also `save_rng_state(out) -> state` and `restore_rng_state(state)`, so that a step
+    re-run after a failure (LLMEngine._execute_isolating) draws the same random numbers."""
+
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`."""
         ...
@@ -198,10 +204,10 @@ class LLMEngine:
         for request, _ in out.scheduled:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = t1
+        sampled, out, outputs = self._execute_isolating(out, stats)
         samplers = out.sampling_requests()
-        sampled = self.runner.execute(out, self.kv, stats)
         t2 = self.clock()
-        outputs, finished = [], []
+        finished = []
         logprobs = sampled.logprobs or [None] * len(samplers)
         for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
             request.output_token_ids.append(token)
@@ -223,6 +229,71 @@ class LLMEngine:
             self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _ in finished], self.scheduler)
             stats.extra.update(self.slo.state.as_extra())
         return outputs
+
+    # --- failure isolation -----------------------------------------------------------------------
+    def _execute_isolating(self, out: SchedulerOutput,
+                           stats: StepStats) -> tuple[SamplerOutput, SchedulerOutput, list[RequestOutput]]:
+        """Run the step; if the runner raises, find the requests that make it raise by re-running
+        it on halves of the batch (bisection), fail only them, and run the rest as one batch again.
+
+        Returns what the runner sampled, the step's decision without the failed requests, and a
+        final output (carrying a RequestFailedError) per failed request. A step that fails for
+        every request (the model itself is broken) raises, failing everyone as before.
+
+        The retries are exact: the random generators are restored before each, a copy-on-write
+        block copy repeats the same copy, and KV writes rewrite the same slots with the same values
+        (a request's rows do not depend on its batch-mates), so survivors get the tokens a clean
+        run gives. Samples of one request (n > 1, forks) stand or fall together."""
+        save = getattr(self.runner, "save_rng_state", None)
+        rng_state = save(out) if save is not None else None
+
+        def attempt(decision: SchedulerOutput, step_stats: StepStats) -> SamplerOutput | None:
+            if rng_state is not None:
+                self.runner.restore_rng_state(rng_state)  # type: ignore[attr-defined]
+            try:
+                return self.runner.execute(decision, self.kv, step_stats)
+            except Exception:
+                return None
+
+        try:
+            return self.runner.execute(out, self.kv, stats), out, []
+        except Exception as exc:
+            error = exc
+        groups = list(dict.fromkeys(r.group_id for r, _ in out.scheduled))  # type: ignore[misc]
+        if len(groups) == 1:
+            raise error
+
+        def culprits(suspects: list[str]) -> list[str]:
+            """The groups among `suspects` (known to fail together) whose step fails on its own."""
+            if len(suspects) == 1:
+                return suspects
+            found: list[str] = []
+            for part in (suspects[: len(suspects) // 2], suspects[len(suspects) // 2 :]):
+                if attempt(_only(out, set(part)), StepStats()) is None:
+                    found += culprits(part)
+            return found
+
+        failed = set(culprits(groups))
+        if not failed or len(failed) == len(groups):  # no single cause, or the model itself fails
+            raise error
+        log.error("engine step failed; isolated the cause to request(s) %s, the other %d go on",
+                  sorted(failed), len(groups) - len(failed), exc_info=error)
+        survivors = _only(out, set(groups) - failed)
+        sampled = attempt(survivors, stats)
+        if sampled is None:
+            raise error
+        return sampled, survivors, [self._fail_group(group_id, error) for group_id in sorted(failed)]
+
+    def _fail_group(self, group_id: str, cause: BaseException) -> RequestOutput:
+        """Finish every sample of a request as failed (blocks freed); its final output."""
+        request = next(r for r in self.scheduler.requests.values() if r.group_id == group_id)
+        self.abort_request(group_id)
+        output = self._output(request, [], None)
+        output.finish_reason = "error"
+        output.error = RequestFailedError(
+            f"request {group_id!r} failed inside the engine step and was removed from the batch "
+            f"({type(cause).__name__}); the other requests were not affected")
+        return output
 
     def _retire_sample(self, group_id: str) -> None:
         left = self._unfinished_samples.get(group_id)
@@ -250,3 +321,13 @@ class LLMEngine:
             times=request.times,
             num_preemptions=request.num_preemptions,
         )
+
+
+def _only(out: SchedulerOutput, group_ids: set[str]) -> SchedulerOutput:
+    """The step's decision restricted to the given requests (every sample of each)."""
+    return SchedulerOutput(
+        scheduled=[(r, n) for r, n in out.scheduled if r.group_id in group_ids],
+        preempted=out.preempted,
+        forks=[(parent, child) for parent, child in out.forks if parent.group_id in group_ids],
+        block_copies=out.block_copies,
+    )

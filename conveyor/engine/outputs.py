@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.errors import ConveyorError
 from conveyor.request import RequestTimes
 
 
@@ -31,6 +32,9 @@ class RequestOutput:
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples this is
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
+    # Set on the last output of a request the engine failed (finish_reason "error"): a step raised
+    # because of it (conveyor.errors.RequestFailedError); the others in the batch went on.
+    error: ConveyorError | None = None
 
 
 @dataclass
