@@ -6,7 +6,12 @@ class ConveyorError(Exception):
 
 
 class InvalidRequestError(ConveyorError, ValueError):
-    """A request (prompt or sampling parameters) that the engine will not accept."""
+    """A request (prompt or sampling parameters) that the engine will not accept; `param` names
+    the field at fault when one is (the server reports it as the error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(ConveyorError):

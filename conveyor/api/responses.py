@@ -8,13 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conveyor.api.errors import server_error
+from conveyor.api.errors import INTERNAL_ERROR, APIError, server_error, unavailable
 from conveyor.api.generation import Choice, Generation, TokenLogprob
+from conveyor.engine.async_engine import EngineStoppedError
+from conveyor.errors import RequestFailedError
+
+log = logging.getLogger("conveyor.api")
+
+
+def failure(gen: Generation) -> APIError:
+    """What the client is told when the engine failed its request: never the exception's text
+    (it may hold internals); that goes to the log."""
+    error = gen.error
+    if isinstance(error, EngineStoppedError):
+        return unavailable("the server is shutting down", code="shutting_down")
+    log.error("%s failed: %r", gen.id, error)
+    if isinstance(error, RequestFailedError):
+        return server_error("this request failed inside the engine and was removed from the batch; "
+                            "other requests were not affected")
+    return server_error(INTERNAL_ERROR)
 
 
 class CompletionFormat:
@@ -103,7 +121,7 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
         if delta or logprobs or choice.finished:
             yield chunk([fmt.choice_delta(choice, delta, logprobs)])
     if gen.error is not None:
-        yield _sse(server_error(f"generation failed: {gen.error}").body())
+        yield _sse(failure(gen).body())
     elif include_usage:
         yield _sse({**_envelope(gen, fmt, fmt.chunk_object, []), "usage": usage(gen)})
     yield _sse("[DONE]")
@@ -154,7 +172,7 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
         return None
     work.result()
     if gen.error is not None:
-        raise server_error(f"generation failed: {gen.error}")
+        raise failure(gen)
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
     body["usage"] = usage(gen)
     return JSONResponse(body)

@@ -119,34 +119,38 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-                raise InvalidRequestError("prompt token ids must be integers")
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                          param="prompt")
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         return token_ids
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
+        # The field at fault: max_tokens while the prompt alone leaves room for a token.
+        blamed = "max_tokens" if num_prompt < min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) \
+            else "prompt"
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum model length {self.max_model_len}"
+                f"maximum model length {self.max_model_len}", param=blamed
             )
         if blocks_for(total, self.kv.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) cannot fit the whole KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)", param=blamed
             )
         sched = self.config.scheduler
         if params.n > sched.max_num_seqs:
-            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({sched.max_num_seqs})")
+            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({sched.max_num_seqs})", param="n")
         if not sched.chunked_prefill and total > sched.max_num_batched_tokens:
             # Without chunking a (re)computed prompt must fit one step's token budget.
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) exceeds max_num_batched_tokens "
-                f"({sched.max_num_batched_tokens}) and chunked prefill is off"
+                f"({sched.max_num_batched_tokens}) and chunked prefill is off", param=blamed
             )
 
     def abort_request(self, request_id: str) -> bool:
