@@ -109,6 +109,13 @@ class RayEngineClient:
                 t.worker.tell("abort", t.request_id)
             self._fail(t, EngineStoppedError("the server is shutting down"))
 
+    def _free_seats(self) -> int:
+        """Running seats free on the live workers that take new requests, at their last report:
+        requests about to fill them are not waiting for a slot."""
+        entry = "prefill" if self.disaggregated else "replica"
+        return sum(max(0, w.info.max_num_seqs - (w.last_load.num_running if w.last_load else 0))
+                   for w in self.workers if w.alive and w.role == entry and w.info is not None)
+
     def placement(self, request_id: str) -> str | None:
         """The name of the worker holding the request now (None once it is done)."""
         t = self._tracked.get(request_id)
@@ -121,7 +128,7 @@ class RayEngineClient:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         bound = self.max_waiting_requests
-        if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) >= bound:
+        if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) - self._free_seats() >= bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
         ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         role = "replica" if not self.disaggregated else ("prefill" if params.n == 1 else "decode")

@@ -69,7 +69,7 @@ class EngineWorker:
         runner = self.engine.runner
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
-            block_size=self.engine.kv.block_size,
+            block_size=self.engine.kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
             kv_block_bytes=sum(k[0].numel() * k.element_size() * 2 for k, _ in runner.kv_caches),  # type: ignore[attr-defined]
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()

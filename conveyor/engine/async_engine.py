@@ -137,9 +137,12 @@ class AsyncEngine:
         self.on_report = on_report
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._lock = threading.Lock()  # guards the two admission counters below
+        self._lock = threading.Lock()  # guards the three admission counters below
         self._queued_adds = 0  # add commands the loop thread has not taken yet
         self._num_waiting = 0  # the scheduler's waiting queue after the last iteration
+        # Running seats free after the last iteration: that many of the waiting and queued
+        # requests will take a slot at the next step rather than wait for one.
+        self._free_seats = engine.scheduler.max_num_seqs
         self._sinks: dict[str, _Sink] = {}  # loop thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -205,7 +208,7 @@ class AsyncEngine:
             raise EngineStoppedError("the engine is not running")
         with self._lock:
             bound = self.max_waiting_requests
-            if bound is not None and self._num_waiting + self._queued_adds >= bound:
+            if bound is not None and self._num_waiting + self._queued_adds - self._free_seats >= bound:
                 raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
             self._queued_adds += 1
         done = asyncio.get_running_loop().create_future()
@@ -286,7 +289,7 @@ class AsyncEngine:
                         events.append((sink.queue, Aborted(request_id)))
         with self._lock:  # in one go, so admission never sees a request in neither count
             self._queued_adds -= taken
-            self._num_waiting = self.engine.scheduler.num_waiting
+            self._count_waiting()
 
     def _route(self, outputs: list[RequestOutput], events: list) -> None:
         for out in outputs:
@@ -313,12 +316,18 @@ class AsyncEngine:
             events.append((sink.queue, Failed(request_id, exc)))
         self._sinks.clear()
 
+    def _count_waiting(self) -> None:
+        """Under the lock: the admission counters from the scheduler's state now."""
+        scheduler = self.engine.scheduler
+        self._num_waiting = scheduler.num_waiting
+        self._free_seats = max(0, scheduler.max_num_seqs - scheduler.num_running)
+
     def _publish(self, report: StepReport, resolved: list, events: list) -> None:
         scheduler = self.engine.scheduler
         report.num_running, report.num_waiting = scheduler.num_running, scheduler.num_waiting
         report.num_preemptions, report.kv_usage = scheduler.num_preemptions, self.engine.kv.usage().usage
         with self._lock:
-            self._num_waiting = report.num_waiting
+            self._count_waiting()
         try:
             self._loop.call_soon_threadsafe(self._deliver, report, resolved, events)  # type: ignore[union-attr]
         except RuntimeError:  # the event loop is closed: nobody is listening any more
