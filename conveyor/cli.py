@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_names=names,
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
         chat_template=chat_template,
@@ -84,6 +85,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
+
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
@@ -91,6 +94,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="largest request body accepted; a larger one gets 413 without being read "
+                          f"(default {DEFAULT_MAX_REQUEST_BYTES})")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     srv.add_argument("--served-model-name", action="append", default=None,

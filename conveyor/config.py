@@ -8,6 +8,10 @@ from conveyor.errors import ConfigError
 
 POLICIES = ("continuous", "static")
 DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
+# `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
+# is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 

@@ -6,7 +6,12 @@ class ConveyorError(Exception):
 
 
 class InvalidRequestError(ConveyorError, ValueError):
-    """A request (prompt or sampling parameters) that the engine will not accept."""
+    """A request (prompt or sampling parameters) that the engine will not accept; `param` names
+    the field at fault when one is (the server reports it as the error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(ConveyorError):
@@ -33,3 +38,8 @@ class WorkerDiedError(ConveyorError):
     """An engine worker of a Ray deployment is gone (its process, or its loop thread): nothing it
     held will progress. Its methods raise this, and the front end then handles it as dead; a
     request it held fails with it unless it can be retried elsewhere."""
+
+
+class RequestFailedError(ConveyorError):
+    """The engine could not compute this request: a step raised with it in the batch and ran
+    without it, so it alone fails (its KV blocks freed) while the rest of the batch goes on."""

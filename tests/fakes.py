@@ -30,6 +30,22 @@ class FakeRunner:
         return SamplerOutput(tokens)
 
 
+class FailingRunner(FakeRunner):
+    """A FakeRunner whose step raises whenever a request with a poisoned prompt (its first token
+    in `poison`) is in the batch: a stand-in for a request that breaks the shared step."""
+
+    def __init__(self, poison: set[int], vocab_size: int = 1000) -> None:
+        super().__init__(vocab_size)
+        self.poison = poison
+        self.calls = 0
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+        self.calls += 1
+        if any(r.prompt_token_ids[0] in self.poison for r, _ in out.scheduled):
+            raise RuntimeError("poisoned batch")
+        return super().execute(out, kv, stats)
+
+
 def fake_engine(
     runner: FakeRunner | None = None,
     policy: str = "continuous",

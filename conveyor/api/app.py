@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -14,18 +14,29 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.api.errors import APIError, bad_request, install_handlers, unavailable
-from conveyor.api.generation import Generation
-from conveyor.api.metrics import Metrics
 from conveyor import __version__
+from conveyor.api.errors import APIError, bad_request, install_handlers, invalid, unavailable
+from conveyor.api.generation import Generation
+from conveyor.api.limits import decode_json, max_chars_per_token, read_body
+from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
+)
+from conveyor.api.schema import (
+    V1_ERRORS,
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    ModelList,
+    generation_responses,
+    install_openapi,
 )
 from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
 from conveyor.api.structured import compile_grammar, requested_grammar
 from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -38,6 +49,7 @@ class ServerState:
     api_key: str | None = None
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     inflight: int = 0  # accepted generations not yet answered
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies past it get 413, unread
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -48,6 +60,13 @@ class ServerState:
     def capacity(self) -> int:
         """Most tokens (prompt + output) one request can hold: the context or the whole KV cache."""
         return self.engine.capacity
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """A text prompt longer than this cannot fit `capacity` tokens whatever it says, so it is
+        refused without tokenizing it (None: the tokenizer's vocabulary is unknown)."""
+        per_token = max_chars_per_token(self.tokenizer)
+        return None if per_token is None else self.capacity * per_token
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -60,7 +79,7 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             state.engine.stop()
 
-    app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
     app.state.conveyor = state
     install_handlers(app)
 
@@ -75,7 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList, responses=V1_ERRORS)
     async def models() -> dict[str, Any]:
         data = [
             {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
@@ -84,9 +103,11 @@ def build_app(state: ServerState) -> FastAPI:
         ]
         return {"object": "list", "data": data}
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=generation_responses(CompletionResponse))
     async def completions(request: Request) -> Response:
-        body = parse(CompletionRequest, await _read_json(request))
+        data = await _read_json(request, state)
+        _check_prompt_sizes(state, data)
+        body = parse(CompletionRequest, data)
         _check_model(state, body.model)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
@@ -103,11 +124,12 @@ def build_app(state: ServerState) -> FastAPI:
                             CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat(request: Request) -> Response:
-        body = parse(ChatCompletionRequest, await _read_json(request))
+        body = parse(ChatCompletionRequest, await _read_json(request, state))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
+        _check_chat_size(state, messages)
         tools = plan_tools(body.tools, body.tool_choice)
         asked = requested_grammar(body)
         if tools is not None and tools.spec is not None and asked is not None:
@@ -164,7 +186,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Response:
         if state.draining or not state.engine.is_running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -175,15 +197,12 @@ def build_app(state: ServerState) -> FastAPI:
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 
-async def _read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+async def _read_json(request: Request, state: ServerState) -> Any:
+    return decode_json(await read_body(request, state.max_request_bytes))
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -213,6 +232,33 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
     return out
 
 
+
+
+def _check_prompt_sizes(state: ServerState, data: Any) -> None:
+    """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
+    validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
+    than the most characters that many tokens can hold."""
+    prompt = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(prompt, (str, list)):
+        items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for item in items:
+            if isinstance(item, str):
+                limit, unit = state.max_prompt_chars, "characters"
+            elif isinstance(item, list):
+                limit, unit = state.capacity - 1, "tokens"  # at least one token to generate
+            else:
+                continue
+            if limit is not None and len(item) > limit:
+                raise bad_request(f"the prompt ({len(item)} {unit}) cannot fit the maximum model length of "
+                                  f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")
+
+
+def _check_chat_size(state: ServerState, messages: list[dict[str, str]]) -> None:
+    limit = state.max_prompt_chars
+    size = sum(len(m["content"]) for m in messages)
+    if limit is not None and size > limit:
+        raise bad_request(f"the messages ({size} characters) cannot fit the maximum model length of "
+                          f"{state.capacity} tokens", param="messages", code="context_length_exceeded")
 
 
 async def _grammar(state: ServerState, asked: tuple | None) -> Any:
@@ -282,7 +328,7 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
         raise unavailable(str(exc), code="shutting_down") from None
     except InvalidRequestError as exc:
         state.metrics.rejected("invalid").inc()
-        raise bad_request(str(exc)) from None
+        raise invalid(exc, isinstance(fmt, ChatFormat)) from None
     state.inflight += 1
     released = False
 

@@ -47,6 +47,24 @@ def unavailable(message: str, code: str = "server_overloaded") -> APIError:
     return APIError(503, message, type="service_unavailable_error", code=code, headers=headers)
 
 
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "prompt")
+
+
+def invalid(exc: InvalidRequestError, chat: bool = False) -> APIError:
+    """The 400 for an engine refusal, `param` set: the field the engine named, else the field the
+    message starts with (SamplingParams' messages do). A chat's prompt is its messages."""
+    message = str(exc)
+    param = getattr(exc, "param", None)
+    if param is None:
+        first = message.split(" ", 1)[0]
+        param = first if first in _SAMPLING_FIELDS else None
+    if chat and param == "prompt":
+        param = "messages"
+    elif chat and param == "logprobs":
+        param = "top_logprobs"
+    return bad_request(message, param=param)
+
+
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
@@ -56,7 +74,8 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
+    # Of a union's alternatives, the one that failed on the value, not on its type, says most.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     # Union members show up in the path (e.g. stop.str): keep only the field names the client sent.
     loc = [p for p in loc if not _is_type_tag(p)]
@@ -81,8 +100,9 @@ def install_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return bad_request(str(exc)).response()
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        chat = request.url.path.endswith("/chat/completions")
+        return invalid(exc, chat).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -94,7 +114,36 @@ def install_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None))
         return err.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return server_error(f"internal error: {type(exc).__name__}").response()
+    # Not `exception_handler(Exception)`: Starlette answers those from ServerErrorMiddleware, which
+    # then re-raises to the server, and the server closes the keep-alive connection.
+    app.add_middleware(CatchUnexpected)
+
+
+INTERNAL_ERROR = "internal server error; the details are in the server log"
+
+
+class CatchUnexpected:
+    """Answers an exception no handler took with a generic 500 (the details go to the log only)
+    and returns normally, so the connection stays usable for the client's next request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:  # else the response is under way: all that can be done is to end it
+                await server_error(INTERNAL_ERROR).response()(scope, receive, send)

@@ -9,9 +9,9 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
@@ -22,6 +22,18 @@ MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI; sample seeds add their index
 
 _ABSENT = object()
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may spell a lone surrogate (\\ud800) that no UTF-8 text holds: refuse it by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # text that reaches the tokenizer
 
 
 class _Strict(BaseModel):
@@ -75,7 +87,7 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     n: int | None = Field(None, ge=1, le=MAX_N)
@@ -160,7 +172,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False  # the prompt comes first in the text (and its logprobs, with logprobs)
     best_of: int | None = None
@@ -188,13 +200,13 @@ _NOT_TEXT = "only text content is supported by this server"
 
 class ContentPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn answering one
 
@@ -296,7 +308,11 @@ def parse(model: type[_Strict], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise from_validation(exc) from None
+        error = from_validation(exc)
+        if error.param is None:  # a model-level rule: its message starts with the field it is about
+            first = error.message.split(" ", 1)[0]
+            error.param = first if first in model.model_fields else None
+        raise error from None
 
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",

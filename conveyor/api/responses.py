@@ -8,14 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conveyor.api.errors import server_error
+from conveyor.api.errors import INTERNAL_ERROR, APIError, server_error, unavailable
 from conveyor.api.detokenizer import token_text
 from conveyor.api.generation import Choice, Generation, TokenLogprob, finite, take_token_ids
+from conveyor.errors import EngineStoppedError, RequestFailedError
+
+log = logging.getLogger("conveyor.api")
+
+
+def failure(gen: Generation) -> APIError:
+    """What the client is told when the engine failed its request: never the exception's text
+    (it may hold internals); that goes to the log."""
+    error = gen.error
+    if isinstance(error, EngineStoppedError):
+        return unavailable("the server is shutting down", code="shutting_down")
+    log.error("%s failed: %r", gen.id, error)
+    if isinstance(error, RequestFailedError):
+        return server_error("this request failed inside the engine and was removed from the batch; "
+                            "other requests were not affected")
+    return server_error(INTERNAL_ERROR)
 
 
 class CompletionFormat:
@@ -132,7 +149,7 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
                 entry["prompt_logprobs"] = prompt_logprobs(choice)
         yield chunk([entry])
     if gen.error is not None:
-        yield _sse(server_error(f"generation failed: {gen.error}").body())
+        yield _sse(failure(gen).body())
     elif include_usage:
         yield _sse({**_envelope(gen, fmt, fmt.chunk_object, []), "usage": usage(gen)})
     yield _sse("[DONE]")
@@ -183,7 +200,7 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
         return None
     work.result()
     if gen.error is not None:
-        raise server_error(f"generation failed: {gen.error}")
+        raise failure(gen)
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
     if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices

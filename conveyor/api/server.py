@@ -16,7 +16,7 @@ import uvicorn
 
 from conveyor.api.app import ServerState, build_app
 from conveyor.api.metrics import Metrics
-from conveyor.config import EngineConfig
+from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, EngineConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
@@ -77,6 +77,7 @@ def run_server(
     served_model_names: list[str],
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
     deployment: "DeploymentConfig | None" = None,
@@ -99,7 +100,8 @@ def run_server(
         engine_client = local
     if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
         engine_client.tokenizer.set_chat_template(chat_template)
-    state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key)
+    state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key,
+                        max_request_bytes=max_request_bytes)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5

@@ -104,6 +104,13 @@ class RayEngineClient:
                 t.worker.tell("abort", t.request_id)
             self._fail(t, EngineStoppedError("the server is shutting down"))
 
+    def _free_seats(self) -> int:
+        """Running seats free on the live workers that take new requests, at their last report:
+        requests about to fill them are not waiting for a slot."""
+        entry = "prefill" if self.disaggregated else "replica"
+        return sum(max(0, w.info.max_num_seqs - (w.last_load.num_running if w.last_load else 0))
+                   for w in self.workers if w.alive and w.role == entry and w.info is not None)
+
     def placement(self, request_id: str) -> str | None:
         """The name of the worker holding the request now (None once it is done)."""
         t = self._tracked.get(request_id)
@@ -118,7 +125,7 @@ class RayEngineClient:
         if params.prompt_logprobs is not None:  # the workers' output messages do not carry them
             raise InvalidRequestError("prompt_logprobs (and echo with logprobs) are not supported with Ray workers")
         bound = self.max_waiting_requests
-        if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) >= bound:
+        if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) - self._free_seats() >= bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
         ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         role = "replica" if not self.disaggregated else ("prefill" if params.n == 1 else "decode")

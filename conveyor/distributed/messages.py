@@ -19,6 +19,7 @@ class WorkerInfo:
     num_kv_blocks: int
     block_size: int
     kv_block_bytes: int
+    max_num_seqs: int = 0  # its running-batch cap (admission counts free seats as not waiting)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class EngineWorker(EngineLoop[_Command]):
         one_block = kv_transfer(self.engine.runner).read_kv_blocks([0])  # every layer's K and V of a block
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
-            block_size=self.engine.kv.block_size, kv_block_bytes=one_block.numel() * one_block.element_size(),
+            block_size=self.engine.kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
+            kv_block_bytes=one_block.numel() * one_block.element_size(),
         )
         self._outbox_lock = threading.Lock()
         # Events stay until a later poll acknowledges them: a poll whose answer never reached its
@@ -232,6 +233,10 @@ class EngineWorker(EngineLoop[_Command]):
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         events = self._iteration_events
         for out in outputs:
+            if out.error is not None:  # the engine failed this request alone (failure isolation)
+                events.append(RequestError(out.request_id, str(out.error)))
+                self._prefill_only.discard(out.request_id)
+                continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions))
             if out.request_id not in self._prefill_only:

@@ -89,9 +89,12 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_report = on_report
-        self._lock = threading.Lock()  # guards the two admission counters below
+        self._lock = threading.Lock()  # guards the three admission counters below
         self._queued_adds = 0  # add commands the loop thread has not taken yet
         self._num_waiting = 0  # the scheduler's waiting queue after the last iteration
+        # Running seats free after the last iteration: that many of the waiting and queued
+        # requests will take a slot at the next step rather than wait for one.
+        self._free_seats = engine.scheduler.max_num_seqs
         self._sinks: dict[str, _Sink] = {}  # loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         # What the current iteration did, published at its end (loop thread only).
@@ -145,7 +148,7 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
             raise EngineStoppedError("the engine is not running")
         with self._lock:
             bound = self.max_waiting_requests
-            if bound is not None and self._num_waiting + self._queued_adds >= bound:
+            if bound is not None and self._num_waiting + self._queued_adds - self._free_seats >= bound:
                 raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
             self._queued_adds += 1
         done = asyncio.get_running_loop().create_future()
@@ -200,7 +203,7 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     def _before_step(self) -> None:
         with self._lock:  # in one go, so admission never sees a request in neither count
             self._queued_adds -= self._taken
-            self._num_waiting = self.engine.scheduler.num_waiting
+            self._count_waiting()
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._report.outputs += outputs  # after any stopped samples' final outputs (_handle)
@@ -211,6 +214,10 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     def _route(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
         if sink is None:
+            return
+        if out.error is not None:  # the engine failed this request alone (failure isolation)
+            self._events.append((sink.queue, Failed(out.request_id, out.error)))
+            del self._sinks[out.request_id]
             return
         # The engine keeps appending to token_ids: hand the other thread a copy.
         self._events.append((sink.queue, dataclasses.replace(out, token_ids=list(out.token_ids))))
@@ -228,12 +235,18 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
             self._events.append((sink.queue, Failed(request_id, error)))
         self._sinks.clear()
 
+    def _count_waiting(self) -> None:
+        """Under the lock: the admission counters from the scheduler's state now."""
+        scheduler = self.engine.scheduler
+        self._num_waiting = scheduler.num_waiting
+        self._free_seats = max(0, scheduler.max_num_seqs - scheduler.num_running)
+
     def _end_iteration(self, stepped: bool) -> None:
         report, scheduler = self._report, self.engine.scheduler
         report.num_running, report.num_waiting = scheduler.num_running, scheduler.num_waiting
         report.num_preemptions, report.kv_usage = scheduler.num_preemptions, self.engine.kv.usage().usage
         with self._lock:
-            self._num_waiting = report.num_waiting
+            self._count_waiting()
         call_on_loop(self._loop, self._deliver, report, self._resolved, self._events)
 
     def _on_exit(self, error: BaseException | None) -> None:

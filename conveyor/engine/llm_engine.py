@@ -6,6 +6,7 @@ times turns this same loop into a simulator, and tests drive it with a fake one.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -14,7 +15,7 @@ from conveyor.control import SloController
 from conveyor.engine.codec import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, RequestFailedError
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
@@ -23,8 +24,13 @@ from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, make_scheduler
 from conveyor.structured.matchers import GrammarMatchers
 
+log = logging.getLogger("conveyor.engine")
+
 
 class Runner(Protocol):
+    """Optionally also `save_rng_state(out) -> state` and `restore_rng_state(state)`, so that a step
+    re-run after a failure (LLMEngine._execute_isolating) draws the same random numbers."""
+
     def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
         """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`.
         A runner with `supports_token_masks` also takes `token_masks=` (structured outputs) and
@@ -92,8 +98,12 @@ class LLMEngine:
 
         The engine works on token ids: it makes no text and does not search for `params.stop`
         strings; whoever makes the text does (LLM.generate, the server) and ends the sample with
-        `stop_sample` when one appears."""
-        params = params or SamplingParams()
+        `stop_sample` when one appears.
+
+        Every per-request value that reaches a tensor is checked or bounded here, before the
+        request can share a step with others (a value that overflowed inside the step would fail
+        the whole batch)."""
+        params = (params or SamplingParams()).bounded(self.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -118,12 +128,13 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-                raise InvalidRequestError("prompt token ids must be integers")
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                          param="prompt")
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         return token_ids
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -134,24 +145,27 @@ class LLMEngine:
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
+        # The field at fault: max_tokens while the prompt alone leaves room for a token.
+        blamed = "max_tokens" if num_prompt < min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) \
+            else "prompt"
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum model length {self.max_model_len}"
+                f"maximum model length {self.max_model_len}", param=blamed
             )
         if blocks_for(total, self.kv.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) cannot fit the whole KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)", param=blamed
             )
         sched = self.config.scheduler
         if params.n > sched.max_num_seqs:
-            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({sched.max_num_seqs})")
+            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs ({sched.max_num_seqs})", param="n")
         if not sched.chunked_prefill and total > sched.max_num_batched_tokens:
             # Without chunking a (re)computed prompt must fit one step's token budget.
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) exceeds max_num_batched_tokens "
-                f"({sched.max_num_batched_tokens}) and chunked prefill is off"
+                f"({sched.max_num_batched_tokens}) and chunked prefill is off", param=blamed
             )
 
     def abort_request(self, request_id: str) -> bool:
@@ -193,6 +207,7 @@ class LLMEngine:
         (allocated and written by the caller); it resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
+        request.sampling_params = request.sampling_params.bounded(self.vocab_size)
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
         self._start_grammar(request)  # replays the output it already has
         self.scheduler.add_request(request)
@@ -227,18 +242,14 @@ class LLMEngine:
         for request in [r for r, _ in out.scheduled] + [child for _, child in out.forks]:
             if request.times.first_scheduled is None:  # a fork of a parent first scheduled now, too
                 request.times.first_scheduled = t1
-        samplers = out.sampling_requests()
         for parent, child in out.forks:
             self.grammars.fork(parent, child)
-        masks = self.grammars.masks(samplers)
-        if masks is None:
-            sampled = self.runner.execute(out, self.kv, stats)
-        else:
-            sampled = self.runner.execute(out, self.kv, stats, token_masks=masks)  # type: ignore[call-arg]
+        sampled, out, outputs = self._execute_isolating(out, stats)
+        samplers = out.sampling_requests()
         t2 = self.clock()
         for request_id, scored in (sampled.prompt_logprobs or {}).items():
             self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
-        outputs, finished = [], []
+        finished = []
         logprobs = sampled.logprobs or [None] * len(samplers)
         for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
             request.output_token_ids.append(token)
@@ -263,6 +274,78 @@ class LLMEngine:
             self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _ in finished], self.scheduler)
             stats.extra.update(self.slo.state.as_extra())
         return outputs
+
+    # --- failure isolation -----------------------------------------------------------------------
+    def _run(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
+        """One call of the runner, with the grammar masks of the step's constrained requests."""
+        masks = self.grammars.masks(out.sampling_requests())
+        if masks is None:
+            return self.runner.execute(out, self.kv, stats)
+        return self.runner.execute(out, self.kv, stats, token_masks=masks)  # type: ignore[call-arg]
+
+    def _execute_isolating(self, out: SchedulerOutput,
+                           stats: StepStats) -> tuple[SamplerOutput, SchedulerOutput, list[RequestOutput]]:
+        """Run the step; if the runner raises, find the requests that make it raise by re-running
+        it on halves of the batch (bisection), fail only them, and run the rest as one batch again.
+
+        Returns what the runner sampled, the step's decision without the failed requests, and a
+        final output (carrying a RequestFailedError) per failed request. A step that fails for
+        every request (the model itself is broken) raises, failing everyone as before.
+
+        The retries are exact: the random generators are restored before each, a copy-on-write
+        block copy repeats the same copy, and KV writes rewrite the same slots with the same values
+        (a request's rows do not depend on its batch-mates), so survivors get the tokens a clean
+        run gives. Samples of one request (n > 1, forks) stand or fall together."""
+        save = getattr(self.runner, "save_rng_state", None)
+        rng_state = save(out) if save is not None else None
+
+        def attempt(decision: SchedulerOutput, step_stats: StepStats) -> SamplerOutput | None:
+            if rng_state is not None:
+                self.runner.restore_rng_state(rng_state)  # type: ignore[attr-defined]
+            try:
+                return self._run(decision, step_stats)
+            except Exception:
+                return None
+
+        try:
+            return self._run(out, stats), out, []
+        except Exception as exc:
+            error = exc
+        groups = list(dict.fromkeys(r.group_id for r, _ in out.scheduled))  # type: ignore[misc]
+        if len(groups) == 1:
+            raise error
+
+        def culprits(suspects: list[str]) -> list[str]:
+            """The groups among `suspects` (known to fail together) whose step fails on its own."""
+            if len(suspects) == 1:
+                return suspects
+            found: list[str] = []
+            for part in (suspects[: len(suspects) // 2], suspects[len(suspects) // 2 :]):
+                if attempt(_only(out, set(part)), StepStats()) is None:
+                    found += culprits(part)
+            return found
+
+        failed = set(culprits(groups))
+        if not failed or len(failed) == len(groups):  # no single cause, or the model itself fails
+            raise error
+        log.error("engine step failed; isolated the cause to request(s) %s, the other %d go on",
+                  sorted(failed), len(groups) - len(failed), exc_info=error)
+        survivors = _only(out, set(groups) - failed)
+        sampled = attempt(survivors, stats)
+        if sampled is None:
+            raise error
+        return sampled, survivors, [self._fail_group(group_id, error) for group_id in sorted(failed)]
+
+    def _fail_group(self, group_id: str, cause: BaseException) -> RequestOutput:
+        """Finish every sample of a request as failed (blocks freed); its final output."""
+        request = next(r for r in self.scheduler.requests.values() if r.group_id == group_id)
+        self.abort_request(group_id)
+        output = self._output(request, [], None)
+        output.finish_reason = "error"
+        output.error = RequestFailedError(
+            f"request {group_id!r} failed inside the engine step and was removed from the batch "
+            f"({type(cause).__name__}); the other requests were not affected")
+        return output
 
     def _retire_sample(self, group_id: str) -> None:
         left = self._unfinished_samples.get(group_id)
@@ -291,3 +374,13 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens or 0,
         )
+
+
+def _only(out: SchedulerOutput, group_ids: set[str]) -> SchedulerOutput:
+    """The step's decision restricted to the given requests (every sample of each)."""
+    return SchedulerOutput(
+        scheduled=[(r, n) for r, n in out.scheduled if r.group_id in group_ids],
+        preempted=out.preempted,
+        forks=[(parent, child) for parent, child in out.forks if parent.group_id in group_ids],
+        block_copies=out.block_copies,
+    )

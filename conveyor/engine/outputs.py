@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.errors import ConveyorError
 from conveyor.request import RequestTimes
 
 
@@ -24,3 +25,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set on the last output of a request the engine failed (finish_reason "error"): a step raised
+    # because of it (conveyor.errors.RequestFailedError); the others in the batch went on.
+    error: ConveyorError | None = None
+

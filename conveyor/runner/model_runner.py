@@ -123,6 +123,14 @@ class ModelRunner:
             at += count
         return result
 
+    # LLMEngine re-runs a step that raised on parts of its batch; these make the retries draw the
+    # same random numbers. Block copies and KV writes need nothing: a retry repeats them exactly.
+    def save_rng_state(self, out: SchedulerOutput) -> object:
+        return self.sampler.save_rng_state(out.sampling_requests())
+
+    def restore_rng_state(self, state: object) -> None:
+        self.sampler.restore_rng_state(state)  # type: ignore[arg-type]
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return

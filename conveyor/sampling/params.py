@@ -1,11 +1,16 @@
 """Per-request sampling parameters, validated at construction (pure Python: the scheduler imports it)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.structured import GrammarSpec
 
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by it
+# would overflow to inf/NaN, and the argmax is what such a temperature means anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _MAX_STOP_STRINGS = 16
 _MAX_N = 64
 _MAX_LOGPROBS = 20
@@ -62,6 +67,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_types()
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -76,10 +84,10 @@ class SamplingParams:
             raise InvalidRequestError(f"n must be in [1, {_MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX + 1 - self.n:
             # Sample i of n uses seed + i; every one must fit a 64-bit generator seed.
             raise InvalidRequestError(f"seed must fit in a signed 64-bit integer (less n - 1), got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
         self._check_logit_adjustments()
 
@@ -141,9 +149,15 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
 
+    def bounded(self, vocab_size: int) -> "SamplingParams":
+        """A validated copy (so fields changed after construction are checked again) with the
+        vocabulary-dependent values made safe for the sampler's tensors: a top_k above the
+        vocabulary keeps every token, so it is clipped to it."""
+        return replace(self, top_k=min(self.top_k, vocab_size))
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def penalized(self) -> bool:

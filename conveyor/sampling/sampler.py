@@ -177,6 +177,26 @@ class Sampler:
     def set_generator_state(self, request: Request, state: torch.Tensor) -> None:
         self._request_generators[request] = torch.Generator().set_state(state)
 
+    # A step that raised is run again on part of its batch (LLMEngine's failure isolation): the
+    # retry must draw the numbers the first try would have drawn.
+    def save_rng_state(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, torch.Tensor | None]]:
+        """The shared generator and the seeded generators of `requests` (None: not created yet)."""
+        seeded = {}
+        for request in requests:
+            if request.sampling_params.seed is not None:
+                gen = self._request_generators.get(request)
+                seeded[request] = None if gen is None else gen.get_state()
+        return self._generator.get_state(), seeded
+
+    def restore_rng_state(self, state: tuple[torch.Tensor, dict[Request, torch.Tensor | None]]) -> None:
+        shared, seeded = state
+        self._generator.set_state(shared)
+        for request, request_state in seeded.items():
+            if request_state is None:
+                self._request_generators.pop(request, None)
+            else:
+                self._request_generators[request].set_state(request_state)
+
     def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
         uniform = torch.rand(len(requests), generator=self._generator)
         for i, request in enumerate(requests):

@@ -106,3 +106,19 @@ def client(server: Server):
     import openai
 
     return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120.0)
+
+
+TINY_MAX_REQUEST_BYTES = 256 * 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """A server on a tiny random model (fast steps) for the fuzz and chaos tests. A short context
+    bounds the work a generated request can ask for (the chat default is the room left)."""
+    from tests.helpers import make_tiny_hf_checkpoint
+
+    folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny-server"))
+    srv = start_server(str(folder), "--max-model-len", "64", "--max-num-seqs", "8", "--max-waiting-requests", "64",
+                       "--max-request-bytes", str(TINY_MAX_REQUEST_BYTES), "--num-threads", "1")
+    yield srv
+    srv.stop()

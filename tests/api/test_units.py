@@ -139,10 +139,11 @@ def test_async_engine_runs_aborts_and_bounds_its_queue():
             events = await sink.until_finished()
             assert [type(e) for e in events] == [Aborted]
 
-            # Two requests arrive at once: one fills the waiting queue, the next is refused.
-            results = await asyncio.gather(sink.add("w1", [1], max_tokens=3), sink.add("w2", [1], max_tokens=3),
+            # Four requests arrive at once: two take the free running seats, one fills the waiting
+            # queue, the next is refused.
+            results = await asyncio.gather(*(sink.add(f"w{i}", [1], max_tokens=3) for i in range(4)),
                                            return_exceptions=True)
-            assert sum(isinstance(r, QueueFullError) for r in results) == 1
+            assert [isinstance(r, QueueFullError) for r in results] == [False, False, False, True]
         finally:
             engine.stop()
 

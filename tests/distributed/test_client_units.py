@@ -128,3 +128,28 @@ def test_slo_state_of_the_workers_reaches_metrics() -> None:
     text = generate_latest(metrics.registry).decode()
     assert 'conveyor:slo_batch_cap{model_name="tiny"} 7.0' in text
     assert 'conveyor:slo_ttft_misses_total{model_name="tiny"} 3.0' in text  # summed over the workers
+
+
+def test_a_burst_fills_the_free_seats_then_the_waiting_bound() -> None:
+    """Issue 18, case 8, on the Ray front end: requests about to take a free running seat are not
+    counted as waiting, so max_num_seqs + max_waiting_requests of a burst get in."""
+    from conveyor.distributed.messages import WorkerInfo
+    from conveyor.engine.async_engine import QueueFullError
+
+    info = WorkerInfo("replica-0", "replica", max_model_len=128, num_kv_blocks=64, block_size=16,
+                      kv_block_bytes=1000, max_num_seqs=4)
+    worker = WorkerHandle("replica-0", "replica", _FakeActor(), info=info)
+
+    async def main() -> list[bool]:
+        client = RayEngineClient([worker], tokenizer=None, max_waiting_requests=2)
+        client._started = True
+        accepted = []
+        for i in range(10):
+            try:
+                await client.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), asyncio.Queue())
+                accepted.append(True)
+            except QueueFullError:
+                accepted.append(False)
+        return accepted
+
+    assert asyncio.run(main()) == [True] * 6 + [False] * 4
