@@ -11,7 +11,7 @@ from typing import Sequence
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs, named as vLLM names them."""
-    parser.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--dequantize-weights", action="store_true",
                         help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
@@ -137,7 +137,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     exp = commands.add_parser("export-hf", help="write the model (e.g. the dequantised GGUF) as an HF folder")
     exp.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; files in it are overwritten)")
-    exp.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    exp.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     exp.set_defaults(func=_export_hf)
 

@@ -44,7 +44,7 @@ def _rate_schedule(text: str) -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The in-process engine's model options (compare, roofline)."""
-    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    p.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--dequantize-weights", action="store_true",
                    help="stream dense fp32 weights even where the GGUF has Q4_1/Q8_0 blocks (same results, slower)")
