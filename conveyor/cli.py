@@ -130,7 +130,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     exp = commands.add_parser("export-hf", help="write the model (e.g. the dequantised GGUF) as an HF folder")
     exp.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; files in it are overwritten)")
-    exp.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF folder")
+    exp.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     exp.set_defaults(func=_export_hf)
 

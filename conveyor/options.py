@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from conveyor.config import DTYPES, POLICIES
 
 HELP = {
-    "model": "smollm2-135m (default), a .gguf file or an HF folder",
+    "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",

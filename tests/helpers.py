@@ -17,6 +17,9 @@ _TINY_ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     # head_dim != hidden/heads on purpose: Qwen3 checkpoints decouple the two.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # A window of 8 so short prompts cross it; a scale and a logit cap that differ from the defaults.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
 }
 
 

@@ -5,6 +5,10 @@ and values are scattered into it through a flat slot mapping; queries read their
 through block tables. Single-query rows (decodes) are attended in one batched call (a C++ kernel
 that reads the blocks in place, or gather + SDPA as the fallback); multi-token prefill chunks,
 which are few and large, one SDPA call each.
+
+A sliding-window layer (Gemma's local layers) passes `window`: a query at position p then sees
+positions p - window + 1 .. p only (as HF's sliding mask: key > query - window), and only the
+blocks holding those positions are read.
 """
 from __future__ import annotations
 
@@ -34,16 +38,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, max_blocks], int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [D], int64: tokens each decode row attends to
     prefills: list[PrefillChunk]
-    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, block_size: int) -> torch.Tensor:
-        """[D, 1, 1, max_blocks * block_size], True where a key is visible (the torch fallback's padding)."""
-        if self._decode_mask is None:
+    def decode_mask(self, block_size: int, window: int | None = None) -> torch.Tensor:
+        """[D, 1, 1, max_blocks * block_size], True where a key is visible (the torch fallback's
+        padding and, with `window`, the positions before each row's window). One per window size."""
+        if window not in self._decode_masks:
             assert self.decode_block_tables is not None and self.decode_context_lens is not None
             width = self.decode_block_tables.shape[1] * block_size
-            visible = torch.arange(width)[None, :] < self.decode_context_lens[:, None]
-            self._decode_mask = visible[:, None, None, :]
-        return self._decode_mask
+            keys, lens = torch.arange(width)[None, :], self.decode_context_lens[:, None]
+            visible = keys < lens
+            if window is not None:
+                visible &= keys >= lens - window
+            self._decode_masks[window] = visible[:, None, None, :]
+        return self._decode_masks[window]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -69,11 +77,12 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: PagedDecodeKernel | None | Literal["resolve"] = "resolve",
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens, already written into the cache
     at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d].
     `decode_kernel`: paged_decode_kernel() as the caller resolved it once per forward pass (None:
-    the torch fallback), or "resolve" to look it up here."""
+    the torch fallback), or "resolve" to look it up here. `window`: a sliding window's size (None: all)."""
     num_decode = meta.num_decode_tokens
     if isinstance(decode_kernel, str):
         decode_kernel = paged_decode_kernel()
@@ -81,33 +90,41 @@ def attend(
     tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
     if kernel is not None and num_decode == q.shape[0]:  # a pure decode step: the kernel's output is all of it
         assert tables is not None and context_lens is not None  # build_inputs sets both for decode rows
-        return kernel(q.contiguous(), k_cache, v_cache, tables, context_lens, scale)
+        return kernel(q.contiguous(), k_cache, v_cache, tables, context_lens, scale, window or 0)
     out = torch.empty_like(q)
     if num_decode:
         assert tables is not None and context_lens is not None
         if kernel is not None:  # reads each request's blocks in place, only up to its own length
-            out[:num_decode] = kernel(q[:num_decode].contiguous(), k_cache, v_cache, tables, context_lens, scale)
+            out[:num_decode] = kernel(q[:num_decode].contiguous(), k_cache, v_cache, tables, context_lens, scale,
+                                      window or 0)
         else:  # gathers every row's blocks and pads them to the longest context
             qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
             kd = _gather(k_cache, tables)
             vd = _gather(v_cache, tables)
-            mask = meta.decode_mask(k_cache.shape[1])
+            mask = meta.decode_mask(k_cache.shape[1], window)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
             out[:num_decode] = od.squeeze(2)
+    block_size = k_cache.shape[1]
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if chunk.num_cached == 0:
+        fits_window = window is None or chunk.num_cached + chunk.num_tokens <= window
+        if chunk.num_cached == 0 and fits_window:
             # Fresh prompt: its own keys are all the context, no need to read the cache back.
             kc = k[rows].transpose(0, 1).unsqueeze(0)
             vc = v[rows].transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             context = chunk.num_cached + chunk.num_tokens
-            kc = _gather(k_cache, chunk.block_table)[:, :context].unsqueeze(0)
-            vc = _gather(v_cache, chunk.block_table)[:, :context].unsqueeze(0)
+            # The first block any query of the chunk can see: block 0 unless a window hides earlier ones.
+            first = 0 if window is None else max(0, chunk.num_cached - window + 1) // block_size
+            kc = _gather(k_cache, chunk.block_table[first:])[:, : context - first * block_size].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table[first:])[:, : context - first * block_size].unsqueeze(0)
             query_pos = torch.arange(chunk.num_cached, context).unsqueeze(1)
-            mask = torch.arange(context).unsqueeze(0) <= query_pos  # causal, offset by the cache
+            key_pos = torch.arange(first * block_size, context).unsqueeze(0)
+            mask = key_pos <= query_pos  # causal, offset by the cache
+            if window is not None:
+                mask &= key_pos > query_pos - window
             oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = oc.squeeze(0).transpose(0, 1)
     return out

@@ -1,4 +1,8 @@
-"""Architecture description of a Llama-family decoder; variants differ only in these switches."""
+"""Architecture description of a Llama-family decoder; variants differ only in these switches.
+
+Gemma 3 is the same decoder with more of them on: sliding-window layers between global ones (each
+kind with its own RoPE base), norms that scale by 1 + weight, a norm on the output of attention and
+of the MLP before each joins the residual, GELU(tanh) gating and an embedding scaled by sqrt(hidden)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,6 +29,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    # Gemma 3 (all off for Llama):
+    sliding_window: int | None = None  # tokens a sliding-window layer sees, itself included
+    # "sliding_attention" / "full_attention" per layer; empty: every layer is full attention
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (None: rope_theta)
+    norm_weight_offset: float = 0.0  # a norm scales by offset + weight (Gemma stores weight - 1)
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add
+    hidden_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    scale_embeddings: bool = False  # multiply the embedding by sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_bytes_per_token(self) -> int:

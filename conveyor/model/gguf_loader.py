@@ -31,7 +31,8 @@ from conveyor.model.tokenizer import Tokenizer
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _BLOCK_NAMES = {
@@ -40,6 +41,16 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, as in Llama, but
+# HF calls that pre_feedforward_layernorm and post_attention_layernorm norms the attention output.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3: every sixth layer is global, the local layers rotate with base 10000
+# (neither is in the file).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -166,13 +177,35 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in names:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _gemma3_fields(meta: dict[str, Any], num_layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    if meta.get("gemma3.attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("Gemma attention logit softcapping is not supported")
+    window = meta.get("gemma3.attention.sliding_window")
+    kinds = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 or window is None else "sliding_attention"
+                  for i in range(num_layers))
+    cap = meta.get("gemma3.final_logit_softcapping")
+    return dict(
+        sliding_window=int(window) if window is not None else None,
+        layer_types=kinds,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        scale_embeddings=True,
+        # Not in the file: llama.cpp scales by head_dim, except the 27B (62 layers) by hidden / heads.
+        query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+        final_logit_softcapping=float(cap) if cap else None,
+    )
 
 
 def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
@@ -189,6 +222,8 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    num_layers = int(key("block_count"))
+    extra = _gemma3_fields(meta, num_layers, hidden, heads, int(head_dim)) if arch == "gemma3" else {}
     rope_scaling = None
     if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         rope_scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"], "factor": float(key("rope.scaling.factor"))}
@@ -198,7 +233,7 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(head_dim),
@@ -212,6 +247,7 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         architecture=_ARCHS[arch],
+        **extra,
     )
 
 
@@ -234,13 +270,17 @@ def load_gguf(
         raise UnsupportedModelError(f"{gf.path}: GGUF rope_freqs (llama3 RoPE scaling) is not supported")
     tokenizer = Tokenizer.from_gguf(gf.metadata)
     config = gguf_config(gf, tokenizer)
-    permute = gf.metadata["general.architecture"] == "llama"
+    arch = gf.metadata["general.architecture"]
+    permute = arch == "llama"
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     with _one_thread():
         for t in gf.tensors.values():
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
             w = dequantize(gf, t)
+            if config.norm_weight_offset and t.name.endswith("norm.weight"):
+                # llama.cpp stored offset + weight; keep HF's value (as transformers' GGUF load does).
+                w = w - config.norm_weight_offset
             blocks = _blocks(gf, t) if dtype == torch.float32 else None
             if permute and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads

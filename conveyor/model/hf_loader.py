@@ -13,7 +13,8 @@ from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
 from conveyor.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -25,6 +26,32 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (params if params.get("rope_type", "default") != "default" else None)
 
 
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's switches; rope_parameters holds one dict per layer kind."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("Gemma attention logit softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma bidirectional attention is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"Gemma activation {cfg['hidden_activation']!r} is not supported")
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(int(cfg["num_hidden_layers"]))
+    ]
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    cap = cfg.get("final_logit_softcapping")
+    return dict(
+        sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        layer_types=tuple(kinds),
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=float(cap) if cap is not None else None,
+    )
+
+
 def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -34,7 +61,10 @@ def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> 
         )
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        theta, scaling = _rope(cfg)
+        gemma = arch == "Gemma3ForCausalLM"
+        extra = _gemma3_fields(cfg) if gemma else {}
+        global_rope = (cfg.get("rope_parameters") or {}).get("full_attention") if gemma else None
+        theta, scaling = _rope({**cfg, "rope_parameters": global_rope} if global_rope is not None else cfg)
         # Qwen3's config class defaults head_dim to 128, not hidden/heads.
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
         eos = cfg.get("eos_token_id")
@@ -56,11 +86,12 @@ def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> 
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's attention always has q/k/v bias; its config has no switch for it.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or gemma,
             rope_scaling=scaling,
             bos_token_id=bos if bos is not None else (tokenizer.bos_token_id if tokenizer else None),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids)),
             architecture=arch,
+            **extra,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where / 'config.json'}: missing or invalid field: {e}") from e

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) over one flat batch of tokens.
 
 The batch mixes prefill chunks of some requests with single decode tokens of others; the model
 knows nothing of requests, only of tokens, positions and the attention metadata the runner built.
-Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels per layer.
+Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels per layer. Gemma 3 is this
+decoder with the switches of ModelConfig on (see conveyor.model.config).
 """
 from __future__ import annotations
 
@@ -21,19 +22,25 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.window = cfg.window(index)  # None: full attention
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_norm = nn.Parameter(torch.ones(cfg.hidden_size))  # before the MLP
         self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        # Gemma: on the attention's and the MLP's outputs, before each joins the residual.
+        self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.scale = cfg.attention_scale
+        if cfg.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
@@ -46,9 +53,17 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv.forward(ops.rms_norm(x, self.input_norm, eps), matmul)
         q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
                                      cfg.num_kv_heads, qk_norm)
-        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel)
-        h = ops.add_rms_norm_(x, self.o_proj.forward(attn.view(x.shape[0], -1), matmul), self.post_attention_norm, eps)
-        return x.add_(self.down.forward(ops.silu_and_mul(self.gate_up.forward(h, matmul)), matmul))
+        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel, self.window)
+        attn_out = self.o_proj.forward(attn.view(x.shape[0], -1), matmul)
+        if self.attn_out_norm is not None:
+            attn_out = ops.rms_norm(attn_out, self.attn_out_norm, eps)
+        h = ops.add_rms_norm_(x, attn_out, self.post_attention_norm, eps)
+        gate_up = self.gate_up.forward(h, matmul)
+        act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else ops.gelu_tanh_and_mul(gate_up)
+        mlp_out = self.down.forward(act, matmul)
+        if self.mlp_out_norm is not None:
+            mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
+        return x.add_(mlp_out)
 
 
 class LlamaModel(nn.Module):
@@ -56,7 +71,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: PackedWeight | None = None
@@ -70,6 +85,10 @@ class LlamaModel(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(
             cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32
         )
+        # Gemma's sliding-window layers rotate with their own base (and no scaling).
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.rope_local_theta is not None and any(layer.window is not None for layer in self.layers):
+            self.rope_local = rope_tables(cfg.head_dim, self.max_positions, cfg.rope_local_theta, None, torch.float32)
 
     @classmethod
     def from_weights(
@@ -97,15 +116,22 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns fp32 logits [len(logits_indices), vocab] for the rows that sample a token."""
         x = self.embed(input_ids)
+        if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as HF's Gemma does
+            x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
+        local = None if self.rope_local is None else tuple(t[positions].to(x.dtype) for t in self.rope_local)
         ops, matmul = layer_ops(x.dtype), matmul_path()
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, kv, meta, ops, matmul, decode_kernel)
+            layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
+            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, decode_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         h = ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
-        return matmul(h, self.head_weight, self.head_packed, None).float()
+        logits = matmul(h, self.head_weight, self.head_packed, None).float()
+        if (cap := self.cfg.final_logit_softcapping) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -132,8 +158,13 @@ class LlamaModel(nn.Module):
         def put(name: str, tensor: torch.Tensor) -> None:
             own[name].data = tensor.to(own[name].dtype).contiguous()
 
+        def put_norm(name: str, tensor: torch.Tensor) -> None:
+            # Gemma's norms scale by 1 + weight: added once here, in fp32 as HF's Gemma3RMSNorm does.
+            offset = self.cfg.norm_weight_offset
+            put(name, tensor.float() + offset if offset else tensor)
+
         put("embed.weight", weights["model.embed_tokens.weight"])
-        put("norm", weights["model.norm.weight"])
+        put_norm("norm", weights["model.norm.weight"])
         if self.lm_head is not None:
             put("lm_head.weight", weights["lm_head.weight"])
         self.head_quantized = blocks.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
@@ -151,8 +182,13 @@ class LlamaModel(nn.Module):
             put_blocks(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
             put(dst + "down.weight", weights[mlp + "down_proj.weight"])
             put_blocks(dst + "down", [mlp + "down_proj.weight"])
-            put(dst + "input_norm", weights[src + "input_layernorm.weight"])
-            put(dst + "post_attention_norm", weights[src + "post_attention_layernorm.weight"])
+            put_norm(dst + "input_norm", weights[src + "input_layernorm.weight"])
+            if self.cfg.sandwich_norms:  # HF's post_attention_layernorm is then the attention output's norm
+                put_norm(dst + "attn_out_norm", weights[src + "post_attention_layernorm.weight"])
+                put_norm(dst + "post_attention_norm", weights[src + "pre_feedforward_layernorm.weight"])
+                put_norm(dst + "mlp_out_norm", weights[src + "post_feedforward_layernorm.weight"])
+            else:
+                put_norm(dst + "post_attention_norm", weights[src + "post_attention_layernorm.weight"])
             if self.cfg.qk_norm:
-                put(dst + "q_norm", weights[attn + "q_norm.weight"])
-                put(dst + "k_norm", weights[attn + "k_norm.weight"])
+                put_norm(dst + "q_norm", weights[attn + "q_norm.weight"])
+                put_norm(dst + "k_norm", weights[attn + "k_norm.weight"])

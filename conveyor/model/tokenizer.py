@@ -11,7 +11,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from conveyor.errors import ConveyorError, InvalidRequestError, ModelLoadError, UnsupportedModelError
@@ -170,41 +170,36 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: Any) -> Tokenizer:
-        """Byte-level BPE from `tokenizer.ggml.*` metadata (a dict or a `gguf.GGUFReader`)."""
+        """From `tokenizer.ggml.*` metadata (a dict or a `gguf.GGUFReader`): byte-level BPE ("gpt2")
+        or a SentencePiece BPE vocabulary with byte fallback ("llama", as Gemma's)."""
         meta = _gguf_metadata(source)
-        if meta.get("tokenizer.ggml.model") != "gpt2":
-            model = meta.get("tokenizer.ggml.model")
-            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+        model = meta.get("tokenizer.ggml.model")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        spell, alphabet = bytes_to_unicode(), set(bytes_to_unicode().values())
-        # Tokens llama.cpp stored as raw text rather than in the byte alphabet get respelled, as transformers does.
-        vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         pre = meta.get("tokenizer.ggml.pre")
-        pre_tok, ignore_merges = _gguf_pre_tokenizer(pre)
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-        backend = _HFTokenizer(bpe)
-        backend.pre_tokenizer = pre_tok
-        backend.decoder = decoders.ByteLevel()
-        # A control token outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
-        control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-        user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
-        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+        if model == "gpt2":
+            backend = _byte_level_backend(meta, tokens, types, pre)
+        elif model == "llama":
+            backend = _sentencepiece_backend(meta, tokens, types)
+        else:
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' or SentencePiece 'llama')"
+            )
 
         def tid(key: str) -> int | None:
             v = meta.get(f"tokenizer.ggml.{key}")
             return int(v) if v is not None else None
 
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            add_bos = True if model == "llama" else pre in _LLAMA3_PRES
         return cls(
             backend,
             bos_token_id=tid("bos_token_id"),
             eos_token_id=tid("eos_token_id"),
             extra_eos_ids=[i for i in [tid("eot_token_id"), tid("eom_token_id")] if i is not None],
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(add_bos) if add_bos is not None else pre in _LLAMA3_PRES,
+            add_bos_token=bool(add_bos),
             special_tokens={
                 "unk_token": tokens[u] if (u := tid("unknown_token_id")) is not None else None,
                 "pad_token": tokens[p] if (p := tid("padding_token_id")) is not None else None,
@@ -248,6 +243,69 @@ class Tokenizer:
             add_bos_token=bool(add_bos),
             special_tokens=specials,
         )
+
+
+def _byte_level_backend(meta: Mapping[str, Any], tokens: list[str], types: list[int], pre: str | None) -> _HFTokenizer:
+    spell, alphabet = bytes_to_unicode(), set(bytes_to_unicode().values())
+    # Tokens llama.cpp stored as raw text rather than in the byte alphabet get respelled, as transformers does.
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    pre_tok, ignore_merges = _gguf_pre_tokenizer(pre)
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
+    backend = _HFTokenizer(bpe)
+    backend.pre_tokenizer = pre_tok
+    backend.decoder = decoders.ByteLevel()
+    # A control token outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
+    control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return backend
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_merges(tokens: list[str], rank: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a BPE vocabulary implies, best first: every split of a token into two tokens,
+    ranked by the token's position in the file, then longer left halves first. The file has no
+    merges, and Gemma's scores do not follow its merge order: its token order does (transformers
+    rebuilds its GGUF tokenizer this way, and llama.cpp's merge of the best-scoring pair agrees)."""
+    pairs: list[tuple[int, str, str]] = []
+    append = pairs.append
+    for token, position in rank.items():  # in file order unless a respelled token repeats one
+        for cut in range(len(token) - 1, 0, -1):
+            left = token[:cut]
+            if left in rank:
+                right = token[cut:]
+                if right in rank:
+                    append((position, left, right))
+    if any(a[0] > b[0] for a, b in zip(pairs, pairs[1:])):
+        pairs.sort(key=lambda pair: pair[0])  # stable: longer left halves stay first
+    return [(left, right) for _, left, right in pairs]
+
+
+def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> _HFTokenizer:
+    """SentencePiece BPE with byte fallback (Gemma): spaces become U+2581 and the whole text is one
+    word (no pre-tokenizer split), unknown characters fall back to their <0xNN> byte tokens."""
+    if meta.get("tokenizer.ggml.add_space_prefix"):
+        # Llama 2-style SentencePiece prepends a space; nothing here has been checked against such a file.
+        raise UnsupportedModelError("GGUF SentencePiece tokenizers with add_space_prefix are not supported")
+    # Runs of spaces are stored as real spaces; the text they match has its spaces respelled first.
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    rank = {t: i for i, t in enumerate(spelled)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab=rank, merges=_sentencepiece_merges(spelled, rank), fuse_unk=True, byte_fallback=True,
+                     unk_token=tokens[int(unk)] if unk is not None else None)
+    backend = _HFTokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, types) if k == _CONTROL])
+    # User-defined tokens (Gemma's runs of newlines, "[multimodal]") match whole, as llama.cpp matches them.
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED and t in rank])
+    return backend
 
 
 def _read_json(path: Path) -> dict[str, Any]:

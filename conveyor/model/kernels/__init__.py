@@ -116,12 +116,13 @@ def _load(name: str) -> object | None:
         return None
 
 
-PagedDecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+PagedDecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
 
 
 def paged_decode_kernel() -> PagedDecodeKernel | None:
     """(q [D,H,d], k_cache, v_cache [blocks, block_size, kv_heads, d], block_tables [D,W] int64,
-    context_lens [D] int64, scale) -> [D,H,d]; fp32 only. None when unavailable or disabled."""
+    context_lens [D] int64, scale, window) -> [D,H,d]; window > 0 limits each row to its last `window`
+    tokens (0: all). fp32 only. None when unavailable or disabled."""
     if not kernels_enabled():
         return None
     module = _load("paged_decode")

@@ -6,7 +6,8 @@
 // and the slices' partial softmax sums merged, so both cores work on one long request too. Each
 // thread takes a run of consecutive tasks holding about its share of the cached tokens (an even
 // split by count left one core idle for much of a step whose long requests sat together). Keys
-// and values are read once and shared by the query heads of their group (GQA).
+// and values are read once and shared by the query heads of their group (GQA). A sliding window
+// (Gemma's local layers) starts each row at its window's first token: blocks before it are never read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -48,20 +49,24 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }  // namespace
 
 // One task: query row `row` against its cached tokens [first_block * block_size, ...) over
-// `num_blocks` blocks, all KV heads. Leaves per head the running max and sum of exp(score - max)
+// `num_blocks` blocks, all KV heads, skipping tokens before the row's first visible one (`starts`). Leaves per head the running max and sum of exp(score - max)
 // and the unnormalised weighted sum of values: [max, sum, out[head_dim]].
 template <int64_t D>
 struct Span {
   const float *q, *k, *v;
   const int64_t* tables;
   const int64_t* lens;
+  const int64_t* starts;  // first visible token of each row: 0, or where its sliding window begins
   int64_t num_heads, head_dim, group, block_size, kv_heads, table_width, token_stride, block_stride;
   float scale;
 
   void operator()(int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores,
                   float* result) const {
     const int64_t t_begin = first_block * block_size;
-    const int64_t n = std::min(num_blocks * block_size, lens[row] - t_begin);  // tokens of this span
+    const int64_t end = std::min(num_blocks * block_size, lens[row] - t_begin);  // past the span's last token
+    // Only the row's first span can begin inside its window's first block; it keeps >= 1 token.
+    const int64_t skip = std::max<int64_t>(0, starts[row] - t_begin);
+    const int64_t n = end - skip;  // tokens of this span
     const float* q_row = q + row * num_heads * head_dim;
     const int64_t* table = tables + row * table_width + first_block;
     scores.resize(num_heads * n);
@@ -71,9 +76,9 @@ struct Span {
     auto for_each_token_head = [&](const float* cache, auto&& visit) {
       for (int64_t b = 0; b < num_blocks; ++b) {
         const float* block = cache + table[b] * block_stride;
-        const int64_t t0 = b * block_size, count = std::min(block_size, n - t0);
+        const int64_t t0 = b * block_size, count = std::min(block_size, end - t0);
         const float* next_block = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
-        for (int64_t j = 0; j < count; ++j) {
+        for (int64_t j = std::max<int64_t>(0, skip - t0); j < count; ++j) {
           const int64_t a = j + kPrefetchTokens;
           const float* ahead = a < block_size ? block + a * token_stride
                                : next_block ? next_block + (a - block_size) * token_stride : nullptr;
@@ -81,7 +86,7 @@ struct Span {
             for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(ahead + line, 0, 3);
           for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
             const float* vec = block + j * token_stride + kv * head_dim;
-            for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j, h, vec);
+            for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j - skip, h, vec);
           }
         }
       }
@@ -112,7 +117,7 @@ struct Span {
 template <int64_t D>
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, double scale) {
+                               const torch::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
@@ -126,28 +131,34 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t row = 0; row < num_rows; ++row)  // checked here: no exceptions inside the parallel region
     TORCH_CHECK(lens[row] > 0 && (lens[row] + block_size - 1) / block_size <= table_width, "bad context length");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  std::vector<int64_t> starts(num_rows, 0);
+  if (window > 0)
+    for (int64_t row = 0; row < num_rows; ++row) starts[row] = std::max<int64_t>(0, lens[row] - window);
 
   const Span<D> span{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                     block_tables.data_ptr<int64_t>(), lens, num_heads, head_dim, num_heads / kv_heads,
+                     block_tables.data_ptr<int64_t>(), lens, starts.data(), num_heads, head_dim, num_heads / kv_heads,
                      block_size, kv_heads, table_width, kv_heads * head_dim, block_size * kv_heads * head_dim,
                      static_cast<float>(scale)};
   const int64_t stride = head_dim + 2, threads = at::get_num_threads();
   auto out = torch::empty_like(q);
   float* out_ptr = out.data_ptr<float>();
-  auto blocks_of = [&](int64_t row) { return (lens[row] + block_size - 1) / block_size; };
+  auto first_block_of = [&](int64_t row) { return starts[row] / block_size; };
+  auto blocks_of = [&](int64_t row) { return (lens[row] + block_size - 1) / block_size - first_block_of(row); };
 
   // Enough rows for every thread: one task per row. Fewer: each row's context is cut into slices
   // (about four per thread) whose partial results are merged, as flash-decoding does on GPUs.
   std::vector<std::array<int64_t, 3>> tasks;  // (row, first block, blocks)
   if (num_rows >= 2 * threads) {
-    for (int64_t row = 0; row < num_rows; ++row) tasks.push_back({row, 0, blocks_of(row)});
+    for (int64_t row = 0; row < num_rows; ++row) tasks.push_back({row, first_block_of(row), blocks_of(row)});
   } else {
     int64_t total_blocks = 0;
     for (int64_t row = 0; row < num_rows; ++row) total_blocks += blocks_of(row);
     const int64_t min_slice = (64 + block_size - 1) / block_size;  // at least 64 tokens a slice
     const int64_t slice = std::max(min_slice, (total_blocks + 4 * threads - 1) / (4 * threads));
     for (int64_t row = 0; row < num_rows; ++row)
-      for (int64_t b = 0; b < blocks_of(row); b += slice) tasks.push_back({row, b, std::min(slice, blocks_of(row) - b)});
+      for (int64_t b = 0; b < blocks_of(row); b += slice)
+        tasks.push_back({row, first_block_of(row) + b, std::min(slice, blocks_of(row) - b)});
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const bool sliced = num_tasks > num_rows;
@@ -206,16 +217,19 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
+                                     const torch::Tensor& context_lens, double scale, int64_t window) {
   switch (q.size(-1)) {
-    case 64: return decode_attention<64>(q, k_cache, v_cache, block_tables, context_lens, scale);
-    case 128: return decode_attention<128>(q, k_cache, v_cache, block_tables, context_lens, scale);
-    default: return decode_attention<0>(q, k_cache, v_cache, block_tables, context_lens, scale);
+    case 64: return decode_attention<64>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case 128: return decode_attention<128>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case 256: return decode_attention<256>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    default: return decode_attention<0>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
   }
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (fp32); window > 0: each row sees its last `window` tokens",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
 }
