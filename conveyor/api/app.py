@@ -154,7 +154,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @tok.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        data = await _read_json(request)
+        data = await _read_json(request, state)
         chat = isinstance(data, dict) and "messages" in data
         body = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
         _check_model(state, body.model)
@@ -171,7 +171,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @tok.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = parse(DetokenizeRequest, await _read_json(request))
+        body = parse(DetokenizeRequest, await _read_json(request, state))
         _check_model(state, body.model)
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]

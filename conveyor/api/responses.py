@@ -67,7 +67,7 @@ class ChatFormat(CompletionFormat):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
-                     first: bool = False) -> dict[str, Any]:
+                     first: bool = False) -> dict[str, Any] | None:
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
         # The role goes out with the first token, so that a client's TTFT is the first token's.
         message = {"role": "assistant", "content": delta} if first else {"content": delta}

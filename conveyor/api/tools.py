@@ -166,9 +166,11 @@ class ToolCallFormat(ChatFormat):
         return {"index": choice.index, "message": message, "logprobs": lp,
                 "finish_reason": self._finish_reason(choice, calls)}
 
-    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
+                     first: bool = False) -> dict[str, Any] | None:
         lp = _chat_logprobs(logprobs) if choice.num_logprobs is not None else None
-        out: dict[str, Any] = {}
+        # The role goes out with the first token, as ChatFormat sends it.
+        out: dict[str, Any] = {"role": "assistant"} if first else {}
         finish = None
         if self.plan.mode == "named":
             if delta:

@@ -171,7 +171,7 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple
         async def one(i: int, prompt: list[int]) -> None:
             """Send request i, then release the later turns of its conversation (multi-turn)."""
             output: list[int] | None = [] if released_by.get(i) else None
-            async with semaphore:  # type: ignore[attr-defined]
+            async with semaphore:
                 records[i] = await send_request(client, cfg, requests[i], prompt, output)
             if bar is not None:
                 bar.update(1)

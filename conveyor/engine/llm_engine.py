@@ -311,7 +311,7 @@ class LLMEngine:
             return self._run(out, stats), out, []
         except Exception as exc:
             error = exc
-        groups = list(dict.fromkeys(r.group_id for r, _ in out.scheduled))  # type: ignore[misc]
+        groups = list(dict.fromkeys(r.group_id for r, _ in out.scheduled))
         if len(groups) == 1:
             raise error
 

@@ -63,7 +63,9 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._key_of[block]]  # type: ignore[index]
+                key = self._key_of[block]
+                assert key is not None  # an evictable block is a cached one
+                del self._block_of[key]
                 self._key_of[block] = None
             self._ref_counts[block] = 1
             blocks.append(block)

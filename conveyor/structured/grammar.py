@@ -19,9 +19,12 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.structured import GrammarSpec
@@ -29,7 +32,7 @@ from conveyor.sampling.structured import GrammarSpec
 CACHE_SIZE = 256
 # Compact JSON with no free whitespace: a small model given a choice of whitespace can spend its
 # whole budget on newlines; "," and ":" are what json.dumps(separators=(",", ":")) writes.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False}
 
 
 class GrammarError(InvalidRequestError):

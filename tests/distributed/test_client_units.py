@@ -134,7 +134,7 @@ def test_a_burst_fills_the_free_seats_then_the_waiting_bound() -> None:
     """Issue 18, case 8, on the Ray front end: requests about to take a free running seat are not
     counted as waiting, so max_num_seqs + max_waiting_requests of a burst get in."""
     from conveyor.distributed.messages import WorkerInfo
-    from conveyor.engine.async_engine import QueueFullError
+    from conveyor.errors import QueueFullError
 
     info = WorkerInfo("replica-0", "replica", max_model_len=128, num_kv_blocks=64, block_size=16,
                       kv_block_bytes=1000, max_num_seqs=4)

@@ -6,7 +6,8 @@ import asyncio
 import threading
 
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import AsyncEngine, QueueFullError
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.errors import QueueFullError
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams

@@ -12,7 +12,8 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import SamplerOutput, StepStats
+from conveyor.runner.stats import StepStats
+from conveyor.sampling.outputs import SamplerOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling import SamplingParams
 from conveyor.sampling.masking import apply_token_masks
