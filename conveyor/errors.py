@@ -43,3 +43,12 @@ class WorkerDiedError(ConveyorError):
 class RequestFailedError(ConveyorError):
     """The engine could not compute this request: a step raised with it in the batch and ran
     without it, so it alone fails (its KV blocks freed) while the rest of the batch goes on."""
+
+
+class BlockAccountingError(ConveyorError, ValueError):
+    """A KV block freed, shared or cached in a state that does not allow it (a double free, say):
+    a bug in whoever keeps the block table, never the user's input."""
+
+
+class OutOfBlocksError(ConveyorError, RuntimeError):
+    """Asked for more KV blocks than are free; callers check the free count first, so this is a bug."""

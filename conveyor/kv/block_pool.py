@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-
-class OutOfBlocksError(RuntimeError):
-    """Asked for more blocks than are free; callers check `num_free` first, so this is a bug."""
+from conveyor.errors import BlockAccountingError, OutOfBlocksError
 
 
 class BlockPool:
@@ -74,13 +72,13 @@ class BlockPool:
     def share(self, block_id: int) -> None:
         """Another owner takes a reference (e.g. a parallel sample reusing a prompt block)."""
         if self._ref_counts[block_id] < 1:
-            raise ValueError(f"block {block_id} is free and cannot be shared")
+            raise BlockAccountingError(f"block {block_id} is free and cannot be shared")
         self._ref_counts[block_id] += 1
 
     def take_cached(self, block_id: int) -> None:
         """A prefix-cache hit: take a reference to a keyed block, owned or evictable."""
         if self._key_of[block_id] is None:
-            raise ValueError(f"block {block_id} holds no cached content")
+            raise BlockAccountingError(f"block {block_id} holds no cached content")
         if self._ref_counts[block_id] == 0:
             del self._evictable[block_id]
         self._ref_counts[block_id] += 1
@@ -89,7 +87,7 @@ class BlockPool:
         """Give an owned, full block its content key; False (and nothing changes) if the block has a
         key already or another block holds the same content (the first one stays the cached copy)."""
         if self._ref_counts[block_id] < 1:
-            raise ValueError(f"block {block_id} is free and cannot be cached")
+            raise BlockAccountingError(f"block {block_id} is free and cannot be cached")
         if self._key_of[block_id] is not None or key in self._block_of:
             return False
         self._key_of[block_id] = key
@@ -102,7 +100,7 @@ class BlockPool:
         for b in reversed(blocks):
             count = self._ref_counts[b]
             if count < 1:
-                raise ValueError(f"block {b} freed twice")
+                raise BlockAccountingError(f"block {b} freed twice")
             self._ref_counts[b] = count - 1
             if count == 1:
                 if self._key_of[b] is None:

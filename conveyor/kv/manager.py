@@ -14,7 +14,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from conveyor.kv.block_pool import BlockPool, OutOfBlocksError
+from conveyor.errors import OutOfBlocksError
+from conveyor.kv.block_pool import BlockPool
 
 # (start, end) -> the request's token ids in [start, end); Request.token_slice.
 TokenSlice = Callable[[int, int], Sequence[int]]
