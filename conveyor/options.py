@@ -14,6 +14,7 @@ HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
     "block_size": "tokens per KV block",
+    "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
     "max_model_len": "longest request, prompt plus output (default: the model's context length)",

@@ -23,11 +23,15 @@ from conveyor.api.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
 )
 from conveyor.api.schema import (
+    TOKENIZER_ERRORS,
     V1_ERRORS,
     ChatCompletionResponse,
     CompletionResponse,
+    DetokenizeResponse,
     Health,
     ModelList,
+    TokenizeResponse,
+    Version,
     generation_responses,
     install_openapi,
 )
@@ -152,7 +156,7 @@ def build_app(state: ServerState) -> FastAPI:
     # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
     tok = APIRouter(dependencies=[Depends(check_key)])
 
-    @tok.post("/tokenize")
+    @tok.post("/tokenize", response_model=TokenizeResponse, responses=TOKENIZER_ERRORS)
     async def tokenize(request: Request) -> dict[str, Any]:
         data = await _read_json(request, state)
         chat = isinstance(data, dict) and "messages" in data
@@ -169,7 +173,7 @@ def build_app(state: ServerState) -> FastAPI:
             reply["token_strs"] = [state.tokenizer.token_to_str(t) for t in ids]
         return reply
 
-    @tok.post("/detokenize")
+    @tok.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENIZER_ERRORS)
     async def detokenize(request: Request) -> dict[str, Any]:
         body = parse(DetokenizeRequest, await _read_json(request, state))
         _check_model(state, body.model)
@@ -182,7 +186,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(tok)
 
-    @app.get("/version")
+    @app.get("/version", response_model=Version)
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
@@ -197,7 +201,9 @@ def build_app(state: ServerState) -> FastAPI:
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    install_openapi(app, {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+                          "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+                          "/detokenize": (DetokenizeRequest,)})
     return app
 
 

@@ -102,6 +102,21 @@ class Health(BaseModel):
     status: Literal["ok", "unavailable"]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
+
+
 _ERRORS = {"model": ErrorResponse}
 V1_ERRORS: dict[int | str, dict[str, Any]] = {401: {**_ERRORS, "description": "missing or wrong API key"}}
 GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -114,25 +129,34 @@ GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
+    key: GENERATION_ERRORS[key] for key in (401, 400, 404, 413)
+}
+
+
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     stream = {"text/event-stream": {"schema": {"type": "string"}}}  # with "stream": true
     return {200: {"model": model, "content": stream}, **GENERATION_ERRORS}
 
 
-def install_openapi(app: FastAPI, request_bodies: dict[str, type[BaseModel]]) -> None:
-    """Serve the generated schema with the request body models of the POST routes put in."""
+def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[type[BaseModel], ...]]) -> None:
+    """Serve the generated schema with the request body models of the POST routes put in (a route
+    that takes one of several bodies, as /tokenize does, gets their anyOf)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in request_bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
+            for path, models in request_bodies.items():
+                refs = []
+                for model in models:
+                    body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                    components.update(body.pop("$defs", {}))
+                    components[model.__name__] = body
+                    refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
                 schema["paths"][path]["post"]["requestBody"] = {
                     "required": True,
-                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                    "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
                 }
             app.openapi_schema = schema
         return app.openapi_schema

@@ -168,7 +168,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                      choices=["static", "continuous", "continuous-naive", "continuous-chunked", "continuous-slo"])
     cmp.add_argument("--slo-tpot-ms", type=float, default=None, help="the TPOT target of the continuous-slo policy")
     add_config_args(cmp, CompareConfig, only=("max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                                              "kv_cache_memory", "block_size"), helps={
+                                              "kv_cache_memory", "block_size", "enable_prefix_caching"), helps={
         "max_num_batched_tokens": "token budget per step of static, continuous and (at least) continuous-naive",
         "chunk_size": "token budget per step of continuous-chunked"})
     cmp.add_argument("--output-dir", default="out/compare")

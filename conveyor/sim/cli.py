@@ -158,7 +158,7 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     # A GPU's batch cap: 256 (vLLM's default), not the CPU engine's
     add_config_args(eng, SchedulerConfig, defaults={"max_num_seqs": 256},
                     helps={"slo_ttft_ms": "TTFT target: misses are counted, not dropped"})
-    add_config_args(eng, EngineConfig, only=("block_size",))
+    add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching"))
     dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
     dep.add_argument("--prefill-workers", type=int, default=0, help="prefill/decode disaggregation (with --decode-workers)")
     dep.add_argument("--decode-workers", type=int, default=0)
