@@ -18,6 +18,9 @@ CASES = [
     ("prompt of wrong type", COMPLETIONS, {**OK_COMPLETION, "prompt": 42}, 400, "prompt", ""),
     ("empty prompt", COMPLETIONS, {**OK_COMPLETION, "prompt": ""}, 400, "prompt", "empty"),
     ("token id out of vocabulary", COMPLETIONS, {**OK_COMPLETION, "prompt": [1, 10**7]}, 400, None, "vocabulary"),
+    # Found by the fuzz test: echo decoded the ids before the engine refused them (a 500).
+    ("echoed token id out of vocabulary", COMPLETIONS, {**OK_COMPLETION, "prompt": [-91, 516], "echo": True}, 400,
+     "prompt", "vocabulary"),
     ("prompt longer than max-model-len", COMPLETIONS, {**OK_COMPLETION, "prompt": "hello " * 9000}, 400, None,
      "maximum model length"),
     ("negative max_tokens", COMPLETIONS, {**OK_COMPLETION, "max_tokens": -5}, 400, "max_tokens", ""),
