@@ -29,8 +29,10 @@ def test_fuzz_the_api(tiny_server):
     statuses: dict[int, int] = {}
 
     @given(case=strategy)
+    # Derandomized: the same cases on every run of the same code, so CI and a developer see the
+    # same result (random seeds found the echo 500 and the SSE schema gap; each is a test now).
     @settings(max_examples=EXAMPLES_PER_OPERATION * len(operations), deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), derandomize=True)
     def fuzz(case) -> None:
         response = case.call(base_url=tiny_server.base_url, timeout=60)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
