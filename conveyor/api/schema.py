@@ -137,7 +137,7 @@ TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     # With "stream": true: Server-Sent Events whose data are chunk objects, then "[DONE]". No schema
     # is declared for them: OpenAPI 3.1 has no way to describe the events one by one.
-    stream = {"text/event-stream": {}}
+    stream: dict[str, Any] = {"text/event-stream": {}}
     return {200: {"model": model, "content": stream}, **GENERATION_ERRORS}
 
 
