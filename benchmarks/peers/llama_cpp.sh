@@ -80,21 +80,11 @@ while [[ $# -gt 0 ]]; do
 done
 
 log() { printf '[llama_cpp.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 
 SERVER_BIN=$LLAMA_DIR/build/bin/llama-server
 SERVER_PGIDS=()
-
-stop_server() {  # stop_server PGID: SIGTERM the whole process group, SIGKILL after 30 s
-    local pgid=$1 i
-    kill -0 -- "-$pgid" 2>/dev/null || return 0
-    kill -TERM -- "-$pgid" 2>/dev/null || true
-    for ((i = 0; i < 60; i++)); do
-        kill -0 -- "-$pgid" 2>/dev/null || return 0
-        sleep 0.5
-    done
-    log "process group $pgid ignored SIGTERM; killing it"
-    kill -KILL -- "-$pgid" 2>/dev/null || true
-}
 
 cleanup() {
     local pgid
@@ -138,24 +128,6 @@ model_file() {  # the GGUF both servers read
         "$CONVEYOR_PY" -c "import sys; from conveyor.model.loader import resolve_model_path; \
 print(resolve_model_path(None if sys.argv[1] == 'smollm2-135m' else sys.argv[1]))" "$MODEL"
     fi
-}
-
-wait_healthy() {  # wait_healthy URL PGID TIMEOUT LOG
-    local url=$1 pgid=$2 timeout=$3 logfile=$4 start=$SECONDS
-    until curl -sf -o /dev/null "$url/health"; do
-        if ! kill -0 -- "-$pgid" 2>/dev/null; then
-            log "server died while starting; last lines of $logfile:"
-            tail -n 40 "$logfile" >&2
-            return 1
-        fi
-        if ((SECONDS - start > timeout)); then
-            log "server not healthy after ${timeout}s; last lines of $logfile:"
-            tail -n 40 "$logfile" >&2
-            return 1
-        fi
-        sleep 1
-    done
-    log "healthy after $((SECONDS - start)) s: $url"
 }
 
 bench() {  # bench URL LABEL RESULT_JSON [extra args]: the one command both servers get
@@ -210,36 +182,6 @@ run_conveyor() {
     log "conveyor stopped"
 }
 
-table() {
-    "$CONVEYOR_PY" - "$OUT_DIR/conveyor.json" "$OUT_DIR/llama.json" <<'EOF'
-import json, sys
-ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
-rows = [  # key, label, higher is better
-    ("output_throughput", "output tok/s", True),
-    ("request_throughput", "requests/s", True),
-    ("mean_ttft_ms", "mean TTFT ms", False),
-    ("p99_ttft_ms", "P99 TTFT ms", False),
-    ("mean_tpot_ms", "mean TPOT ms", False),
-    ("p99_tpot_ms", "P99 TPOT ms", False),
-]
-print(f"\n{ours['dataset']}, {ours['num_prompts']} prompts, rate {ours['request_rate']}, "
-      f"completed conveyor {ours['completed']} / llama.cpp {theirs['completed']}")
-# Same seeded requests, EOS ignored: every output must be as long on both sides. llama-server cuts
-# a request that overflows its slot short without an error.
-short = sum(b < a for a, b in zip(ours["output_lens"], theirs["output_lens"]))
-if short:
-    print(f"WARNING: llama.cpp returned {short} outputs shorter than conveyor's: raise --ctx-per-slot")
-print(f"{'metric':<14} {'conveyor':>10} {'llama.cpp':>10} {'conveyor/llama.cpp':>19}  better")
-for key, label, higher in rows:
-    a, b = ours.get(key), theirs.get(key)
-    if a is None or b is None:
-        continue
-    ratio = a / b if b else float("inf")
-    better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else "llama.cpp")
-    print(f"{label:<14} {a:>10.1f} {b:>10.1f} {ratio:>18.2f}x  {better}")
-EOF
-}
-
 build_server
 if [[ $SETUP_ONLY == 1 ]]; then
     log "setup done"
@@ -261,4 +203,4 @@ echo "===== llama.cpp ($LLAMA_COMMIT) ====="
 cat "$OUT_DIR/llama.txt"
 echo "===== conveyor ====="
 cat "$OUT_DIR/conveyor.txt"
-table
+ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/llama.json" "llama.cpp"

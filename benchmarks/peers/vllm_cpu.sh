@@ -82,6 +82,8 @@ done
 [[ $CONVEYOR_WEIGHTS == hf || $CONVEYOR_WEIGHTS == gguf ]] || { echo "--conveyor-weights must be hf or gguf" >&2; exit 2; }
 
 log() { printf '[vllm_cpu.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
@@ -89,17 +91,6 @@ HF_DIR=$OUT_DIR/hf-model
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/conveyor-vllm-peer.XXXXXX")
 SERVER_PGIDS=()
 
-stop_server() {  # stop_server PGID: SIGTERM the whole process group, SIGKILL after 30 s
-    local pgid=$1 i
-    kill -0 -- "-$pgid" 2>/dev/null || return 0
-    kill -TERM -- "-$pgid" 2>/dev/null || true
-    for ((i = 0; i < 60; i++)); do
-        kill -0 -- "-$pgid" 2>/dev/null || return 0
-        sleep 0.5
-    done
-    log "process group $pgid ignored SIGTERM; killing it"
-    kill -KILL -- "-$pgid" 2>/dev/null || true
-}
 
 cleanup() {
     local pgid
@@ -135,24 +126,6 @@ export_model() {
     else
         "$CONVEYOR_PY" -m conveyor.cli export-hf "$HF_DIR"
     fi
-}
-
-wait_healthy() {  # wait_healthy URL PGID TIMEOUT LOG
-    local url=$1 pgid=$2 timeout=$3 logfile=$4 start=$SECONDS
-    until curl -sf -o /dev/null "$url/health"; do
-        if ! kill -0 -- "-$pgid" 2>/dev/null; then
-            log "server died while starting; last lines of $logfile:"
-            tail -n 40 "$logfile" >&2
-            return 1
-        fi
-        if ((SECONDS - start > timeout)); then
-            log "server not healthy after ${timeout}s; last lines of $logfile:"
-            tail -n 40 "$logfile" >&2
-            return 1
-        fi
-        sleep 2
-    done
-    log "healthy after $((SECONDS - start)) s: $url"
 }
 
 bench() {  # bench URL LABEL RESULT_JSON [extra args]: the one command both servers get
@@ -215,32 +188,6 @@ run_conveyor() {
     log "conveyor stopped"
 }
 
-ratios() {
-    "$CONVEYOR_PY" - "$OUT_DIR/conveyor.json" "$OUT_DIR/vllm.json" <<'EOF'
-import json, sys
-ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
-rows = [  # key, label, higher is better
-    ("output_throughput", "output tok/s", True),
-    ("request_throughput", "requests/s", True),
-    ("mean_ttft_ms", "mean TTFT ms", False),
-    ("p99_ttft_ms", "P99 TTFT ms", False),
-    ("mean_tpot_ms", "mean TPOT ms", False),
-    ("p99_tpot_ms", "P99 TPOT ms", False),
-    ("p99_itl_ms", "P99 ITL ms", False),
-]
-print(f"\n{ours['dataset']}, {ours['num_prompts']} prompts, rate {ours['request_rate']}, "
-      f"completed conveyor {ours['completed']} / vLLM {theirs['completed']}")
-print(f"{'metric':<14} {'conveyor':>10} {'vLLM CPU':>10} {'conveyor/vLLM':>14}  better")
-for key, label, higher in rows:
-    a, b = ours.get(key), theirs.get(key)
-    if a is None or b is None:
-        continue
-    ratio = a / b if b else float("inf")
-    better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else "vLLM")
-    print(f"{label:<14} {a:>10.1f} {b:>10.1f} {ratio:>13.2f}x  {better}")
-EOF
-}
-
 setup_venv
 export_model
 if [[ $SETUP_ONLY == 1 ]]; then
@@ -256,4 +203,4 @@ echo "===== vLLM CPU $VLLM_VERSION ====="
 cat "$OUT_DIR/vllm.txt"
 echo "===== conveyor ====="
 cat "$OUT_DIR/conveyor.txt"
-ratios
+ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/vllm.json" "vLLM CPU"

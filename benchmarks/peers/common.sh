@@ -1,0 +1,65 @@
+# Shared by the peer scripts (vllm_cpu.sh, llama_cpp.sh): sourced, never run. They define `log`
+# and SERVER_PGIDS before sourcing it.
+
+stop_server() {  # stop_server PGID: SIGTERM the whole process group, SIGKILL after 30 s
+    local pgid=$1 i
+    kill -0 -- "-$pgid" 2>/dev/null || return 0
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+    for ((i = 0; i < 60; i++)); do
+        kill -0 -- "-$pgid" 2>/dev/null || return 0
+        sleep 0.5
+    done
+    log "process group $pgid ignored SIGTERM; killing it"
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+}
+
+wait_healthy() {  # wait_healthy URL PGID TIMEOUT LOG
+    local url=$1 pgid=$2 timeout=$3 logfile=$4 start=$SECONDS
+    until curl -sf -o /dev/null "$url/health"; do
+        if ! kill -0 -- "-$pgid" 2>/dev/null; then
+            log "server died while starting; last lines of $logfile:"
+            tail -n 40 "$logfile" >&2
+            return 1
+        fi
+        if ((SECONDS - start > timeout)); then
+            log "server not healthy after ${timeout}s; last lines of $logfile:"
+            tail -n 40 "$logfile" >&2
+            return 1
+        fi
+        sleep 1
+    done
+    log "healthy after $((SECONDS - start)) s: $url"
+}
+
+ratio_table() {  # ratio_table PY OURS_JSON THEIRS_JSON PEER_LABEL: the two `bench serve` results side by side
+    "$1" - "$2" "$3" "$4" <<'PYEOF'
+import json, sys
+ours, theirs = (json.load(open(p)) for p in sys.argv[1:3])
+peer = sys.argv[3]
+rows = [  # key, label, higher is better
+    ("output_throughput", "output tok/s", True),
+    ("request_throughput", "requests/s", True),
+    ("mean_ttft_ms", "mean TTFT ms", False),
+    ("p99_ttft_ms", "P99 TTFT ms", False),
+    ("mean_tpot_ms", "mean TPOT ms", False),
+    ("p99_tpot_ms", "P99 TPOT ms", False),
+    ("p99_itl_ms", "P99 ITL ms", False),
+]
+print(f"\n{ours['dataset']}, {ours['num_prompts']} prompts, rate {ours['request_rate']}, "
+      f"completed conveyor {ours['completed']} / {peer} {theirs['completed']}")
+# Same seeded requests, EOS ignored: every output must be as long on both sides (llama-server cuts a
+# request that overflows its slot short without an error).
+short = sum(b < a for a, b in zip(ours.get("output_lens", []), theirs.get("output_lens", [])))
+if short:
+    print(f"WARNING: {peer} returned {short} outputs shorter than conveyor's (llama.cpp: raise --ctx-per-slot)")
+label = f"conveyor/{peer}"
+print(f"{'metric':<14} {'conveyor':>10} {peer:>10} {label:>{max(14, len(label))}}  better")
+for key, name, higher in rows:
+    a, b = ours.get(key), theirs.get(key)
+    if a is None or b is None:
+        continue
+    ratio = a / b if b else float("inf")
+    better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else peer)
+    print(f"{name:<14} {a:>10.1f} {b:>10.1f} {ratio:>{max(14, len(label)) - 1}.2f}x  {better}")
+PYEOF
+}
