@@ -19,7 +19,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def small_server():
-    srv = start_server("--max-num-seqs", "2", "--max-waiting-requests", "2", "--shutdown-timeout", "20",
+    # The drain test's 48 tokens must finish inside the grace: on a loaded 2-core box they took 17-26 s,
+    # so the grace is far above that (the test still fails if draining aborts or the server hangs).
+    srv = start_server("--max-num-seqs", "2", "--max-waiting-requests", "2", "--shutdown-timeout", "90",
                        env={"CONVEYOR_API_KEY": KEY})
     yield srv
     srv.stop()
