@@ -234,8 +234,8 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
         ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
-        vocab = state.tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        vocab = getattr(state.tokenizer, "vocab_size", None)  # without a tokenizer the engine checks them
+        bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
         if bad:  # before anything decodes them (echo) or they reach the engine
             raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
         out.append(ids)
