@@ -147,6 +147,9 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
         name = _name(state, body.model)
+        if body.return_token_ids and tools is not None and tools.mode != "none":
+            # The tool-call format re-frames the text as calls: no token ids line up with it.
+            raise bad_request("return_token_ids cannot be combined with tool calls", param="return_token_ids")
         fmt = (ToolCallFormat(name, tools) if tools is not None and tools.mode != "none"
                else ChatFormat(name, bool(body.return_token_ids)))
         return await _serve(request, state, gen, [prompt], fmt, bool(body.stream), body.include_usage)

@@ -40,6 +40,9 @@ CASES = [
     ("stream_options without stream", COMPLETIONS, {**OK_COMPLETION, "stream_options": {"include_usage": True}},
      400, None, "stream"),
     ("missing messages", CHAT, {"model": MODEL}, 400, "messages", "required"),
+    ("token ids of a tool call", CHAT, {**OK_CHAT, "return_token_ids": True, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400,
+     "return_token_ids", "tool calls"),
     ("empty messages", CHAT, {**OK_CHAT, "messages": []}, 400, "messages", ""),
     ("unknown role", CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role",
      ""),
