@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.bench.metrics import BenchmarkMetrics, compute_metrics
-from conveyor.bench.offline import run_offline, warm_up
+from conveyor.bench.offline import run_offline
 from conveyor.bench.workloads import WorkloadConfig, arrival_times, describe, generate_requests
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -121,7 +121,7 @@ def main() -> int:
         arrivals = arrival_times(len(requests), case.rate, 1.0, case.workload.seed)
         print(f"real: {case.name}: {describe(requests)}")
         engine = LLMEngine.from_config(EngineConfig.from_kwargs(**base, **case.engine), loaded)
-        warm_up(engine)
+        engine.warm_up()
         calibration = calibrate()
         recorder = ShapeRecorder(engine.runner, keep=True)
         engine.runner = recorder

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from conveyor.bench.decode import time_decode_steps
 from conveyor.bench.metrics import compute_metrics, per_request_dict
-from conveyor.bench.offline import OfflineResult, run_offline, warm_up
+from conveyor.bench.offline import OfflineResult, run_offline
 from conveyor.bench.plots import plot_slo_control
 from conveyor.bench.workloads import (
     WorkloadConfig,
@@ -154,7 +154,7 @@ def main() -> None:
 
     probe = make(max_num_seqs=args.high_cap, **common)
     if not args.sim:
-        warm_up(probe)
+        probe.warm_up()
     t_low, t_high = (time_decode_steps(probe, b, [context], steps=6).median_s for b in (args.low_cap, args.high_cap))
     del probe
     target_ms = args.slo_tpot_ms or 1000 * (t_low + t_high) / 2
@@ -190,7 +190,7 @@ def main() -> None:
     for label, kwargs in configs:
         engine = make(**common, **kwargs)
         if not args.sim:
-            warm_up(engine)
+            engine.warm_up()
         wall = time.perf_counter()
         result = run_offline(engine, requests, arrivals, sleep=sleep)
         rows.append(summarize(label, result))

@@ -80,12 +80,13 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         chat_template=chat_template,
         deployment=DeploymentConfig(args.replicas, args.prefill_workers, args.decode_workers, args.ray_address,
-                                    args.worker_cpus),
+                                    args.worker_cpus, args.routing),
     )
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
+    from conveyor.distributed.router import ROUTING_POLICIES
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
@@ -113,6 +114,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-address", default=None,
                      help="join an existing Ray cluster ('auto' or host:port) instead of starting a local one")
     ray.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs Ray reserves per worker")
+    ray.add_argument("--routing", choices=ROUTING_POLICIES, default=ROUTING_POLICIES[0],
+                     help="how requests are placed: where their prefix is cached, balanced against load "
+                          "(cache-aware; least-load when prefix caching is off), or least outstanding tokens")
     srv.set_defaults(func=_serve)
 
 

@@ -44,6 +44,9 @@ rows = [  # key, label, higher is better
     ("mean_tpot_ms", "mean TPOT ms", False),
     ("p99_tpot_ms", "P99 TPOT ms", False),
     ("p99_itl_ms", "P99 ITL ms", False),
+    ("ttft_mean_first_turns_ms", "TTFT turn 1 ms", False),  # multi-turn only
+    ("ttft_mean_later_turns_ms", "TTFT turns 2+", False),
+    ("cached_prompt_share", "cached share", True),  # where the server's usage reports it
 ]
 print(f"\n{ours['dataset']}, {ours['num_prompts']} prompts, rate {ours['request_rate']}, "
       f"completed conveyor {ours['completed']} / {peer} {theirs['completed']}")
@@ -60,6 +63,7 @@ for key, name, higher in rows:
         continue
     ratio = a / b if b else float("inf")
     better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else peer)
-    print(f"{name:<14} {a:>10.1f} {b:>10.1f} {ratio:>{max(14, len(label)) - 1}.2f}x  {better}")
+    digits = 3 if key == "cached_prompt_share" else 1
+    print(f"{name:<14} {a:>10.{digits}f} {b:>10.{digits}f} {ratio:>{max(14, len(label)) - 1}.2f}x  {better}")
 PYEOF
 }

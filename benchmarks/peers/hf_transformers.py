@@ -190,7 +190,7 @@ def run_hf_cb(model: Any, requests: list[BenchRequest], args: argparse.Namespace
 
 def run_conveyor(folder: Path, requests: list[BenchRequest], args: argparse.Namespace) -> Result:
     from conveyor.bench.metrics import compute_metrics
-    from conveyor.bench.offline import record_from_times, warm_up
+    from conveyor.bench.offline import record_from_times
     from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.sampling.params import SamplingParams
@@ -201,7 +201,7 @@ def run_conveyor(folder: Path, requests: list[BenchRequest], args: argparse.Name
         kv_cache_memory=args.kv_cache_memory, num_threads=args.num_threads,
     )
     engine = LLMEngine.from_config(config)
-    warm_up(engine)
+    engine.warm_up()
     outputs: dict[str, Any] = {}
     start = engine.clock()
     for i, r in enumerate(requests):

@@ -158,7 +158,11 @@ run_llama() {
     wait_healthy "$url" "$pgid" 300 "$logfile"
     warm_up "$url"
     log "benchmarking llama.cpp (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    bench "$url" llama-cpp "$OUT_DIR/llama.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/llama.txt"
+    local own=()
+    # A conversation's next turn carries the tokens generated: llama-server returns them per chunk
+    # (as __verbose.tokens) only when asked with these two request fields.
+    [[ $DATASET == multi-turn ]] && own=(--extra-body '{"return_tokens": true, "verbose": true}')
+    bench "$url" llama-cpp "$OUT_DIR/llama.json" "${own[@]}" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/llama.txt"
     stop_server "$pgid"
     log "llama.cpp stopped"
 }

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
 from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
 
+log = logging.getLogger("conveyor.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -78,6 +80,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.engine.on_report = state.metrics.on_report
         state.engine.start(asyncio.get_running_loop())
+        # Scans the vocabulary: here, not inside the first request.
+        log.debug("text prompts over %s characters are refused untokenized", state.max_prompt_chars)
         try:
             yield
         finally:
@@ -87,7 +91,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.conveyor = state
     install_handlers(app)
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:  # async: a sync dependency costs a thread-pool hop
         if state.api_key is None:
             return
         given = request.headers.get("authorization", "")

@@ -93,7 +93,7 @@ def run_server(
         log.info("Ray deployment ready: %s", ", ".join(w.name for w in engine_client.workers))
     else:
         # Built on the thread that will step it: one thread does all the torch work (async_engine.py).
-        local = AsyncEngine.build(lambda: LLMEngine.from_config(config), max_waiting_requests=max_waiting_requests)
+        local = AsyncEngine.build(lambda: LLMEngine.from_config(config).warm_up(), max_waiting_requests=max_waiting_requests)
         engine = local.engine
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
                  engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from conveyor.bench.compare import CompareConfig
@@ -79,11 +80,23 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         goodput=parse_goodput(args.goodput), selected_metrics=selected, percentiles=percentiles,
         save_result=args.save_result, disable_tqdm=args.disable_tqdm, ready_timeout_s=args.ready_timeout,
-        label=args.label,
+        label=args.label, extra_body=_extra_body(args.extra_body),
     )
     if args.api_key:
         cfg.api_key = args.api_key
     return main(cfg)
+
+
+def _extra_body(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"conveyor bench serve: --extra-body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SystemExit("conveyor bench serve: --extra-body must be a JSON object")
+    return body
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -157,6 +170,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--ready-timeout", type=float, default=60.0,
                      help="seconds to wait for GET /v1/models to answer before starting (0: no check)")
     srv.add_argument("--disable-tqdm", action="store_true")
+    srv.add_argument("--extra-body", default=None, metavar="JSON",
+                     help="fields merged into every request body (e.g. a peer server's own options)")
     _add_workload_args(srv)
     srv.set_defaults(func=_run_serve)
 

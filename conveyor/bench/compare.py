@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from conveyor.bench.metrics import compute_metrics, per_request_dict
-from conveyor.bench.offline import run_offline, warm_up
+from conveyor.bench.offline import run_offline
 from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import (
     BenchRequest,
@@ -141,7 +141,7 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
             kwargs = engine_kwargs(cfg, policy, requests)
             engine = LLMEngine.from_config(EngineConfig.from_kwargs(**kwargs), loaded)
             if cfg.warmup:
-                warm_up(engine)
+                engine.warm_up()
             echo(f"running {policy} at rate {rate} ...")
             offline = run_offline(engine, requests, arrivals, progress=cfg.progress)
             metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)

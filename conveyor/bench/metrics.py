@@ -35,6 +35,7 @@ class RequestRecord:
     latency: float = 0.0  # E2EL
     success: bool = True
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache held, if it says (usage)
 
     @property
     def tpot(self) -> float | None:
@@ -183,6 +184,31 @@ def per_request_dict(records: list[RequestRecord]) -> dict[str, list]:
         "start_times": [r.start for r in records],
         "errors": [r.error for r in records],
     }
+
+
+def prefix_reuse(requests: Sequence[Any], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """What reusing prefixes did for a run, where it can be told: the share of the prompt tokens
+    the server's prefix cache held (if it reported them) and, for conversations, the mean TTFT of
+    first turns and of later turns. `requests` are the workload's BenchRequests, in record order."""
+    ok = [i for i, r in enumerate(records) if r.success]
+    out: dict[str, float] = {}
+    reported = [i for i in ok if records[i].cached_tokens is not None]
+    prompt_tokens = sum(records[i].prompt_len for i in reported)
+    if reported and prompt_tokens:
+        out["cached_prompt_share"] = sum(records[i].cached_tokens or 0 for i in reported) / prompt_tokens
+    later = [records[i].ttft for i in ok if requests[i].follows is not None]
+    if later:
+        out["ttft_mean_first_turns_ms"] = 1000 * float(np.mean([records[i].ttft for i in ok
+                                                                 if requests[i].follows is None]))
+        out["ttft_mean_later_turns_ms"] = 1000 * float(np.mean(later))
+    return out
+
+
+def format_reuse(reuse: dict[str, float]) -> str:
+    names = {"cached_prompt_share": ("Cached share of prompt tokens:", "{:.3f}"),
+             "ttft_mean_first_turns_ms": ("Mean TTFT, first turns (ms):", "{:.2f}"),
+             "ttft_mean_later_turns_ms": ("Mean TTFT, later turns (ms):", "{:.2f}")}
+    return "\n".join(f"{names[k][0]:<40}{names[k][1].format(v):>10}" for k, v in reuse.items() if k in names)
 
 
 def format_result(

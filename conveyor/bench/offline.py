@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from conveyor.bench.metrics import RequestRecord
-from conveyor.bench.workloads import FIRST_REGULAR_ID, BenchRequest, followers, next_turn_prompt
+from conveyor.bench.metrics import RequestRecord, prefix_reuse
+from conveyor.bench.workloads import BenchRequest, followers, next_turn_prompt
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
 from conveyor.request import RequestTimes
@@ -164,6 +164,8 @@ def run_offline(
         bar.close()
     records = [rejected.get(str(i)) or record_from_times(len(prompts[i]), times[str(i)], start)
                for i in range(len(requests))]
+    for i, record in enumerate(records):
+        record.cached_tokens = cached.get(str(i))
     duration = max((r.start + r.latency for r in records if r.success), default=clock() - start)
     return OfflineResult(
         records=records,
@@ -171,35 +173,15 @@ def run_offline(
         duration=duration,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         num_preemptions=engine.scheduler.num_preemptions - preempted_before,
-        extra=prefix_cache_summary(requests, records, [cached.get(str(i), 0) for i in range(len(requests))],
-                                   engine.scheduler.prefix_cache_queries - queries_before,
-                                   engine.scheduler.prefix_cache_hits - hits_before),
+        extra={**prefix_reuse(requests, records),
+               "prefix_cache_hit_rate": hit_rate(engine.scheduler.prefix_cache_queries - queries_before,
+                                                 engine.scheduler.prefix_cache_hits - hits_before)},
     )
 
 
-def prefix_cache_summary(requests: Sequence[BenchRequest], records: Sequence[RequestRecord], cached: Sequence[int],
-                         queries: int, hits: int) -> dict[str, Any]:
-    """What the prefix cache did for a run: hit rate over every lookup (preempted restarts too),
-    cached share of the prompt tokens, and the mean TTFT of later turns (multi-turn)."""
-    ok = [i for i, r in enumerate(records) if r.success]
-    prompt_tokens = sum(records[i].prompt_len for i in ok)
-    later = [records[i].ttft for i in ok if requests[i].follows is not None]
-    out: dict[str, Any] = {
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "cached_prompt_share": sum(cached[i] for i in ok) / prompt_tokens if prompt_tokens else 0.0,
-    }
-    if later:
-        out["ttft_mean_later_turns_ms"] = 1000 * float(np.mean(later))
-    return out
-
-
-def warm_up(engine: LLMEngine, prompt_len: int = 32, output_len: int = 4) -> None:
-    """One small request through the engine, so first-call costs stay out of the measurement."""
-    ids = [FIRST_REGULAR_ID + (7 * i) % (engine.vocab_size - FIRST_REGULAR_ID) for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    engine.add_request(ids, params, request_id="warmup")
-    while engine.has_unfinished_requests:
-        engine.step()
+def hit_rate(queries: int, hits: int) -> float:
+    """Over every lookup of the prefix cache (a preempted request's restart looks up again)."""
+    return hits / queries if queries else 0.0
 
 
 def _progress_bar(total: int) -> Any:

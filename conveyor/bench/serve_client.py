@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 
 from conveyor.bench.metrics import (
-    METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, metrics_dict, per_request_dict,
+    METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, format_reuse, metrics_dict,
+    per_request_dict, prefix_reuse,
 )
 from conveyor.bench.workloads import (
     BenchRequest, WorkloadConfig, describe, followers, generate_requests, next_turn_prompt, parse_rate_schedule,
@@ -53,6 +54,7 @@ class ServeConfig:
     ready_timeout_s: float = 60.0  # wait this long for GET /v1/models to answer; 0 skips the check
     request_timeout_s: float = 6 * 3600.0
     label: str = "conveyor-bench"
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
 
 
 def _payload(cfg: ServeConfig, req: BenchRequest, prompt: list[int] | None = None,
@@ -67,7 +69,17 @@ def _payload(cfg: ServeConfig, req: BenchRequest, prompt: list[int] | None = Non
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **cfg.extra_body,
     }
+
+
+def _token_ids(message: dict[str, Any], choice: dict[str, Any]) -> list[int]:
+    """A chunk's generated token ids: vLLM's and conveyor's `token_ids` (return_token_ids), or
+    llama.cpp's server's `__verbose.tokens` (with its request fields return_tokens and verbose)."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        ids = (message.get("__verbose") or {}).get("tokens")
+    return list(ids or [])
 
 
 def _is_token_chunk(choice: dict[str, Any]) -> bool:
@@ -110,7 +122,7 @@ async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRe
                     return record
                 choices = message.get("choices")
                 if choices and output_ids is not None:
-                    output_ids.extend(choices[0].get("token_ids") or [])
+                    output_ids.extend(_token_ids(message, choices[0]))
                 if choices and _is_token_chunk(choices[0]):
                     now = time.perf_counter()
                     if chunks == 0:
@@ -120,6 +132,9 @@ async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: BenchRe
                     last, chunks = now, chunks + 1
                 elif message.get("usage"):
                     usage_tokens = message["usage"].get("completion_tokens")
+                    details = message["usage"].get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = details["cached_tokens"]
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -203,7 +218,8 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> tuple
     return done, duration
 
 
-def result_dict(cfg: ServeConfig, records: list[RequestRecord], metrics: BenchmarkMetrics) -> dict[str, Any]:
+def result_dict(cfg: ServeConfig, records: list[RequestRecord], metrics: BenchmarkMetrics,
+                reuse: dict[str, float]) -> dict[str, Any]:
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai",
@@ -218,6 +234,7 @@ def result_dict(cfg: ServeConfig, records: list[RequestRecord], metrics: Benchma
         "max_concurrency": cfg.max_concurrency,
         "goodput": cfg.goodput or None,
         **metrics_dict(metrics, cfg.selected_metrics),
+        **reuse,
         **per_request_dict(records),
     }
 
@@ -237,9 +254,12 @@ def main(cfg: ServeConfig) -> int:
     if failed:
         print(f"===== failed outputs[0] = {failed[0].error} =====")
     print(format_result(metrics, cfg.selected_metrics, cfg.request_rate, cfg.max_concurrency))
+    reuse = prefix_reuse(requests, records)
+    if reuse:
+        print(format_reuse(reuse))
     if cfg.save_result:
         path = Path(cfg.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result_dict(cfg, records, metrics), indent=1))
+        path.write_text(json.dumps(result_dict(cfg, records, metrics, reuse), indent=1))
         print(f"saved {path}")
     return 0 if metrics.completed else 1

@@ -19,8 +19,8 @@ from conveyor.distributed.messages import (
     RequestError,
     TokenEvent,
 )
-from conveyor.distributed.router import WorkerHandle, pick
-from conveyor.distributed.stats import ClusterStats, step_stats, summarize
+from conveyor.distributed.router import ROUTING_POLICIES, Router, WorkerHandle, pick
+from conveyor.distributed.stats import ClusterStats, WorkerTotals, step_stats, summarize
 from conveyor.distributed.tracking import TrackedRequest
 from conveyor.engine.async_engine import Aborted, Failed, StepReport
 from conveyor.engine.outputs import RequestOutput
@@ -40,8 +40,9 @@ MAX_ATTEMPTS = 2  # a request whose worker died before it streamed anything is r
 
 class RayEngineClient:
     def __init__(self, workers: Sequence[WorkerHandle], tokenizer: Any, max_waiting_requests: int | None = None,
-                 on_stop: Callable[[], None] | None = None) -> None:
+                 on_stop: Callable[[], None] | None = None, routing: str = ROUTING_POLICIES[0]) -> None:
         self.workers = list(workers)
+        self.router = Router(routing)
         self._tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
         self.on_report: Callable[[StepReport], None] | None = None
@@ -173,10 +174,11 @@ class RayEngineClient:
         t.busy = True
         try:
             while not t.aborted:  # an abort (or a detach) ends the retries: nobody waits for it
-                worker = pick(self.workers, t.role, self._tracked.values())
-                if worker is None:
+                route = self.router.route(self.workers, t.role, self._tracked.values(), t.prompt)
+                if route is None:
                     raise EngineStoppedError(f"no live {t.role} worker")
-                t.worker, t.attempts = worker, t.attempts + 1
+                worker = route.worker
+                t.worker, t.attempts, t.expected_cached_tokens = worker, t.attempts + 1, route.expected_cached_tokens
                 try:
                     await worker.actor.add.remote(t.request_id, t.prompt, t.params, t.role == "prefill")
                 except ray.exceptions.RayError as exc:  # a refusal (InvalidRequestError) or a death
@@ -253,6 +255,7 @@ class RayEngineClient:
         if not worker.alive:
             return
         worker.alive = False
+        self.router.forget(worker)
         self.cluster.worker_failures += 1
         log.error("worker %s died; failing or retrying the requests it held", worker.name)
         for t in list(self._tracked.values()):
@@ -308,8 +311,16 @@ class RayEngineClient:
 
     def _deliver(self, t: TrackedRequest, event: TokenEvent) -> RequestOutput:
         out = t.deliver(event)
+        if out.index == 0 and out.new_token_ids and len(out.token_ids) == len(out.new_token_ids) and t.worker:
+            totals = self.cluster.totals.setdefault(t.worker.name, WorkerTotals())  # where the prompt was computed
+            totals.requests += 1
+            totals.prompt_tokens += len(t.prompt)
+            totals.cached_tokens += t.num_cached_tokens
         if t.unfinished <= 0:
             self._tracked.pop(t.request_id, None)
+            if t.worker is not None and t.worker.role == t.role:  # its whole history is in that worker's cache
+                for tokens in t.tokens.values():
+                    self.router.record(t.worker, t.prompt + tokens)
         return out
 
     def _report(self, report: StepReport) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from conveyor.config import EngineConfig
 from conveyor.distributed.client import RayEngineClient
-from conveyor.distributed.router import WorkerHandle
+from conveyor.distributed.router import ROUTING_POLICIES, WorkerHandle
 from conveyor.errors import ConfigError
 from conveyor.model.tokenizer import Tokenizer
 
@@ -23,6 +23,7 @@ class DeploymentConfig:
     decode_workers: int = 0
     ray_address: str | None = None  # None: start a local Ray instance; "auto" or "host:port": join one
     worker_num_cpus: float = 1.0  # what Ray reserves per worker (its torch threads default to this)
+    routing: str = ROUTING_POLICIES[0]  # cache-aware, or least-load (conveyor.distributed.router)
 
     def __post_init__(self) -> None:
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
@@ -33,6 +34,8 @@ class DeploymentConfig:
             raise ConfigError("use either --replicas or --prefill-workers/--decode-workers, not both")
         if self.worker_num_cpus < 0:
             raise ConfigError("worker_num_cpus must not be negative")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, not {self.routing!r}")
 
     @property
     def disaggregated(self) -> bool:
@@ -104,5 +107,7 @@ def start_deployment(config: EngineConfig, deployment: DeploymentConfig,
         raise
     for worker, info in zip(workers, infos):
         worker.info = info
+    # Without a prefix cache on the workers there is nothing for the router to aim at.
+    routing = deployment.routing if config.enable_prefix_caching else "least-load"
     return RayEngineClient(workers, load_tokenizer(config.model), max_waiting_requests,
-                           on_stop=ray.shutdown if started_ray else None)
+                           on_stop=ray.shutdown if started_ray else None, routing=routing)

@@ -35,6 +35,7 @@ class TokenEvent:
     text: str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the worker's prefix cache held
 
 
 @dataclass(frozen=True)

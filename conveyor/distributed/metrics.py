@@ -21,6 +21,14 @@ class ClusterMetrics:
                               registry=registry)
         self.alive = Gauge("conveyor:worker_alive", "1 while the worker serves, 0 once it died.", labels,
                            registry=registry)
+        self.requests = Counter("conveyor:worker_requests", "Requests whose prompt the worker computed.", labels,
+                                registry=registry)
+        self.prompt_tokens = Counter("conveyor:worker_prompt_tokens", "Prompt tokens of the worker's requests.",
+                                     labels, registry=registry)
+        self.cached_tokens = Counter("conveyor:worker_prefix_cache_hits",
+                                     "Prompt tokens of the worker's requests that its prefix cache held.", labels,
+                                     registry=registry)
+        self._seen_totals: dict[str, tuple[int, int, int]] = {}
         self.transfers = Counter("conveyor:kv_transfers", "Requests whose KV moved from a prefill to a decode worker.",
                                  ["model_name"], registry=registry).labels(model_name)
         self.transfer_bytes = Counter("conveyor:kv_transfer_bytes", "Bytes of KV moved by handovers.",
@@ -39,6 +47,13 @@ class ClusterMetrics:
             self.waiting.labels(*labels).set(w.num_waiting)
             self.kv_usage.labels(*labels).set(w.kv_usage)
             self.alive.labels(*labels).set(1 if w.alive else 0)
+            now_totals = (w.totals.requests, w.totals.prompt_tokens, w.totals.cached_tokens)
+            before_totals = self._seen_totals.get(w.name, (0, 0, 0))
+            for counter, now_value, before_value in zip(
+                    (self.requests, self.prompt_tokens, self.cached_tokens), now_totals, before_totals):
+                if now_value > before_value:
+                    counter.labels(*labels).inc(now_value - before_value)
+            self._seen_totals[w.name] = now_totals
         # Counters only grow: add what is new since the last report.
         for counter, now, before in (
             (self.transfers, cluster.kv_transfers, self._seen.kv_transfers),

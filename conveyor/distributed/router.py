@@ -1,17 +1,39 @@
-"""Which worker takes a request: the live one of the right role with the least outstanding tokens.
+"""Which worker takes a request.
 
-Outstanding tokens of a worker = prompt tokens of its requests still waiting for their first
-token + one per sample it is decoding. Counted afresh from the front end's own table of requests
-at every pick, so the figure can never drift from what the workers really hold; a long prompt
-thus steers the next requests away from the worker that is prefilling it.
+Least load: the live worker of the right role with the least outstanding tokens. Outstanding
+tokens of a worker = prompt tokens its requests still have to compute before their first token
+(those the router expects it to find in its prefix cache left out) + one per sample it is
+decoding. Counted afresh from the front end's own table of requests at every pick, so the figure
+can never drift from what the workers really hold; a long prompt thus steers the next requests
+away from the worker that is prefilling it.
+
+Cache-aware (the default for requests that enter a deployment: replicas, prefill workers): the
+worker where the request costs least, cost = its outstanding tokens + the prompt tokens it would
+have to compute, i.e. the prompt minus the longest prefix of it that worker is expected to hold
+in its prefix cache. One number, in tokens, trades a cache hit against a queue: a conversation's
+next turn goes back to the replica holding its history unless that replica is behind the others
+by more than the history is long, and a request that matches nowhere goes to the least loaded.
+
+How the router knows what a worker caches: a `PrefixIndex` per worker, the chain keys (the KV
+manager's own `iter_block_keys`) of the full blocks of every prompt it sent there and of its
+output once finished, least recently used first, at most as many as the worker has KV blocks. It
+is an estimate (the worker may have evicted a block sooner); a wrong guess costs a recompute,
+never a wrong answer. Per request it hashes the prompt once (one blake2b per block) and looks the
+keys up in one dict per worker.
 """
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol, Sequence
+
+from conveyor.kv.manager import iter_block_keys
 
 log = logging.getLogger("conveyor.distributed")
+
+ROUTING_POLICIES = ("cache-aware", "least-load")  # the first is the default
+ROUTER_SALT = "router"  # keys only need to agree with each other, not with a worker's own
 
 
 @dataclass(eq=False)
@@ -43,15 +65,102 @@ def outstanding_tokens(worker: WorkerHandle, requests: Iterable[Assignment]) -> 
     return sum(r.outstanding_tokens() for r in requests if r.worker is worker)
 
 
-def pick(workers: Iterable[WorkerHandle], role: str, requests: Iterable[Assignment],
-         exclude: WorkerHandle | None = None) -> WorkerHandle | None:
-    """The least loaded live worker of `role` (the first one on ties); None if none is alive."""
-    candidates = [w for w in workers if w.role == role and w.alive and w is not exclude]
-    if not candidates:
-        return None
+def _loads(candidates: Sequence[WorkerHandle], requests: Iterable[Assignment]) -> dict[int, int]:
     loads = {id(w): 0 for w in candidates}
     for r in requests:
         if r.worker is not None and id(r.worker) in loads:
             loads[id(r.worker)] += r.outstanding_tokens()
+    return loads
+
+
+def _candidates(workers: Iterable[WorkerHandle], role: str, exclude: WorkerHandle | None) -> list[WorkerHandle]:
+    return [w for w in workers if w.role == role and w.alive and w is not exclude]
+
+
+def pick(workers: Iterable[WorkerHandle], role: str, requests: Iterable[Assignment],
+         exclude: WorkerHandle | None = None) -> WorkerHandle | None:
+    """The least loaded live worker of `role` (the first one on ties); None if none is alive."""
+    candidates = _candidates(workers, role, exclude)
+    if not candidates:
+        return None
+    loads = _loads(candidates, requests)
     return min(candidates, key=lambda w: loads[id(w)])
 
+
+class PrefixIndex:
+    """The block keys a worker is expected to hold in its prefix cache, least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` it holds (those are touched, as a hit refreshes a worker's cache)."""
+        n = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            n += 1
+        return n
+
+
+@dataclass(frozen=True)
+class Route:
+    worker: WorkerHandle
+    expected_cached_tokens: int  # the prompt tokens the router expects the worker's cache to hold
+
+
+class Router:
+    """Places requests (see the module docstring); one per front end."""
+
+    def __init__(self, policy: str = ROUTING_POLICIES[0]) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, not {policy!r}")
+        self.policy = policy
+        self._indexes: dict[str, PrefixIndex] = {}
+
+    def _index(self, worker: WorkerHandle) -> PrefixIndex:
+        index = self._indexes.get(worker.name)
+        if index is None:
+            index = self._indexes[worker.name] = PrefixIndex(worker.info.num_kv_blocks)
+        return index
+
+    def route(self, workers: Iterable[WorkerHandle], role: str, requests: Iterable[Assignment],
+              prompt: Sequence[int]) -> Route | None:
+        """Where a new request of `role` goes; None if no worker of that role is alive."""
+        candidates = _candidates(workers, role, None)
+        if not candidates:
+            return None
+        loads = _loads(candidates, requests)
+        if self.policy == "least-load" or any(w.info is None for w in candidates):  # (info: once started)
+            return Route(min(candidates, key=lambda w: loads[id(w)]), 0)
+        keys = self._keys(candidates[0], prompt)
+        # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
+        hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
+        best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
+        self._index(best).add(keys)
+        return Route(best, hits[id(best)])
+
+    def record(self, worker: WorkerHandle, token_ids: Sequence[int]) -> None:
+        """A request's prompt and output as the worker computed them: what its cache now holds."""
+        if self.policy == "cache-aware" and worker.info is not None:
+            self._index(worker).add(self._keys(worker, token_ids))
+
+    def forget(self, worker: WorkerHandle) -> None:
+        """A dead worker's cache is gone with it."""
+        self._indexes.pop(worker.name, None)
+
+    @staticmethod
+    def _keys(worker: WorkerHandle, token_ids: Sequence[int]) -> list[bytes]:
+        return list(iter_block_keys(ROUTER_SALT, token_ids, worker.info.block_size))

@@ -9,6 +9,16 @@ from conveyor.runner.stats import StepStats
 
 
 @dataclass
+class WorkerTotals:
+    """Since the start: the requests whose prompt the worker computed, how many prompt tokens they
+    had and how many of those its prefix cache held (what cache-aware routing is judged by)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
 class WorkerStats:
     name: str
     role: str
@@ -17,6 +27,7 @@ class WorkerStats:
     num_running: int
     num_waiting: int
     kv_usage: float
+    totals: WorkerTotals = field(default_factory=WorkerTotals)
 
 
 @dataclass
@@ -26,6 +37,7 @@ class ClusterStats:
     kv_transfer_bytes: int = 0
     worker_failures: int = 0
     retries: int = 0  # requests resubmitted to another worker after theirs died
+    totals: dict[str, WorkerTotals] = field(default_factory=dict)  # by worker name
 
 
 def summarize(report: Any, workers: Sequence[WorkerHandle], requests: Iterable[Assignment],
@@ -42,7 +54,7 @@ def summarize(report: Any, workers: Sequence[WorkerHandle], requests: Iterable[A
         WorkerStats(
             w.name, w.role, w.alive, outstanding_tokens(w, requests),
             w.last_load.num_running if w.last_load else 0, w.last_load.num_waiting if w.last_load else 0,
-            w.last_load.kv_usage if w.last_load else 0.0,
+            w.last_load.kv_usage if w.last_load else 0.0, cluster.totals.setdefault(w.name, WorkerTotals()),
         )
         for w in workers
     ]

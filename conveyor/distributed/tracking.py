@@ -22,6 +22,8 @@ class TrackedRequest:
     role: str  # where it is submitted: replica, prefill (then handed over) or decode (whole)
     worker: WorkerHandle | None = None
     attempts: int = 0
+    expected_cached_tokens: int = 0  # what the router expects the worker's prefix cache to hold
+    num_cached_tokens: int = 0  # what it did hold (the worker says so with the first token)
     streamed: bool = False
     busy: bool = False  # being submitted or handed over: that task, not a death handler, owns it
     aborted: bool = False
@@ -31,7 +33,9 @@ class TrackedRequest:
 
     def outstanding_tokens(self) -> int:
         """Its share of its worker's load (see conveyor.distributed.router)."""
-        return self.unfinished if self.streamed or self.role == "decode" else len(self.prompt)
+        if self.streamed or self.role == "decode":
+            return self.unfinished
+        return len(self.prompt) - self.expected_cached_tokens
 
     def deliver(self, event: TokenEvent) -> RequestOutput:
         """Fold a worker's slim event into the RequestOutput the API layer reads, and pass it on."""
@@ -42,6 +46,8 @@ class TrackedRequest:
         times.tokens.extend(now for _ in event.new_token_ids)
         if times.first_token is None and event.new_token_ids:
             times.first_token = now
+            if event.index == 0:
+                self.num_cached_tokens = event.num_cached_tokens
         if event.finished:
             times.finished = now
             self.unfinished -= 1
@@ -50,7 +56,7 @@ class TrackedRequest:
             request_id=self.request_id, prompt=None, prompt_token_ids=self.prompt, token_ids=list(tokens),
             new_token_ids=list(event.new_token_ids), finished=event.finished, finish_reason=event.finish_reason,
             stop_reason=event.stop_reason, text=event.text, times=times, num_preemptions=event.num_preemptions,
-            index=event.index, logprobs=event.logprobs,
+            index=event.index, logprobs=event.logprobs, num_cached_tokens=self.num_cached_tokens,
         )
         self.sink.put_nowait(out)
         return out

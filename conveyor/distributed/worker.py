@@ -71,7 +71,7 @@ class EngineWorker(EngineLoop[_Command]):
         super().__init__(f"conveyor-{name}")
         self.name, self.role = name, role
         # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
-        self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config), self.thread_name,
+        self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config).warm_up(), self.thread_name,
                                                   lambda _: self._wait_then_run())
         self._park_on(thread)
         one_block = kv_transfer(self.engine.runner).read_kv_blocks([0])  # every layer's K and V of a block
@@ -238,7 +238,8 @@ class EngineWorker(EngineLoop[_Command]):
                 self._prefill_only.discard(out.request_id)
                 continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
-                                     out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions))
+                                     out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions,
+                                     out.num_cached_tokens))
             if out.request_id not in self._prefill_only:
                 continue
             self._prefill_only.discard(out.request_id)

@@ -224,6 +224,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def warm_up(self, prompt_len: int = 32, output_len: int = 4) -> "LLMEngine":
+        """Run two small requests (one greedy, one sampled) through every stage of a step, so that
+        first-call costs (allocator growth, thread pools, lazily built tables) are paid before the
+        first real request, not inside it. Call it on an idle engine; returns the engine."""
+        half = self.vocab_size // 2  # ids in the upper half: clear of the special tokens at the start
+        ids = [half + (7 * i) % (self.vocab_size - half) for i in range(prompt_len)]
+        greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=output_len, temperature=0.8, top_p=0.9, seed=0, ignore_eos=True)
+        self.add_request(ids, greedy, request_id="warm-up greedy")
+        self.add_request(ids[::-1], sampled, request_id="warm-up sampled")
+        while self.has_unfinished_requests:
+            self.step()
+        return self
+
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         stats = StepStats()

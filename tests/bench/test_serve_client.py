@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.bench.metrics import compute_metrics
+from conveyor.bench.metrics import compute_metrics, prefix_reuse
 from conveyor.bench.serve_client import ServeConfig, result_dict, run_benchmark
 from conveyor.bench.workloads import BenchRequest, WorkloadConfig
 
@@ -60,13 +60,18 @@ class FakeOpenAIServer:
                 await asyncio.sleep(GAP_S)
             writer.write(b": keep-alive comment\n\n" if i == 1 else b"")
             choice = {"index": 0, "text": f"t{i}", "finish_reason": None}
+            message: dict[str, Any] = {"choices": [choice], "usage": None}
             if payload.get("return_token_ids"):
                 choice["token_ids"] = [500 + i]
-            writer.write(event({"choices": [choice], "usage": None}))
+            elif payload.get("return_tokens") and payload.get("verbose"):  # llama.cpp's server's way
+                message["__verbose"] = {"tokens": [500 + i]}
+            writer.write(event(message))
             await writer.drain()
         writer.write(event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None}))
-        writer.write(event({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
-                                                     "completion_tokens": n, "total_tokens": n}}))
+        usage = {"prompt_tokens": len(payload["prompt"]), "completion_tokens": n, "total_tokens": n}
+        if len(payload["prompt"]) > 2:  # a later turn: its history "was cached"
+            usage["prompt_tokens_details"] = {"cached_tokens": len(payload["prompt"]) - 1}
+        writer.write(event({"choices": [], "usage": usage}))
         writer.write(b"data: [DONE]\n\n")
         self.in_flight -= 1
 
@@ -113,7 +118,7 @@ def test_failures_concurrency_cap_and_saved_json() -> None:
     metrics = compute_metrics(records, duration, goodput_ms=cfg.goodput)
     assert metrics.completed == 5 and metrics.failed == 1 and metrics.total_output == 3 + 4 * 2
     assert metrics.request_goodput == pytest.approx(5 / duration)
-    saved = json.loads(json.dumps(result_dict(cfg, records, metrics)))
+    saved = json.loads(json.dumps(result_dict(cfg, records, metrics, {})))
     assert saved["completed"] == 5 and saved["output_lens"] == [3, 0, 2, 2, 2, 2]
     assert saved["request_rate"] == 200.0 and saved["max_concurrency"] == 2
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "itls"):
@@ -146,3 +151,18 @@ def test_multi_turn_sends_the_next_turn_with_the_history_after_the_think_time() 
     assert [r.prompt_len for r in records] == [2, 1, 6, 10]
     assert all(r.success for r in records)
     assert records[2].start >= records[0].start + records[0].latency + 0.1 - 1e-3
+
+
+def test_a_peer_that_returns_token_ids_its_own_way_gets_the_same_history_and_cache_figures() -> None:
+    """llama.cpp's server gives generated ids as `__verbose.tokens` (asked with --extra-body), and
+    its usage reports cached prompt tokens: the later turns and the reuse summary come out the same."""
+    requests = [BenchRequest([20, 21], 3), BenchRequest([22], 2, follows=0, think_time=0.0)]
+    cfg = ServeConfig(model="fake", workload=WorkloadConfig(), disable_tqdm=True, ready_timeout_s=0,
+                      extra_body={"return_tokens": True, "verbose": True})
+    fake, records, _ = _run(cfg, requests)
+    assert fake.payloads[1]["prompt"] == [20, 21, 500, 501, 502, 22]
+    assert fake.payloads[1]["return_tokens"] is True
+    assert [r.cached_tokens for r in records] == [None, 5]
+    reuse = prefix_reuse(requests, records)
+    assert reuse["cached_prompt_share"] == 5 / 6  # over the requests whose usage said
+    assert reuse["ttft_mean_later_turns_ms"] == 1000 * records[1].ttft

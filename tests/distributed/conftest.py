@@ -69,6 +69,7 @@ class Outcome:
     streamed: list[list[int]] = field(default_factory=list)  # new_token_ids event by event
     error: BaseException | None = None
     aborted: bool = False
+    cached_tokens: int = 0  # prompt tokens the worker's prefix cache held
 
 
 async def collect(sink: asyncio.Queue, n: int) -> Outcome:
@@ -83,6 +84,7 @@ async def collect(sink: asyncio.Queue, n: int) -> Outcome:
             outcome.aborted = True
             return outcome
         outcome.streamed.append(list(event.new_token_ids))
+        outcome.cached_tokens = event.num_cached_tokens
         outcome.tokens[event.index] = list(event.token_ids)
         left -= event.finished
     return outcome

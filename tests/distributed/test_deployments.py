@@ -191,3 +191,49 @@ def test_http_front_end_over_disaggregated_workers(disaggregated, config) -> Non
     assert text == tokenizer.decode(expected["r1"][0])
     assert 'conveyor:kv_transfers_total{model_name="tiny"} 2.0' in metrics
     assert 'conveyor:worker_alive{model_name="tiny",role="decode",worker="decode-0"} 1.0' in metrics
+
+
+def test_cache_aware_replicas_send_each_turn_back_to_its_history(replicas, config) -> None:
+    """Four conversations of three turns on two replicas, each turn's requests sent in another
+    order: each later turn lands where its history is cached and finds it there (the worker
+    reports the hit), and the conversations are spread. (Least-load routing fails this.)"""
+    first = make_prompts(4, shortest=40, step=7)
+    params = _greedy(4, max_tokens=12)
+    block = config.block_size
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]]
+
+    async def main():
+        client = _client(replicas)
+        seen: list[dict[int, set[str]]] = []
+        cached: list[list[tuple[int, int]]] = []  # per turn: (cached tokens, history length before it)
+        histories = first
+        for turn, order in enumerate(orders):
+            prompts = [histories[i] + [11 + turn, 12 + i] for i in order]
+            run = asyncio.ensure_future(run_requests(client, prompts, params, prefix=f"t{turn}-"))
+            placed: dict[int, set[str]] = {}
+            while not run.done():
+                for k, i in enumerate(order):
+                    where = client.placement(f"t{turn}-{k}")
+                    if where is not None:
+                        placed.setdefault(i, set()).add(where)
+                await asyncio.sleep(0.001)
+            outcomes = await run
+            seen.append(placed)
+            cached.append([(outcomes[f"t{turn}-{k}"].cached_tokens, len(histories[i])) for k, i in enumerate(order)])
+            histories = list(histories)
+            for k, i in enumerate(order):
+                histories[i] = prompts[k] + outcomes[f"t{turn}-{k}"].tokens[0]
+        totals = dict(client.cluster.totals)
+        client.detach()
+        return seen, cached, totals
+
+    seen, cached, totals = asyncio.run(main())
+    homes = [seen[0][i] for i in range(4)]
+    assert all(len(h) == 1 for h in homes)
+    assert {next(iter(h)) for h in homes} == {"replica-0", "replica-1"}  # spread
+    for turn in (1, 2):
+        assert [seen[turn][i] for i in range(4)] == homes  # back where the history is
+        for hit, history in cached[turn]:
+            assert hit >= history // block * block - block  # its history's blocks, bar the last
+    assert sum(t.requests for t in totals.values()) == 12
+    assert sum(t.cached_tokens for t in totals.values()) == sum(hit for turn in cached for hit, _ in turn)

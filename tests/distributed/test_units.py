@@ -14,7 +14,8 @@ from conveyor.distributed.handover import (
     import_request,
     request_blocks,
 )
-from conveyor.distributed.router import WorkerHandle, outstanding_tokens, pick
+from conveyor.distributed.messages import WorkerInfo
+from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
 from conveyor.engine.imports import import_headroom
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
@@ -203,3 +204,60 @@ def test_a_worker_whose_engine_cannot_be_built_raises_from_its_constructor(tmp_p
 
     with pytest.raises(ModelLoadError, match="missing"):
         EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
+
+
+def _worker(name: str, num_kv_blocks: int = 64, block_size: int = 4) -> WorkerHandle:
+    info = WorkerInfo(name, "replica", max_model_len=256, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                      kv_block_bytes=1)
+    return WorkerHandle(name, "replica", actor=None, info=info)
+
+
+def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that_is_far_busier() -> None:
+    a, b = _worker("a"), _worker("b")
+    router = Router("cache-aware")
+    history = list(range(100, 140))  # 40 tokens: 10 blocks of 4
+    first = router.route([a, b], "replica", [], history)
+    assert first is not None and first.worker is a and first.expected_cached_tokens == 0  # ties: the first
+    router.record(a, history + [7, 8, 9, 10])  # the answer is cached too
+    turn = history + [7, 8, 9, 10] + [55, 56, 57]
+    # b is idle, a has 30 outstanding tokens: 30 + 3 to compute on a beats 47 on b.
+    again = router.route([a, b], "replica", [_Req(a, 30)], turn)
+    assert again is not None and again.worker is a and again.expected_cached_tokens == 44
+    # Behind by more than the history is long: recomputing on b is cheaper.
+    away = router.route([a, b], "replica", [_Req(a, 60)], turn)
+    assert away is not None and away.worker is b and away.expected_cached_tokens == 0
+    # A prompt that matches nowhere goes to the least loaded.
+    other = router.route([a, b], "replica", [_Req(b, 5)], [900 + i for i in range(40)])
+    assert other is not None and other.worker is a
+    # A hit never covers the whole prompt: its last token is computed.
+    whole = router.route([a, b], "replica", [], history)
+    assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
+
+
+def test_least_load_router_ignores_caches_and_a_dead_workers_cache_is_forgotten() -> None:
+    a, b = _worker("a"), _worker("b")
+    prompt = list(range(200, 240))
+    least = Router("least-load")
+    least.record(a, prompt)
+    route = least.route([a, b], "replica", [_Req(a, 1)], prompt)
+    assert route is not None and route.worker is b and route.expected_cached_tokens == 0
+    aware = Router("cache-aware")
+    aware.record(b, prompt)
+    b.alive = False
+    aware.forget(b)
+    b.alive = True  # (as if a new worker took its name)
+    route = aware.route([a, b], "replica", [], prompt)
+    assert route is not None and route.worker is a and route.expected_cached_tokens == 0
+    with pytest.raises(ValueError):
+        Router("random")
+
+
+def test_prefix_index_holds_at_most_the_workers_blocks_least_recently_used_out_first() -> None:
+    index = PrefixIndex(capacity=3)
+    index.add([b"k1", b"k2", b"k3"])
+    assert index.match([b"k1"]) == 1  # touched: now the most recent
+    index.add([b"k4"])
+    assert len(index) == 3
+    assert index.match([b"k2"]) == 0  # the least recently used went
+    assert index.match([b"k1", b"k3", b"k4"]) == 3
+    assert index.match([b"k3", b"k9", b"k4"]) == 1  # a prefix: it stops at the first miss
