@@ -145,7 +145,7 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
             echo(f"running {policy} at rate {rate} ...")
             offline = run_offline(engine, requests, arrivals, progress=cfg.progress)
             metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)
-            if cfg.enable_prefix_caching:
+            if cfg.enable_prefix_caching or "ttft_mean_later_turns_ms" in offline.extra:  # turns: on or off
                 echo("  prefix cache: " + ", ".join(f"{k} {v:.3g}" for k, v in offline.extra.items()))
             results.append(RunResult(policy, rate, kwargs, offline, metrics))
             del engine

@@ -126,8 +126,13 @@ class Scheduler:
     # --- shared mechanics -------------------------------------------------------------------
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks a request holding no KV (new, or back after preemption) may start from:
-        the longest cached run of its full blocks, never its last token, whose logits are needed."""
-        return self.kv.cached_prefix(request.request_id, request.token_slice, request.num_tokens - 1)
+        the longest cached run of its full blocks, never its last token, whose logits are needed.
+        With prompt logprobs asked, never past the prompt tokens already scored: a position's logits
+        score the token after it, and a hit would skip computing them (vLLM skips the cache too)."""
+        limit = request.num_tokens - 1
+        if request.prompt_logprobs is not None:
+            limit = min(limit, len(request.prompt_logprobs) - 1)
+        return self.kv.cached_prefix(request.request_id, request.token_slice, limit)
 
     def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:
         """How many of the request's pending tokens (after a prefix hit on `cached`) fit the

@@ -237,3 +237,28 @@ def test_cache_aware_replicas_send_each_turn_back_to_its_history(replicas, confi
             assert hit >= history // block * block - block  # its history's blocks, bar the last
     assert sum(t.requests for t in totals.values()) == 12
     assert sum(t.cached_tokens for t in totals.values()) == sum(hit for turn in cached for hit, _ in turn)
+
+
+def test_prefill_decode_with_a_shared_prefix_hits_the_prefill_cache_and_changes_no_output(disaggregated,
+                                                                                           config) -> None:
+    """Two waves of requests sharing a 48-token prefix: the second wave's prompts come out of the
+    prefill worker's prefix cache, are handed over, and decode to the same tokens as one engine."""
+    shared = [(7 * j + 3) % 1900 + 50 for j in range(48)]  # unlike every other test's prompts
+    prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(6)]
+    params = _greedy(6, max_tokens=8)
+    params[3] = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)
+    expected = reference_outputs(config, prompts, params)
+
+    async def main():
+        client = _client(disaggregated)
+        first = await run_requests(client, prompts[:1], params[:1], prefix="w0-")
+        rest = await run_requests(client, prompts[1:], params[1:], prefix="w1-")
+        client.detach()
+        return first, rest, client.cluster
+
+    first, rest, cluster = asyncio.run(main())
+    got = {"r0": first["w0-0"].tokens} | {f"r{i + 1}": o.tokens for i, o in enumerate(rest.values())}
+    assert got == expected
+    assert first["w0-0"].cached_tokens == 0
+    assert all(o.cached_tokens == 48 for o in rest.values())  # three full blocks of 16
+    assert cluster.kv_transfers == 6

@@ -87,3 +87,23 @@ def test_the_next_turn_hits_the_previous_answer(make_engine) -> None:
     assert cached == (computed // on.kv.block_size) * on.kv.block_size > len(first)
     assert on.scheduler.prefix_cache_hits - hits_before == cached
     assert outs[0].token_ids == run(off, [(turn2, greedy)])[(0, 0)]
+
+
+def test_prompt_logprobs_are_computed_even_where_the_prefix_is_cached(make_engine) -> None:
+    """A hit skips computing the prompt positions whose logits score the next prompt tokens, so a
+    request asking for prompt logprobs does not read the cache past what it has scored."""
+    engine = make_engine(max_num_seqs=4)
+    prompt = prompts(engine)[0]
+    run(engine, [(prompt, SamplingParams(max_tokens=2, temperature=0.0))])  # caches the prompt
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished_requests:
+        outs += [o for o in engine.step() if o.request_id == rid and o.prompt_logprobs is not None]
+    scored = outs[0].prompt_logprobs
+    assert outs[0].num_cached_tokens == 0
+    assert len(scored) == len(prompt) and scored[0] is None and all(e and prompt[i] in e
+                                                                   for i, e in enumerate(scored) if i)
+    again = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0))  # the cache still serves others
+    while engine.has_unfinished_requests:
+        outs += [o for o in engine.step() if o.request_id == again and o.finished]
+    assert outs[-1].num_cached_tokens > 0
