@@ -14,9 +14,9 @@ repeat so drift hits both alike, and checks the outputs are bit-identical. `--cl
 thread) times the thread's CPU time instead of the wall clock: on a machine shared with busy
 processes the wall clock mostly measures the time the thread waits for a core.
 
-    python benchmarks/quant_gemm.py --rows 1 2 3 4 5 8 10 12 16 32 --repeats 7
-    python benchmarks/quant_gemm.py --types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K --rows 1 8 32
-    python benchmarks/quant_gemm.py --gguf /tmp/gemma3/gemma-3-270m-q4_k_m.gguf --rows 1 8 32
+    python benchmarks/kernels/quant_gemm.py --rows 1 2 3 4 5 8 10 12 16 32 --repeats 7
+    python benchmarks/kernels/quant_gemm.py --types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K --rows 1 8 32
+    python benchmarks/kernels/quant_gemm.py --gguf /tmp/gemma3/gemma-3-270m-q4_k_m.gguf --rows 1 8 32
 """
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ worker where the request costs least, cost = its outstanding tokens + the prompt
 have to compute, i.e. the prompt minus the longest prefix of it that worker is expected to hold
 in its prefix cache. One number, in tokens, trades a cache hit against a queue: a conversation's
 next turn goes back to the replica holding its history unless that replica is behind the others
-by more than the history is long, and a request that matches nowhere goes to the least loaded.
+by more than the history is long. A request that matches nowhere starts a new history: it goes
+where the least history is kept (as SGLang's router sends a miss to its smallest tree), unless
+that worker is behind the least loaded by more than the request is long.
 
 How the router knows what a worker caches: a `PrefixIndex` per worker, the chain keys (the KV
 manager's own `iter_block_keys`) of the full blocks of every prompt it sent there and of its
@@ -148,7 +150,15 @@ class Router:
         keys = self._keys(candidates[0], prompt)
         # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
         hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
-        best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
+        if any(hits.values()):
+            best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
+        else:
+            # A new history (a conversation's first turn): where the least history is kept, so that
+            # conversations, which then stay where they started, spread evenly; unless that worker
+            # is behind the least loaded by more than this request is long.
+            least = min(loads.values())
+            near = [w for w in candidates if loads[id(w)] - least <= len(prompt)]
+            best = min(near, key=lambda w: (len(self._index(w)), loads[id(w)]))
         self._index(best).add(keys)
         return Route(best, hits[id(best)])
 

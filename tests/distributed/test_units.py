@@ -226,12 +226,22 @@ def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that
     # Behind by more than the history is long: recomputing on b is cheaper.
     away = router.route([a, b], "replica", [_Req(a, 60)], turn)
     assert away is not None and away.worker is b and away.expected_cached_tokens == 0
-    # A prompt that matches nowhere goes to the least loaded.
-    other = router.route([a, b], "replica", [_Req(b, 5)], [900 + i for i in range(40)])
-    assert other is not None and other.worker is a
     # A hit never covers the whole prompt: its last token is computed.
     whole = router.route([a, b], "replica", [], history)
     assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
+
+
+def test_a_new_history_goes_where_the_least_history_is_kept_unless_that_worker_is_far_behind() -> None:
+    a, b = _worker("a"), _worker("b")
+    router = Router("cache-aware")
+    router.record(a, list(range(100, 140)))  # a keeps one conversation, b none
+    new = router.route([a, b], "replica", [_Req(b, 5)], [900 + i for i in range(40)])
+    assert new is not None and new.worker is b  # although a is idle: conversations spread
+    router.record(b, list(range(300, 380)))  # now b keeps more history than a
+    again = router.route([a, b], "replica", [_Req(a, 39)], [700 + i for i in range(40)])
+    assert again is not None and again.worker is a  # behind by less than the prompt is long
+    behind = router.route([a, b], "replica", [_Req(a, 41)], [800 + i for i in range(40)])
+    assert behind is not None and behind.worker is b  # behind by more: the least loaded
 
 
 def test_least_load_router_ignores_caches_and_a_dead_workers_cache_is_forgotten() -> None:
