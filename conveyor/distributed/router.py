@@ -12,9 +12,9 @@ worker where the request costs least, cost = its outstanding tokens + the prompt
 have to compute, i.e. the prompt minus the longest prefix of it that worker is expected to hold
 in its prefix cache. One number, in tokens, trades a cache hit against a queue: a conversation's
 next turn goes back to the replica holding its history unless that replica is behind the others
-by more than the history is long. A request that matches nowhere starts a new history: it goes
-where the least history is kept (as SGLang's router sends a miss to its smallest tree), unless
-that worker is behind the least loaded by more than the request is long.
+by more than the history is long. A request that matches nowhere starts a new history, which will
+stay where it starts: it goes where the fewest requests have been arriving lately (a decayed
+count), unless that worker is behind the least loaded by more than the request is long.
 
 How the router knows what a worker caches: a `PrefixIndex` per worker, the chain keys (the KV
 manager's own `iter_block_keys`) of the full blocks of every prompt it sent there and of its
@@ -26,9 +26,11 @@ keys up in one dict per worker.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from conveyor.kv.manager import iter_block_keys
 
@@ -36,6 +38,7 @@ log = logging.getLogger("conveyor.distributed")
 
 ROUTING_POLICIES = ("cache-aware", "least-load")  # the first is the default
 ROUTER_SALT = "router"  # keys only need to agree with each other, not with a worker's own
+RECENT_S = 30.0  # how long a routed request counts towards a worker's recent arrivals (time constant)
 
 
 @dataclass(eq=False)
@@ -126,11 +129,13 @@ class Route:
 class Router:
     """Places requests (see the module docstring); one per front end."""
 
-    def __init__(self, policy: str = ROUTING_POLICIES[0]) -> None:
+    def __init__(self, policy: str = ROUTING_POLICIES[0], clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, not {policy!r}")
         self.policy = policy
+        self._clock = clock
         self._indexes: dict[str, PrefixIndex] = {}
+        self._arrivals: dict[str, tuple[float, float]] = {}  # worker -> (decayed request count, when)
 
     def _index(self, worker: WorkerHandle) -> PrefixIndex:
         index = self._indexes.get(worker.name)
@@ -153,14 +158,26 @@ class Router:
         if any(hits.values()):
             best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
         else:
-            # A new history (a conversation's first turn): where the least history is kept, so that
-            # conversations, which then stay where they started, spread evenly; unless that worker
-            # is behind the least loaded by more than this request is long.
+            # A new history (a conversation's first turn) stays where it starts, turn after turn:
+            # it goes where the fewest requests have been arriving lately, so that conversations
+            # spread evenly; unless that worker is behind the least loaded by more than this
+            # request is long.
+            now = self._clock()
             least = min(loads.values())
             near = [w for w in candidates if loads[id(w)] - least <= len(prompt)]
-            best = min(near, key=lambda w: (len(self._index(w)), loads[id(w)]))
+            best = min(near, key=lambda w: (self._arrival_rate(w, now), loads[id(w)]))
         self._index(best).add(keys)
+        self._count_arrival(best)
         return Route(best, hits[id(best)])
+
+    def _arrival_rate(self, worker: WorkerHandle, now: float) -> float:
+        """Requests routed to the worker, each weighing exp(-age / RECENT_S)."""
+        rate, at = self._arrivals.get(worker.name, (0.0, now))
+        return rate * math.exp(-(now - at) / RECENT_S)
+
+    def _count_arrival(self, worker: WorkerHandle) -> None:
+        now = self._clock()
+        self._arrivals[worker.name] = (self._arrival_rate(worker, now) + 1.0, now)
 
     def record(self, worker: WorkerHandle, token_ids: Sequence[int]) -> None:
         """A request's prompt and output as the worker computed them: what its cache now holds."""

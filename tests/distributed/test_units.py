@@ -231,17 +231,24 @@ def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that
     assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
 
 
-def test_a_new_history_goes_where_the_least_history_is_kept_unless_that_worker_is_far_behind() -> None:
+def test_a_new_history_goes_where_fewest_requests_arrived_lately_unless_that_worker_is_far_behind() -> None:
     a, b = _worker("a"), _worker("b")
-    router = Router("cache-aware")
-    router.record(a, list(range(100, 140)))  # a keeps one conversation, b none
+    now = [0.0]
+    router = Router("cache-aware", clock=lambda: now[0])
+    for turn in range(3):  # a conversation on a: three turns, 10 s apart
+        route = router.route([a, b], "replica", [], list(range(100, 140 + 8 * turn)))
+        assert route is not None and route.worker is a
+        now[0] += 10.0
     new = router.route([a, b], "replica", [_Req(b, 5)], [900 + i for i in range(40)])
     assert new is not None and new.worker is b  # although a is idle: conversations spread
-    router.record(b, list(range(300, 380)))  # now b keeps more history than a
-    again = router.route([a, b], "replica", [_Req(a, 39)], [700 + i for i in range(40)])
-    assert again is not None and again.worker is a  # behind by less than the prompt is long
-    behind = router.route([a, b], "replica", [_Req(a, 41)], [800 + i for i in range(40)])
-    assert behind is not None and behind.worker is b  # behind by more: the least loaded
+    # b has still had fewer arrivals lately (one against three): it takes the next new history
+    # while it is behind by less than the prompt is long, not when it is behind by more.
+    again = router.route([a, b], "replica", [_Req(b, 39)], [700 + i for i in range(40)])
+    assert again is not None and again.worker is b
+    behind = router.route([a, b], "replica", [_Req(b, 41)], [800 + i for i in range(40)])
+    assert behind is not None and behind.worker is a
+    now[0] += 300.0  # long ago: every count has decayed to nothing, a's no more than b's
+    assert router._arrival_rate(a, now[0]) < 1e-3 and router._arrival_rate(b, now[0]) < 1e-3
 
 
 def test_least_load_router_ignores_caches_and_a_dead_workers_cache_is_forgotten() -> None:
