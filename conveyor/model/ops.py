@@ -73,7 +73,7 @@ class ReferenceOps:
 
 
 class FusedOps:
-    """The same four ops as one C++ pass each (fp32, rows contiguous)."""
+    """The same ops as one C++ pass each (fp32, rows contiguous); GELU-tanh stays in torch."""
 
     def __init__(self, module: Any) -> None:
         self.rms_norm = module.rms_norm
@@ -85,9 +85,10 @@ class FusedOps:
     def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
                        qk_norm: QKNorm | None = None) -> QKV:
-        if qk_norm is not None:  # per-head norms before the rotation: not fused
-            return ReferenceOps.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, qk_norm)
-        return self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)  # k rotated in place
+        q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        # q and k normed (per head, when the model has qk norms) and k rotated in place in qkv.
+        return self._rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                                    q_norm, k_norm, eps)
 
 
 LayerOps = ReferenceOps | FusedOps

@@ -58,6 +58,28 @@ def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int
     assert results[0][0].is_contiguous()  # what the decode kernel reads
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(256, 4, 1), (128, 8, 4)])  # Gemma 3 270M, Qwen3-like
+def test_rope_and_cache_with_qk_norms_matches_torch(fused: FusedOps, head_dim: int, heads: int, kv_heads: int) -> None:
+    """Per-head RMSNorm of q and k (Gemma 3, Qwen3) before the rotation, in the same C++ pass: equal
+    to torch's within fp32 rounding (the norm's sum runs in another order), the cache rows alike."""
+    rows, block_size, blocks = 7, 4, 4
+    qkv = _rand(rows, (heads + 2 * kv_heads) * head_dim) * 3
+    cos_table, sin_table = rope_tables(head_dim, 64, 1_000_000.0, None, torch.float32)
+    positions = torch.tensor([0, 9, 63, 1, 2, 40, 5])
+    cos, sin = cos_table[positions], sin_table[positions]
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(4))[:rows]
+    qk_norm = (_rand(head_dim, seed=5) + 1.0, _rand(head_dim, seed=6) + 1.0, 1e-6)
+    results = []
+    for ops in (fused, ReferenceOps()):
+        caches = [torch.zeros(blocks, block_size, kv_heads, head_dim) for _ in range(2)]
+        q, k, v = ops.rope_and_cache(qkv.clone(), cos, sin, *caches, slots, heads, kv_heads, qk_norm)
+        results.append((q, k, v, *caches))
+    for got, want in zip(*results):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0][2], results[1][2])  # values are not normed: copied exactly
+
+
 def test_silu_and_mul(fused: FusedOps) -> None:
     gate_up = _rand(33, 2 * 1536) * 8  # wide enough to reach exp's clamped range
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])

@@ -95,10 +95,12 @@ inline void rotate(const float* x, float* out, const float* cos, const float* si
 // in place (prefill chunks attend to them straight from qkv), then copies the row's keys and
 // values into the caches [blocks, block_size, kv_heads, d] at the row's flat slot. Returns q and
 // views of the rotated keys and the values inside qkv, [T, kv_heads, d] each (made here: a
-// Python split costs more than this whole op at batch 1).
+// Python split costs more than this whole op at batch 1). With `q_norm` and `k_norm` (Qwen3's and
+// Gemma 3's per-head RMSNorm weights, [d] each), every query and key head is normed in place first.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
     torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+    torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
+    const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double norm_eps) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
@@ -110,6 +112,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat, "cos and sin must be contiguous float32 [T, d]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows, "one int64 slot per row");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
+  if (q_norm.has_value()) {
+    check_weight(*q_norm, d);
+    check_weight(*k_norm, d);
+  }
+  const float* q_norm_ptr = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* k_norm_ptr = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(norm_eps);
   const int64_t kv_row = num_kv_heads * d, num_slots = k_cache.numel() / kv_row;
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)  // checked here: no exceptions inside the parallel region
@@ -128,9 +138,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
       float* row = qkv_ptr + r * stride;
       const float* c = cos_ptr + r * d;
       const float* s = sin_ptr + r * d;
-      for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, q_ptr + (r * num_heads + h) * d, c, s, half);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        if (q_norm_ptr != nullptr) rms_norm_row(row + h * d, q_norm_ptr, row + h * d, d, eps);
+        rotate(row + h * d, q_ptr + (r * num_heads + h) * d, c, s, half);
+      }
       float* keys = row + num_heads * d;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
+        if (k_norm_ptr != nullptr) rms_norm_row(keys + h * d, k_norm_ptr, keys + h * d, d, eps);
         rotate(keys + h * d, rotated, c, s, half);
         std::memcpy(keys + h * d, rotated, d * sizeof(float));
       }
