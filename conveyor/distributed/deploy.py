@@ -6,6 +6,7 @@ on a cluster every node needs conveyor (and the model file at the same path) ins
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -14,6 +15,8 @@ from conveyor.distributed.client import RayEngineClient
 from conveyor.distributed.router import ROUTING_POLICIES, WorkerHandle
 from conveyor.errors import ConfigError
 from conveyor.model.tokenizer import Tokenizer
+
+log = logging.getLogger("conveyor.distributed")
 
 
 @dataclass
@@ -109,5 +112,7 @@ def start_deployment(config: EngineConfig, deployment: DeploymentConfig,
         worker.info = info
     # Without a prefix cache on the workers there is nothing for the router to aim at.
     routing = deployment.routing if config.enable_prefix_caching else "least-load"
+    if routing != deployment.routing:
+        log.info("routing %s: prefix caching is off on the workers", routing)
     return RayEngineClient(workers, load_tokenizer(config.model), max_waiting_requests,
                            on_stop=ray.shutdown if started_ray else None, routing=routing)

@@ -1,6 +1,8 @@
 """Focused examples of what each policy decides, step by step, through LLMEngine + FakeRunner."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conveyor.engine.outputs import RequestOutput
@@ -16,24 +18,10 @@ class Harness:
     """An engine on a FakeRunner plus a record of every step: who got how many tokens, who was
     preempted, who finished, and what was streamed."""
 
-    def __init__(
-        self,
-        policy: str = "continuous",
-        *,
-        block_size: int = 4,
-        num_blocks: int = 64,
-        max_num_seqs: int = 8,
-        budget: int = 64,
-        chunked: bool = True,
-        max_model_len: int = 256,
-        clock=None,  # noqa: ANN001
-        prefix_caching: bool = False,  # the traces below assume every prompt is computed whole
-    ) -> None:
+    # prefix_caching off by default: the traces below assume every prompt is computed whole.
+    def __init__(self, policy: str = "continuous", *, prefix_caching: bool = False, **options: Any) -> None:
         self.runner = FakeRunner()
-        self.engine = fake_engine(self.runner, policy, block_size=block_size, num_blocks=num_blocks,
-                                  max_num_seqs=max_num_seqs, budget=budget, chunked=chunked,
-                                  max_model_len=max_model_len, clock=clock,
-                                  prefix_caching=prefix_caching)
+        self.engine = fake_engine(self.runner, policy, prefix_caching=prefix_caching, **options)
         self.trace: Trace = []
         self.preempted: list[list[str]] = []
         self.finished_at: dict[str, int] = {}

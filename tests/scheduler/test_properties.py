@@ -13,6 +13,7 @@ import functools
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -91,21 +92,11 @@ class PagedRunner(FakeRunner):
         return SamplerOutput(tokens)
 
 
-def make_engine(
-    policy: str = "continuous",
-    *,
-    block_size: int = 4,
-    num_blocks: int = 64,
-    max_num_seqs: int = 8,
-    budget: int = 64,
-    chunked: bool = True,
-    max_model_len: int = 1024,
-    prefix_caching: bool = True,
-) -> tuple[LLMEngine, PagedRunner]:
+def make_engine(policy: str = "continuous", *, max_model_len: int = 1024,
+                **options: Any) -> tuple[LLMEngine, PagedRunner]:
+    """fake_engine (tests/fakes.py) on a PagedRunner, which records what each KV slot holds."""
     runner = PagedRunner()
-    engine = fake_engine(runner, policy, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                         budget=budget, chunked=chunked, max_model_len=max_model_len, prefix_caching=prefix_caching)
-    return engine, runner
+    return fake_engine(runner, policy, max_model_len=max_model_len, **options), runner
 
 
 @functools.cache
