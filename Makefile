@@ -39,8 +39,11 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# Two workers, each taking whole test files (module fixtures such as a server or a reference
+# model load once): about half of a serial run's time is spent waiting on servers and subprocesses.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench-step: install-test
 	$(VENV)/bin/conveyor bench steps --hf

@@ -8,6 +8,7 @@ replica), the requests and the prompt tokens each replica computed, and the load
 
     .venv/bin/python benchmarks/replica_routing.py            # 16 conversations x 6 turns, 2 replicas
     .venv/bin/python benchmarks/replica_routing.py --replicas 2 --conversations 8 --turns 4 -- --seed 1
+    .venv/bin/python benchmarks/replica_routing.py --num-kv-blocks 320   # each replica's cache holds ~5k tokens
 
 Arguments after `--` go to `conveyor bench serve` unchanged.
 """
@@ -57,8 +58,11 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900.0) 
 
 def run(policy: str, args: argparse.Namespace, bench_args: list[str]) -> dict[str, dict[str, float]]:
     log = open(Path(args.out_dir) / f"server-{policy}.log", "w")
-    server = subprocess.Popen([CONVEYOR, "serve", "--replicas", str(args.replicas), "--routing", policy,
-                               "--port", str(args.port), "--log-level", "warning"], stdout=log, stderr=log, cwd=ROOT)
+    serve = [CONVEYOR, "serve", "--replicas", str(args.replicas), "--routing", policy, "--port", str(args.port),
+             "--log-level", "warning"]
+    if args.num_kv_blocks:
+        serve += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    server = subprocess.Popen(serve, stdout=log, stderr=log, cwd=ROOT)
     try:
         wait_healthy(args.port, server)
         bench = [CONVEYOR, "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}", "--model", "smollm2-135m",
@@ -101,6 +105,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--think-time", type=float, default=1.0)
     parser.add_argument("--request-rate", type=float, default=1.0, help="conversations started per second")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="each replica's KV pool in blocks of 16 tokens (default: the server's, 1 GiB)")
     parser.add_argument("--port", type=int, default=8951)
     parser.add_argument("--policies", nargs="+", default=["least-load", "cache-aware"])
     parser.add_argument("--out-dir", default=str(ROOT / "out" / "replica_routing"))

@@ -12,11 +12,14 @@ as the same weights dequantised to fp32 panels (kernels/panel_gemm.cpp):
 Times one pass over a set's products at each row count, the two layouts alternated repeat by
 repeat so drift hits both alike, and checks the outputs are bit-identical. `--clock cpu` (one
 thread) times the thread's CPU time instead of the wall clock: on a machine shared with busy
-processes the wall clock mostly measures the time the thread waits for a core.
+processes the wall clock mostly measures the time the thread waits for a core. `--baseline REV`
+times the block kernel as it stood at a git revision in place of the dense panels (a kernel
+change; same packed layout, and the results must stay bit-identical).
 
     python benchmarks/kernels/quant_gemm.py --rows 1 2 3 4 5 8 10 12 16 32 --repeats 7
     python benchmarks/kernels/quant_gemm.py --types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K --rows 1 8 32
     python benchmarks/kernels/quant_gemm.py --gguf /tmp/gemma3/gemma-3-270m-q4_k_m.gguf --rows 1 8 32
+    python benchmarks/kernels/quant_gemm.py --baseline HEAD~1 --rows 1 2 4 --repeats 9
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
+from kernel_at import kernel_at
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, QuantizedWeight
 
 FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
@@ -99,30 +103,33 @@ def synthetic_products(types: list[str], layers: int) -> Iterator[tuple[str, lis
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def one_pass(products: list[Product], rows: int, blocks: bool, clock: str) -> tuple[float, list[torch.Tensor]]:
-    dense_kernel, block_kernel = panel_gemm(), quant_gemm()
+def one_pass(products: list[Product], rows: int, blocks: object | None, clock: str) -> tuple[float, list[torch.Tensor]]:
+    """One pass on the dense panels (blocks None) or on the block panels with the kernel `blocks`."""
+    dense_kernel = panel_gemm()
     xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) for k in {p[1] for p in products}}
     now = CLOCKS[clock]
     start, outs = now(), []
     for n, k, dense, quant, qtype in products:
-        if blocks:
-            outs.append(block_kernel.quantized_matmul(xs[k], quant, n, None, KERNEL_QTYPE[qtype]))  # type: ignore[union-attr]
+        if blocks is not None:
+            outs.append(blocks.quantized_matmul(xs[k], quant, n, None, KERNEL_QTYPE[qtype]))  # type: ignore[attr-defined]
         else:
             outs.append(dense_kernel.panel_matmul(xs[k], dense, n, None))  # type: ignore[union-attr]
     return (now() - start) * 1e3, outs
 
 
-def report(title: str, products: list[Product], rows_list: list[int], repeats: int, clock: str) -> None:
+def report(title: str, products: list[Product], rows_list: list[int], repeats: int, clock: str,
+           baseline: tuple[str, object] | None) -> None:
     dense_mb = sum(p[2].numel() * 4 for p in products) / 1e6
     block_mb = sum(p[3].numel() for p in products) / 1e6
     print(f"\n{title}: {len(products)} products, dense fp32 panels {dense_mb:.0f} MB, block panels {block_mb:.0f} MB")
-    print(f"rows | {clock} clock: dense ms (median, min) | blocks ms (median, min) | dense / blocks | bit-identical")
+    other = f"blocks at {baseline[0]}" if baseline else "dense"
+    print(f"rows | {clock} clock: {other} ms (median, min) | blocks ms (median, min) | {other} / blocks | bit-identical")
     for rows in rows_list:
         dense_ms, block_ms, same = [], [], True
         for _ in range(repeats):
-            t, dense_out = one_pass(products, rows, False, clock)
+            t, dense_out = one_pass(products, rows, baseline[1] if baseline else None, clock)
             dense_ms.append(t)
-            t, block_out = one_pass(products, rows, True, clock)
+            t, block_out = one_pass(products, rows, quant_gemm(), clock)
             block_ms.append(t)
             same &= all(torch.equal(a, b) for a, b in zip(dense_out, block_out))
         d, b = statistics.median(dense_ms), statistics.median(block_ms)
@@ -140,6 +147,7 @@ def main() -> None:
     source.add_argument("--gguf", default=None, help="every matrix of this GGUF file, per block type")
     source.add_argument("--types", nargs="+", choices=list(BLOCK_SIZES), help="random blocks in 1B-class layer shapes")
     parser.add_argument("--layers", type=int, default=2, help="with --types: layers per type")
+    parser.add_argument("--baseline", help="git revision whose block kernel to time in place of the dense panels")
     args = parser.parse_args()
     if args.clock == "cpu" and args.num_threads != 1:
         parser.error("--clock cpu times the calling thread: use --num-threads 1")
@@ -152,8 +160,9 @@ def main() -> None:
         sets = iter(sorted(gguf_products(args.gguf).items()))
     else:
         sets = iter(smollm2_products().items())
+    baseline = (args.baseline, kernel_at(args.baseline, "quant_gemm")) if args.baseline else None
     for title, products in sets:
-        report(title, products, args.rows, args.repeats, args.clock)
+        report(title, products, args.rows, args.repeats, args.clock, baseline)
 
 
 if __name__ == "__main__":
