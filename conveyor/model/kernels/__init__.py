@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -151,8 +152,10 @@ def build_kernels(dtype: torch.dtype) -> None:
     """Builds (or loads from the cache) every kernel a forward pass in `dtype` resolves, so that
     none is built inside a request: the matmul path resolves both panel kernels whatever the
     dtype (conveyor/model/linear.py), the fused ops and the decode kernel are fp32 only."""
-    panel_gemm()
-    quant_gemm()
+    kernels: list[Callable[[], object]] = [panel_gemm, quant_gemm]
     if dtype == torch.float32:
-        fused_ops()
-        paged_decode_kernel()
+        kernels += [fused_ops, paged_decode_kernel]
+    # A cold build compiles each kernel's one source on one core: build them side by side.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(kernels), os.cpu_count() or 1))) as pool:
+        for built in [pool.submit(kernel) for kernel in kernels]:
+            built.result()
