@@ -43,6 +43,19 @@ def hf_reference_tokenizer(smollm_gguf_path: Path) -> Any:
     return hf_gguf_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same random state, whichever tests ran before it in its worker
+    (make test spreads files over pytest-xdist workers in an order that varies run to run)."""
+    import random
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _built_kernels() -> None:
     """Build the C++ kernels once, in this process, before any test starts a server or a Ray

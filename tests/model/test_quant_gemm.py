@@ -163,9 +163,11 @@ def test_fused_projection_blocks_concatenate_rows() -> None:
     layer.weight.data = torch.cat([reference_fp32(p) for p in parts])
     layer.quantized = fused
     layer.pack()
-    x = torch.randn(3, 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     assert layer.packed is not None and layer.packed.layout == "Q4_K"
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    # The fused blocks give the fused fp32 weight's products bit for bit; MKL sums in another order.
+    assert torch.equal(layer(x), linear(x, layer.weight, pack_weight(layer.weight)))
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-3)
     assert QuantizedWeight.cat([parts[0], None]) is None
 
 
