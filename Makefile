@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve generate lint test bench-step clean
+.PHONY: install install-test serve generate lint kernels test bench-step clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,16 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# The C++ kernels, built once before the suite (or found in torch's cache: under a second), so that
+# no test worker stalls on a build inside a test. It says which kernels it builds.
+kernels: install
+	$(PY) -c "import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	from conveyor.model.kernels import build_kernels; build_kernels(torch.float32)"
+
 # Two workers, each taking whole test files (module fixtures such as a server or a reference
 # model load once): about half of a serial run's time is spent waiting on servers and subprocesses.
 TEST_WORKERS ?= 2
-test: lint
+test: lint kernels
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench-step: install-test
