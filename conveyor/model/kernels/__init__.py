@@ -86,14 +86,23 @@ def wait_for_build_lock(extension_name: str, stale_after: float = STALE_LOCK_SEC
         time.sleep(poll)
 
 
-def _is_built(extension_name: str) -> bool:
-    """Whether the extension's library is in torch's cache (a first start builds it)."""
+def _why_build(extension_name: str, source: Path) -> str | None:
+    """Why loading the extension will build it, or None if torch's cache holds it built from
+    `source` as it is now (the library exists, was built from this path, and is newer)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(extension_name, verbose=False)) / f"{extension_name}.so").is_file()
+        directory = Path(_get_build_directory(extension_name, verbose=False))
+        library = directory / f"{extension_name}.so"
+        if not library.is_file():
+            return "first start only"
+        if str(source) not in (directory / "build.ninja").read_text():
+            return "built before from another checkout"
+        if source.stat().st_mtime > library.stat().st_mtime:
+            return "its source changed"
+        return None
     except (ImportError, OSError):
-        return True  # cannot tell: say nothing
+        return None  # cannot tell: say nothing
 
 
 @functools.cache
@@ -102,12 +111,13 @@ def _load(name: str) -> object | None:
 
     extension_name = f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}"
     wait_for_build_lock(extension_name)
-    if not _is_built(extension_name):
-        logger.info("building C++ kernels, first start only: %s (cached for later starts)", name)
+    source = _SOURCE_DIR / f"{name}.cpp"
+    if (reason := _why_build(extension_name, source)) is not None:
+        logger.info("building C++ kernels, %s: %s (cached for later starts)", reason, name)
     try:
         return load(
             name=extension_name,
-            sources=[str(_SOURCE_DIR / f"{name}.cpp")],
+            sources=[str(source)],
             extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])],
             extra_ldflags=["-fopenmp"],
             verbose=False,
