@@ -8,7 +8,7 @@ replica), the requests and the prompt tokens each replica computed, and the load
 
     .venv/bin/python benchmarks/replica_routing.py            # 16 conversations x 6 turns, 2 replicas
     .venv/bin/python benchmarks/replica_routing.py --replicas 2 --conversations 8 --turns 4 -- --seed 1
-    .venv/bin/python benchmarks/replica_routing.py --num-kv-blocks 320   # each replica's cache holds ~5k tokens
+    .venv/bin/python benchmarks/replica_routing.py --num-kv-blocks 256   # each replica's cache holds 4,096 tokens
 
 Arguments after `--` go to `conveyor bench serve` unchanged.
 """

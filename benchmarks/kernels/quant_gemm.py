@@ -34,8 +34,8 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from kernel_at import kernel_at
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, QuantizedWeight
+from kernel_at import kernel_at
 
 FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
@@ -125,15 +125,15 @@ def report(title: str, products: list[Product], rows_list: list[int], repeats: i
     other = f"blocks at {baseline[0]}" if baseline else "dense"
     print(f"rows | {clock} clock: {other} ms (median, min) | blocks ms (median, min) | {other} / blocks | bit-identical")
     for rows in rows_list:
-        dense_ms, block_ms, same = [], [], True
+        other_ms, block_ms, same = [], [], True
         for _ in range(repeats):
-            t, dense_out = one_pass(products, rows, baseline[1] if baseline else None, clock)
-            dense_ms.append(t)
+            t, other_out = one_pass(products, rows, baseline[1] if baseline else None, clock)
+            other_ms.append(t)
             t, block_out = one_pass(products, rows, quant_gemm(), clock)
             block_ms.append(t)
-            same &= all(torch.equal(a, b) for a, b in zip(dense_out, block_out))
-        d, b = statistics.median(dense_ms), statistics.median(block_ms)
-        print(f"{rows:4d} | {d:7.1f} {min(dense_ms):7.1f} | {b:7.1f} {min(block_ms):7.1f} | {d / b:5.2f}x | {same}", flush=True)
+            same &= all(torch.equal(a, b) for a, b in zip(other_out, block_out))
+        d, b = statistics.median(other_ms), statistics.median(block_ms)
+        print(f"{rows:4d} | {d:7.1f} {min(other_ms):7.1f} | {b:7.1f} {min(block_ms):7.1f} | {d / b:5.2f}x | {same}", flush=True)
 
 
 def main() -> None:

@@ -155,6 +155,7 @@ class Router:
         keys = self._keys(candidates[0], prompt)
         # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
         hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
+        now = self._clock()
         if any(hits.values()):
             best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
         else:
@@ -162,12 +163,11 @@ class Router:
             # it goes where the fewest requests have been arriving lately, so that conversations
             # spread evenly; unless that worker is behind the least loaded by more than this
             # request is long.
-            now = self._clock()
             least = min(loads.values())
             near = [w for w in candidates if loads[id(w)] - least <= len(prompt)]
             best = min(near, key=lambda w: (self._arrival_rate(w, now), loads[id(w)]))
         self._index(best).add(keys)
-        self._count_arrival(best)
+        self._count_arrival(best, now)
         return Route(best, hits[id(best)])
 
     def _arrival_rate(self, worker: WorkerHandle, now: float) -> float:
@@ -175,8 +175,7 @@ class Router:
         rate, at = self._arrivals.get(worker.name, (0.0, now))
         return rate * math.exp(-(now - at) / RECENT_S)
 
-    def _count_arrival(self, worker: WorkerHandle) -> None:
-        now = self._clock()
+    def _count_arrival(self, worker: WorkerHandle, now: float) -> None:
         self._arrivals[worker.name] = (self._arrival_rate(worker, now) + 1.0, now)
 
     def record(self, worker: WorkerHandle, token_ids: Sequence[int]) -> None:
