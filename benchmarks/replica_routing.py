@@ -59,7 +59,7 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900.0) 
 def run(policy: str, args: argparse.Namespace, bench_args: list[str]) -> dict[str, dict[str, float]]:
     log = open(Path(args.out_dir) / f"server-{policy}.log", "w")
     serve = [CONVEYOR, "serve", "--replicas", str(args.replicas), "--routing", policy, "--port", str(args.port),
-             "--log-level", "warning"]
+             "--log-level", args.log_level]
     if args.num_kv_blocks:
         serve += ["--num-kv-blocks", str(args.num_kv_blocks)]
     server = subprocess.Popen(serve, stdout=log, stderr=log, cwd=ROOT)
@@ -108,6 +108,7 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="each replica's KV pool in blocks of 16 tokens (default: the server's, 1 GiB)")
     parser.add_argument("--port", type=int, default=8951)
+    parser.add_argument("--log-level", default="warning", help="the servers' (debug: every routing decision)")
     parser.add_argument("--policies", nargs="+", default=["least-load", "cache-aware"])
     parser.add_argument("--out-dir", default=str(ROOT / "out" / "replica_routing"))
     args, bench_args = parser.parse_known_args()

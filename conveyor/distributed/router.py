@@ -13,8 +13,11 @@ have to compute, i.e. the prompt minus the longest prefix of it that worker is e
 in its prefix cache. One number, in tokens, trades a cache hit against a queue: a conversation's
 next turn goes back to the replica holding its history unless that replica is behind the others
 by more than the history is long. A request that matches nowhere starts a new history, which will
-stay where it starts: it goes where the fewest requests have been arriving lately (a decayed
-count), unless that worker is behind the least loaded by more than the request is long.
+stay where it starts: it goes where the fewest histories are live (a history is named by its first
+block's key and counts exp(-age / RECENT_S), age since a request of it was last routed), unless
+that worker is behind the least loaded by more than the request is long. Counting histories, not
+requests or tokens, is what keeps conversations split evenly: they stick to their replica, so a
+split decided by instantaneous load stays uneven for their whole life.
 
 How the router knows what a worker caches: a `PrefixIndex` per worker, the chain keys (the KV
 manager's own `iter_block_keys`) of the full blocks of every prompt it sent there and of its
@@ -38,7 +41,8 @@ log = logging.getLogger("conveyor.distributed")
 
 ROUTING_POLICIES = ("cache-aware", "least-load")  # the first is the default
 ROUTER_SALT = "router"  # keys only need to agree with each other, not with a worker's own
-RECENT_S = 30.0  # how long a routed request counts towards a worker's recent arrivals (time constant)
+RECENT_S = 30.0  # how long a history counts as live on its worker after its last request (time constant)
+FORGOTTEN_AFTER_S = 10 * RECENT_S  # a history idle that long weighs < 1e-4: dropped
 
 
 @dataclass(eq=False)
@@ -120,6 +124,41 @@ class PrefixIndex:
         return n
 
 
+class LiveHistories:
+    """The histories routed to a worker, each weighing exp(-age / RECENT_S), age since a request of
+    it was last routed there; their sum kept up to date in O(1) per change."""
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[bytes, float] = OrderedDict()  # a history's first block key -> when, oldest first
+        self._sum, self._at = 0.0, 0.0  # the sum of weights as of `_at`
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def weight(self, now: float, excluding: bytes | None = None) -> float:
+        total = self._sum * math.exp(-(now - self._at) / RECENT_S)
+        if excluding is not None and excluding in self._last:
+            total -= math.exp(-(now - self._last[excluding]) / RECENT_S)
+        return max(total, 0.0)
+
+    def touch(self, history: bytes, now: float) -> None:
+        self._set(self.weight(now, history) + 1.0, now)
+        self._last[history] = now
+        self._last.move_to_end(history)
+
+    def forget_idle(self, now: float) -> None:
+        while self._last and now - next(iter(self._last.values())) > FORGOTTEN_AFTER_S:
+            self.remove(next(iter(self._last)), now)
+
+    def remove(self, history: bytes, now: float) -> None:
+        if history in self._last:
+            self._set(self.weight(now, history), now)
+            del self._last[history]
+
+    def _set(self, total: float, now: float) -> None:
+        self._sum, self._at = total, now
+
+
 @dataclass(frozen=True)
 class Route:
     worker: WorkerHandle
@@ -135,7 +174,7 @@ class Router:
         self.policy = policy
         self._clock = clock
         self._indexes: dict[str, PrefixIndex] = {}
-        self._arrivals: dict[str, tuple[float, float]] = {}  # worker -> (decayed request count, when)
+        self._histories: dict[str, LiveHistories] = {}
 
     def _index(self, worker: WorkerHandle) -> PrefixIndex:
         index = self._indexes.get(worker.name)
@@ -156,27 +195,37 @@ class Router:
         # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
         hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
         now = self._clock()
+        history = keys[0] if keys else None
         if any(hits.values()):
             best = min(candidates, key=lambda w: loads[id(w)] + len(prompt) - hits[id(w)])
         else:
             # A new history (a conversation's first turn) stays where it starts, turn after turn:
-            # it goes where the fewest requests have been arriving lately, so that conversations
-            # spread evenly; unless that worker is behind the least loaded by more than this
-            # request is long.
+            # it goes where the fewest histories are live, so that conversations spread evenly;
+            # unless that worker is behind the least loaded by more than this request is long.
             least = min(loads.values())
             near = [w for w in candidates if loads[id(w)] - least <= len(prompt)]
-            best = min(near, key=lambda w: (self._arrival_rate(w, now), loads[id(w)]))
+            best = min(near, key=lambda w: (self._live_histories(w, now, history), loads[id(w)]))
         self._index(best).add(keys)
-        self._count_arrival(best, now)
+        self._touch_history(candidates, best, history, now)
+        log.debug("route %d tokens to %s: hits %s, loads %s, %s", len(prompt), best.name,
+                  [hits[id(w)] for w in candidates], [loads[id(w)] for w in candidates],
+                  "history" if any(hits.values()) else "new")
         return Route(best, hits[id(best)])
 
-    def _arrival_rate(self, worker: WorkerHandle, now: float) -> float:
-        """Requests routed to the worker, each weighing exp(-age / RECENT_S)."""
-        rate, at = self._arrivals.get(worker.name, (0.0, now))
-        return rate * math.exp(-(now - at) / RECENT_S)
+    def _live_histories(self, worker: WorkerHandle, now: float, excluding: bytes | None) -> float:
+        histories = self._histories.get(worker.name)
+        return histories.weight(now, excluding) if histories is not None else 0.0
 
-    def _count_arrival(self, worker: WorkerHandle, now: float) -> None:
-        self._arrivals[worker.name] = (self._arrival_rate(worker, now) + 1.0, now)
+    def _touch_history(self, candidates: Sequence[WorkerHandle], best: WorkerHandle, history: bytes | None,
+                       now: float) -> None:
+        """The history now lives on `best`, and on no other worker; long-idle ones are forgotten."""
+        if history is not None:
+            for w in candidates:
+                if w is not best and w.name in self._histories:
+                    self._histories[w.name].remove(history, now)
+            self._histories.setdefault(best.name, LiveHistories()).touch(history, now)
+        for histories in self._histories.values():
+            histories.forget_idle(now)
 
     def record(self, worker: WorkerHandle, token_ids: Sequence[int]) -> None:
         """A request's prompt and output as the worker computed them: what its cache now holds."""
@@ -186,6 +235,7 @@ class Router:
     def forget(self, worker: WorkerHandle) -> None:
         """A dead worker's cache is gone with it."""
         self._indexes.pop(worker.name, None)
+        self._histories.pop(worker.name, None)
 
     @staticmethod
     def _keys(worker: WorkerHandle, token_ids: Sequence[int]) -> list[bytes]:

@@ -231,24 +231,34 @@ def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that
     assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
 
 
-def test_a_new_history_goes_where_fewest_requests_arrived_lately_unless_that_worker_is_far_behind() -> None:
+def test_a_new_history_goes_where_fewest_histories_are_live_unless_that_worker_is_far_behind() -> None:
     a, b = _worker("a"), _worker("b")
     now = [0.0]
     router = Router("cache-aware", clock=lambda: now[0])
-    for turn in range(3):  # a conversation on a: three turns, 10 s apart
-        route = router.route([a, b], "replica", [], list(range(100, 140 + 8 * turn)))
-        assert route is not None and route.worker is a
-        now[0] += 10.0
-    new = router.route([a, b], "replica", [_Req(b, 5)], [900 + i for i in range(40)])
-    assert new is not None and new.worker is b  # although a is idle: conversations spread
-    # b has still had fewer arrivals lately (one against three): it takes the next new history
-    # while it is behind by less than the prompt is long, not when it is behind by more.
-    again = router.route([a, b], "replica", [_Req(b, 39)], [700 + i for i in range(40)])
-    assert again is not None and again.worker is b
-    behind = router.route([a, b], "replica", [_Req(b, 41)], [800 + i for i in range(40)])
-    assert behind is not None and behind.worker is a
-    now[0] += 300.0  # long ago: every count has decayed to nothing, a's no more than b's
-    assert router._arrival_rate(a, now[0]) < 1e-3 and router._arrival_rate(b, now[0]) < 1e-3
+
+    def route(prompt: list[int], *requests: _Req) -> WorkerHandle:
+        now[0] += 1.0
+        placed = router.route([a, b], "replica", list(requests), prompt)
+        assert placed is not None
+        return placed.worker
+
+    x = list(range(100, 140))
+    for turn in range(3):  # a conversation on a, three turns: one history however many requests
+        assert route(x + [7] * 8 * turn) is a
+    # b holds no history but is behind the least loaded by more than the prompt is long: a.
+    assert route([300 + i for i in range(40)], _Req(b, 41)) is a
+    # a holds two, b none, and b is behind by less than the prompt is long: b, although a is idle.
+    assert route([500 + i for i in range(40)], _Req(b, 39)) is b
+    assert router._live_histories(a, now[0], None) == pytest.approx(2.0, rel=0.1)
+    # A conversation that moves (its worker far busier) takes its history along: a 1, b 2.
+    assert route(x + [7] * 24, _Req(a, 1000)) is b
+    assert router._live_histories(a, now[0], None) == pytest.approx(1.0, rel=0.1)
+    assert router._live_histories(b, now[0], None) == pytest.approx(2.0, rel=0.1)
+    assert route([700 + i for i in range(40)], _Req(a, 5)) is a  # so the next new one goes to a
+    now[0] += 300.0  # long ago: every history has decayed to nothing, and is forgotten at the next route
+    assert router._live_histories(a, now[0], None) < 1e-3 and router._live_histories(b, now[0], None) < 1e-3
+    route([900 + i for i in range(40)])
+    assert len(router._histories["a"]) + len(router._histories["b"]) == 1
 
 
 def test_least_load_router_ignores_caches_and_a_dead_workers_cache_is_forgotten() -> None:
