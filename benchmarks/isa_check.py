@@ -4,7 +4,7 @@ The kernels compile with -march=native, so a machine with AVX-512 never runs the
 machine (CI, a laptop) gets. This builds panel_gemm.cpp and quant_gemm.cpp for `--march` (default
 haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can run too, and checks on random blocks of
 every GGUF type the kernel reads that both builds give gguf's dequantised weights exactly (one-hot
-rows) and bit-identical products at 1-33 rows, with and without bias, on a partial last panel.
+rows) and bit-identical products at 1-33 and 131 rows, with and without bias, on a partial last panel.
 
     python benchmarks/isa_check.py [--march haswell]
 """
@@ -65,7 +65,7 @@ def main() -> None:
                     for name, kernel in (("native", native_quant), (args.march, other_quant)))
         identical = True
         bias = torch.randn(n)
-        for rows in (1, 2, 3, 4, 5, 7, 8, 10, 11, 13, 32, 33):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 10, 11, 13, 32, 33, 131):  # 131: row blocks of 96 and 120
             x = torch.randn(rows, k)
             for b in (None, bias):
                 want = native_panels.panel_matmul(x, dense, n, b)

@@ -20,6 +20,20 @@ def test_packed_product_matches_plain(rows: int, out_features: int) -> None:
     torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight), rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.skipif(panel_gemm() is None, reason="panel kernel not built here")
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it() -> None:
+    # A token's projections must come out the same in a decode step, a prefill chunk or the suffix
+    # after a prefix-cache hit: each column is one FMA chain over k whatever the tile or row block.
+    torch.manual_seed(2)
+    weight, bias = torch.randn(200, 576), torch.randn(200)
+    x = torch.randn(301, 576)  # row blocks of 120 / 96, tiles of 12 / 6 and their remainders
+    packed = pack_weight(weight)
+    assert packed is not None
+    whole = linear(x, weight, packed, bias)
+    for start, rows in ((0, 1), (7, 1), (0, 13), (250, 51), (3, 130), (0, 241)):
+        assert torch.equal(linear(x[start : start + rows], weight, packed, bias), whole[start : start + rows]), rows
+
+
 def test_rows_of_a_wider_tensor_need_no_copy() -> None:
     torch.manual_seed(1)
     weight, wide = torch.randn(48, 64), torch.randn(9, 200)

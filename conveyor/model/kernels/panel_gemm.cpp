@@ -60,11 +60,14 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& packed, 
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel;
-      rows_times_panel(xp, x_stride, m, wp + p * k_dim * kPanel, k_dim, bias_ptr ? bias_ptr + col0 : nullptr,
-                       yp + col0, out_features, std::min(kPanel, out_features - col0));
-    }
+    for_row_blocks(m, [&](int64_t r0, int64_t rows) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel;
+        rows_times_panel(xp + r0 * x_stride, x_stride, rows, wp + p * k_dim * kPanel, k_dim,
+                         bias_ptr ? bias_ptr + col0 : nullptr, yp + r0 * out_features + col0, out_features,
+                         std::min(kPanel, out_features - col0));
+      }
+    });
   });
   return y;
 }

@@ -1,5 +1,8 @@
 // The panel tile shared by panel_gemm.cpp (fp32 panels) and quant_gemm.cpp (GGUF blocks):
-// up to 6 rows x 16 columns of y = x @ W^T in 12 AVX registers, over one panel [K][16] of W.
+// up to 6 rows x 16 columns of y = x @ W^T in 12 AVX registers, over one panel [K][16] of W; with
+// AVX-512, up to 12 rows x 16 columns in 12 zmm registers (each panel step then feeds twice the
+// rows, so the panel is read from L2 half as often at prefill sizes). Either way each column's
+// sum is one FMA a k step, in k order: the same results whatever the tile.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +17,6 @@
 namespace conveyor_panels {
 
 constexpr int64_t kPanel = 16;
-constexpr int kMaxTileRows = 6;
 constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel stream
 
 // A tile's sums: row r's 16 columns in lo[r] (columns 0-7) and hi[r] (8-15). Full unrolling
@@ -60,25 +62,88 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k
   store_sums<R>(lo, hi, bias, y, y_stride, cols);
 }
 
+#if defined(__AVX512F__)
+constexpr int kMaxTileRows = 12;
+
+template <int R, bool kPrefetch>
+inline void tile512(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
+                    float* y, int64_t y_stride, int64_t cols) {
+  __m512 sums[R];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+    if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k]), w, sums[r]);
+  }
+  alignas(64) float row[kPanel];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(row, sums[r]);
+    float* out = y + r * y_stride;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
+  }
+}
+#else
+constexpr int kMaxTileRows = 6;
+#endif
+
 // Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
-// The first tile streams the panel from memory; the others find it in L2.
+// The first tile streams the panel from memory; the others find it in L2. Tiles of balanced
+// sizes (13 rows as 7 + 6, not 12 + 1), so no tile is too short to keep the FMAs busy.
 inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const float* panel, int64_t k_dim,
                              const float* bias, float* y, int64_t y_stride, int64_t cols, bool from_memory = true) {
   const bool prefetch = from_memory && m > 2;
-  for (int64_t r = 0; r < m; r += kMaxTileRows) {
+  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
+  for (int64_t r = 0, t = 0; t < tiles; ++t) {
+    const int64_t rows = (m - r) / (tiles - t);
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     const bool stream = prefetch && r == 0;
+#if defined(__AVX512F__)
+#define CONVEYOR_TILE(R)                                                                  \
+  case R:                                                                                 \
+    if (stream) tile512<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);   \
+    else tile512<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);         \
+    break;
+    switch (rows) {
+      CONVEYOR_TILE(12) CONVEYOR_TILE(11) CONVEYOR_TILE(10) CONVEYOR_TILE(9) CONVEYOR_TILE(8) CONVEYOR_TILE(7)
+      CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
+      default: break;
+    }
+#undef CONVEYOR_TILE
+#else
 #define CONVEYOR_TILE(R)                                                                  \
   case R:                                                                                 \
     if (stream) tile<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);      \
     else tile<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);            \
     break;
-    switch (std::min<int64_t>(kMaxTileRows, m - r)) {
+    switch (rows) {
       CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
       default: break;
     }
 #undef CONVEYOR_TILE
+#endif
+    r += rows;
+  }
+}
+
+// A product of many rows (a prefill chunk) runs in blocks of rows, each over all of a thread's
+// panels: a block of x (<= 120 rows, 270-720 KiB at K = 576-1536) stays in L2 while the panels
+// pass, where one pass of all the rows per panel read the whole of x from L3 for every panel.
+// Blocks of balanced sizes; a decode step's rows are one block.
+#if defined(__AVX512F__)
+constexpr int64_t kRowBlock = 10 * kMaxTileRows;
+#else
+constexpr int64_t kRowBlock = 16 * kMaxTileRows;
+#endif
+
+template <class F>
+inline void for_row_blocks(int64_t m, F&& block) {
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  for (int64_t r = 0, b = 0; b < blocks; ++b) {
+    const int64_t rows = (m - r) / (blocks - b);
+    block(r, rows);
+    r += rows;
   }
 }
 

@@ -382,11 +382,15 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
                    const float* bias, float* y, int64_t out_features) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2) for 11+ rows
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-      rows_times_quantized_panel<U>(x, x_stride, m, w + p * units * U::kBytes, units, bias ? bias + col0 : nullptr,
-                                    y + col0, out_features, cols, expanded);
-    }
+    // Many rows: in blocks of rows (see for_row_blocks), each panel expanded again per block.
+    for_row_blocks(m, [&](int64_t r0, int64_t rows) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        rows_times_quantized_panel<U>(x + r0 * x_stride, x_stride, rows, w + p * units * U::kBytes, units,
+                                      bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features, cols,
+                                      expanded);
+      }
+    });
   });
 }
 
