@@ -83,8 +83,10 @@ inline void tile512(const float* x, int64_t x_stride, const float* panel, int64_
     for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
   }
 }
+#define CONVEYOR_TILE_FN tile512
 #else
 constexpr int kMaxTileRows = 6;
+#define CONVEYOR_TILE_FN tile
 #endif
 
 // Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
@@ -99,11 +101,12 @@ inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const 
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     const bool stream = prefetch && r == 0;
-#if defined(__AVX512F__)
-#define CONVEYOR_TILE(R)                                                                  \
-  case R:                                                                                 \
-    if (stream) tile512<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);   \
-    else tile512<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);         \
+#define CONVEYOR_TILE(R)                                                                             \
+  case R:                                                                                            \
+    if constexpr (R <= kMaxTileRows) {                                                               \
+      if (stream) CONVEYOR_TILE_FN<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);   \
+      else CONVEYOR_TILE_FN<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);         \
+    }                                                                                                \
     break;
     switch (rows) {
       CONVEYOR_TILE(12) CONVEYOR_TILE(11) CONVEYOR_TILE(10) CONVEYOR_TILE(9) CONVEYOR_TILE(8) CONVEYOR_TILE(7)
@@ -111,18 +114,6 @@ inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const 
       default: break;
     }
 #undef CONVEYOR_TILE
-#else
-#define CONVEYOR_TILE(R)                                                                  \
-  case R:                                                                                 \
-    if (stream) tile<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);      \
-    else tile<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);            \
-    break;
-    switch (rows) {
-      CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
-      default: break;
-    }
-#undef CONVEYOR_TILE
-#endif
     r += rows;
   }
 }
