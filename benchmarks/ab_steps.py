@@ -9,8 +9,11 @@ alike. Switches:
 - `packed-linear`: the matmul on weights packed at load vs `F.linear` on the plain weights
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
+- `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
+    python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
+    python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from conveyor.bench.decode import start_decode_batch
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
 from conveyor.model.ops import ReferenceOps
+
+from kernels.kernel_at import kernel_at
 
 CHAT_CONTEXTS = [124, 140, 160, 185, 185, 200, 250, 300, 519]
 
@@ -63,6 +68,11 @@ SWITCHES: dict[str, Callable[[torch.nn.Module], Callable[[bool], None]]] = {
 }
 
 
+def _decode_kernel_at(revision: str) -> Callable[[bool], None]:
+    old = kernel_at(revision, "paged_decode").paged_decode_attention  # type: ignore[attr-defined]
+    return _patch_switch(llama, "paged_decode_kernel", lambda: old)
+
+
 def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
     """Milliseconds per call of each mode's callable, alternating modes every pair of calls."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
@@ -76,12 +86,12 @@ def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
 
 
 def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: list[int], contexts: list[int],
-             repeats: int, labels: tuple[str, str] = ("on", "off")) -> None:
+             repeats: int, labels: tuple[str, str] = ("on", "off"), shared_prefix: tuple[int, int] | None = None) -> None:
     print(f"| batch | contexts (mean / max) | {labels[0]} step ms (min / median) | {labels[1]} step ms (min / median) "
           f"| {labels[1]} / {labels[0]} |")
     print("|---:|---:|---:|---:|---:|")
     for batch in batch_sizes:
-        ids = start_decode_batch(engine, batch, contexts, 4 * repeats)
+        ids = start_decode_batch(engine, batch, contexts, 4 * repeats, shared_prefix=shared_prefix)
         lens = [engine.scheduler.requests[i].num_prompt_tokens for i in ids]
 
         def step_with(on: bool) -> Callable[[], object]:
@@ -98,15 +108,24 @@ def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", choices=list(SWITCHES), required=True)
+    parser.add_argument("--switch", choices=[*SWITCHES, "decode-kernel-at"], required=True)
+    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at")
+    parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=CHAT_CONTEXTS)
     parser.add_argument("--repeats", type=int, default=10, help="pairs of steps timed per side")
+    parser.add_argument("--share", help="G:P: prompts in G groups starting with the same P tokens (cache hits)")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
-    llm = LLM(None, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
-    switch = SWITCHES[args.switch](llm.engine.runner.model)
-    ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats)
+    if args.switch == "decode-kernel-at" and not args.baseline:
+        parser.error("--switch decode-kernel-at needs --baseline REV")
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
+    if args.switch == "decode-kernel-at":
+        switch, labels = _decode_kernel_at(args.baseline), ("this tree", args.baseline)
+    else:
+        switch, labels = SWITCHES[args.switch](llm.engine.runner.model), ("on", "off")
+    share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None
+    ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats, labels, share)
 
 
 if __name__ == "__main__":

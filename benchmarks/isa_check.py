@@ -1,10 +1,14 @@
-"""Builds the matmul kernels for another x86 target beside the native build and checks they agree.
+"""Builds the matmul and decode attention kernels for another x86 target beside the native build
+and checks they agree.
 
 The kernels compile with -march=native, so a machine with AVX-512 never runs the code an AVX2-only
-machine (CI, a laptop) gets. This builds panel_gemm.cpp and quant_gemm.cpp for `--march` (default
-haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can run too, and checks on random blocks of
-every GGUF type the kernel reads that both builds give gguf's dequantised weights exactly (one-hot
-rows) and bit-identical products at 1-33 and 131 rows, with and without bias, on a partial last panel.
+machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp and paged_decode.cpp for
+`--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can run too, and checks on
+random blocks of every GGUF type the kernel reads that both builds give gguf's dequantised weights
+exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows, with and without bias, on a
+partial last panel; and that both builds' decode attention matches a float64 reference (1e-5) over
+head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens, sliding windows, one row and many,
+rows with blocks of their own and rows sharing their first block (its two spans).
 
     python benchmarks/isa_check.py [--march haswell]
 """
@@ -18,7 +22,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 from torch.utils.cpp_extension import load
 
-from conveyor.model.kernels import _SOURCE_DIR, panel_gemm, quant_gemm
+from conveyor.model.kernels import _SOURCE_DIR, _load, panel_gemm, quant_gemm
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES
 
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -28,6 +32,50 @@ HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0"
 def build(name: str, march: str) -> object:
     return load(name=f"conveyor_{name}_march_{march.replace('-', '_')}", sources=[str(_SOURCE_DIR / f"{name}.cpp")],
                 extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                        lens: list[int], scale: float, window: int) -> torch.Tensor:
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    rows = []
+    for i, c in enumerate(lens):
+        slots = [(int(tables[i, t // block_size]), t % block_size) for t in range(max(0, c - window) if window else 0, c)]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, dim=1)
+        v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k) * scale, dim=-1)
+        rows.append(torch.einsum("ht,thd->hd", weights, v).float())
+    return torch.stack(rows)
+
+
+def attention_agrees(native: object, other: object) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    ok = True
+    for head_dim, heads, kv_heads, block_size in ((16, 6, 2, 4), (64, 9, 3, 16), (128, 32, 4, 16), (256, 4, 1, 16),
+                                                  (256, 8, 8, 4), (80, 10, 2, 16)):
+        for lens, window in (([1], 0), ([37], 0), ([1500], 0), ([5, 1, 17, 8, 300, 70], 0), ([300, 9], 7),
+                             ([64, 3, 33, 4, 4, 120], 50)):
+            blocks = sum(-(-c // block_size) for c in lens) + 2
+            k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
+            v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
+            order = torch.randperm(blocks, generator=gen).tolist()
+            width, tables, used = max(-(-c // block_size) for c in lens), [], 0
+            for c in lens:
+                n = -(-c // block_size)
+                tables.append(order[used : used + n] + [0] * (width - n))
+                used += n
+            q = torch.randn(len(lens), heads, head_dim, generator=gen)
+            scale = head_dim**-0.5
+            # Each row's own blocks (the token-by-token span), then every row's first block row 0's
+            # (a prefix-cache hit: the register-blocked span).
+            for shared_first in (False, True):
+                rows = [[tables[0][0], *t[1:]] if shared_first else t for t in tables]
+                table_tensor = torch.tensor(rows)
+                want = attention_reference(q, k_cache, v_cache, table_tensor, lens, scale, window)
+                for kernel in (native, other):
+                    got = kernel.paged_decode_attention(q, k_cache, v_cache, table_tensor, torch.tensor(lens), scale,  # type: ignore[attr-defined]
+                                                        window)
+                    ok &= torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    return ok
 
 
 def random_blocks(qtype: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -77,7 +125,10 @@ def main() -> None:
         failures += not ok
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
               f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}")
-    print("all agree" if not failures else f"{failures} type(s) disagree")
+    attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
+    failures += not attention_ok
+    print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")
+    print("all agree" if not failures else f"{failures} check(s) disagree")
     raise SystemExit(1 if failures else 0)
 
 

@@ -125,3 +125,35 @@ def test_kernel_rejects_a_context_longer_than_its_table(kernel):
     q, k_cache, v_cache, tables, lens = _decode_batch([8, 8])
     with pytest.raises(RuntimeError, match="context"):
         kernel(q, k_cache, v_cache, tables, torch.tensor([8, 9 + tables.shape[1] * 4]), 0.5)
+
+
+# Rows whose first block another row holds (prefix-cache hits) take the register-blocked span, the
+# others the token-by-token one: a row's output must not depend on which, or caching would change
+# outputs. The same rows, once sharing their prefix blocks and once holding copies of them.
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1), (16, 6, 2)])
+@pytest.mark.parametrize("context_lens, window", [([40, 75], 0), ([300, 290, 37, 64, 100, 18], 0), ([300, 290], 50),
+                                                  ([1000, 990, 33, 800], 0)])
+def test_shared_and_copied_prefix_blocks_give_identical_outputs(kernel, head_dim, heads, kv_heads, context_lens, window):
+    gen = torch.Generator().manual_seed(2)
+    block_size, prefix_blocks = 16, 2
+    copies = [-(-c // block_size) for c in context_lens]  # every row with its own copy of everything
+    num_blocks = sum(copies)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    width = max(copies)
+    own_tables, shared_tables, start = [], [], 0
+    for row, n in enumerate(copies):
+        own = list(range(start, start + n))
+        start += n
+        if row > 0:  # row 0's first blocks, copied into this row's own
+            k_cache[own[:prefix_blocks]] = k_cache[:prefix_blocks].clone()
+            v_cache[own[:prefix_blocks]] = v_cache[:prefix_blocks].clone()
+        own_tables.append(own + [0] * (width - n))
+        shared_tables.append(list(range(prefix_blocks)) + own[prefix_blocks:] + [0] * (width - n))
+    q = torch.randn(len(context_lens), heads, head_dim, generator=gen)
+    lens, scale = torch.tensor(context_lens), head_dim**-0.5
+    shared = kernel(q, k_cache, v_cache, torch.tensor(shared_tables), lens, scale, window)
+    copied = kernel(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale, window)
+    assert torch.equal(shared, copied)
+    torch.testing.assert_close(shared, _reference(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale,
+                                                  window or None), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@
 // split by count left one core idle for much of a step whose long requests sat together). Keys
 // and values are read once and shared by the query heads of their group (GQA). A sliding window
 // (Gemma's local layers) starts each row at its window's first token: blocks before it are never read.
+// Rows that share their first block with another row take a register-blocked span (VectorSpan).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "fast_math.h"
@@ -47,6 +49,138 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 
 }  // namespace
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// Vector helpers for the two spans below (AVX-512 where the build has it, else AVX2).
+namespace vec {
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline __m256 fold(Vec v) {  // lanes i and i + 8 added: 8 lanes
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline __m256 fold(Vec v) { return v; }
+#endif
+
+constexpr int64_t kTile = 8;           // tokens whose scores are summed together
+constexpr int64_t kMaxHeadDim = 512;   // the zero token a partial tile points at
+constexpr int64_t kHeadsPerPass = 4, kVectorsPerPass = 4;  // the values pass's 16 accumulators
+
+// Lane t of the result: the sum of v[t]'s 8 lanes, in the same order for every t.
+inline __m256 sum_lanes(const __m256 (&v)[kTile]) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // [t0..t3 low halves | t0..t3 high]
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// Prefetches the next block of a pass a few lines at a time, spread over the current block's work:
+// issued all at once per tile, prefetches filled the core's miss buffers and stalled it.
+struct Prefetcher {
+  const float *next = nullptr, *end = nullptr;
+  int64_t lines_per_step = 0;
+
+  void aim(const float* block, int64_t floats, int64_t steps) {
+    next = block;
+    end = block ? block + floats : nullptr;
+    lines_per_step = (floats / 16 + steps - 1) / std::max<int64_t>(1, steps);
+  }
+  void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 16) __builtin_prefetch(next, 0, 3);
+  }
+};
+
+// out[h] += sum over the block's tokens [j0, j1) of p[h][t] * value_t, for GC heads of one KV group
+// and the head's dimensions [d0, d0 + vectors * kWidth).
+template <int GC>
+inline void values_pass(const float* block, int64_t j0, int64_t j1, int64_t token_stride, const float* const* probs,
+                        float* const* outs, int64_t d0, int64_t vectors, Prefetcher& prefetcher) {
+  Vec acc[GC][kVectorsPerPass];
+  for (int g = 0; g < GC; ++g)
+    for (int64_t c = 0; c < kVectorsPerPass; ++c)
+      if (c < vectors) acc[g][c] = load(outs[g] + d0 + c * kWidth);
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetcher.step();
+    const float* value = block + j * token_stride + d0;
+    Vec v[kVectorsPerPass];
+    for (int64_t c = 0; c < kVectorsPerPass; ++c)
+      if (c < vectors) v[c] = load(value + c * kWidth);
+    for (int g = 0; g < GC; ++g) {
+      const Vec p = splat(probs[g][j]);
+      for (int64_t c = 0; c < kVectorsPerPass; ++c)
+        if (c < vectors) acc[g][c] = fma(p, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int64_t c = 0; c < kVectorsPerPass; ++c)
+      if (c < vectors) store(outs[g] + d0 + c * kWidth, acc[g][c]);
+}
+
+inline bool handles(int64_t head_dim) { return head_dim % kWidth == 0 && head_dim <= kMaxHeadDim; }
+
+// One dot product summed exactly as one lane of sum_lanes: the walk below and the tiles of
+// VectorSpan then give a token the same score, bit for bit.
+template <int64_t D>  // the head dimension when compiled in (unrolled), else 0
+inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (D > 0) n = D;
+  Vec acc = zero();
+  for (int64_t d = 0; d < n; d += kWidth) acc = fma(load(a + d), load(b + d), acc);
+  __m256 h = fold(acc);
+  h = _mm256_hadd_ps(h, h);
+  h = _mm256_hadd_ps(h, h);  // lane 0: (0 + 1) + (2 + 3); lane 4: (4 + 5) + (6 + 7)
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+template <int64_t D>
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  if constexpr (D > 0) n = D;
+  const Vec a = splat(alpha);
+  for (int64_t d = 0; d < n; d += kWidth) store(y + d, fma(a, load(x + d), load(y + d)));
+}
+
+}  // namespace vec
+#endif
+
+// exp(s[t] - peak) in place over a span's scores, and their sum: one out-of-line copy, so both
+// spans (and every inlining of them) sum in the same order.
+__attribute__((noinline)) static float exp_and_sum(float* s, int64_t n, float peak) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = conveyor::fast_exp(s[t] - peak);
+    total += s[t];
+  }
+  return total;
+}
+
+// Per head h: row h of `scores` (`row_stride` apart, n tokens) -> exp(score - max) in place, and
+// result[h] = [max, sum, head_dim zeros] for the values pass to add into.
+inline void softmax_rows(float* scores, int64_t row_stride, int64_t n, int64_t num_heads, int64_t head_dim, float* result) {
+  const int64_t stride = head_dim + 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores + h * row_stride;
+    const float peak = *std::max_element(s, s + n);
+    result[h * stride] = peak;
+    result[h * stride + 1] = exp_and_sum(s, n, peak);
+    std::fill(result + h * stride + 2, result + (h + 1) * stride, 0.f);
+  }
+}
 
 // One task: query row `row` against its cached tokens [first_block * block_size, ...) over
 // `num_blocks` blocks, all KV heads, skipping tokens before the row's first visible one (`starts`). Leaves per head the running max and sum of exp(score - max)
@@ -91,28 +225,122 @@ struct Span {
         }
       }
     };
+#if defined(__AVX2__) && defined(__FMA__)
+    if (vec::handles(head_dim)) {  // VectorSpan's arithmetic, so either span may take any task
+      for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
+        scores[h * n + t] = vec::dot<D>(q_row + h * head_dim, key, head_dim) * scale;
+      });
+      softmax_rows(scores.data(), n, n, num_heads, head_dim, result);
+      for_each_token_head(v, [&](int64_t t, int64_t h, const float* value) {
+        vec::axpy<D>(scores[h * n + t], value, result + h * (head_dim + 2) + 2, head_dim);
+      });
+      return;
+    }
+#endif
     for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
       scores[h * n + t] = dot<D>(q_row + h * head_dim, key, head_dim) * scale;
     });
-    const int64_t stride = head_dim + 2;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* s = scores.data() + h * n;
-      const float peak = *std::max_element(s, s + n);
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = conveyor::fast_exp(s[t] - peak);
-        total += s[t];
-      }
-      result[h * stride] = peak;
-      result[h * stride + 1] = total;
-      std::fill(result + h * stride + 2, result + (h + 1) * stride, 0.f);
-    }
+    softmax_rows(scores.data(), n, n, num_heads, head_dim, result);
     for_each_token_head(v, [&](int64_t t, int64_t h, const float* value) {
-      axpy<D>(scores[h * n + t], value, result + h * stride + 2, head_dim);
+      axpy<D>(scores[h * n + t], value, result + h * (head_dim + 2) + 2, head_dim);
     });
   }
 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same task, register-blocked, for rows whose blocks other rows share (prefix-cache hits), so
+// they are read from the caches, where the walk above is bound by its instruction count: one
+// horizontal sum per dot product, a load and store of the output row per (token, head). Here a
+// tile of 8 tokens' dot products with one query head is summed into one vector at once, and the
+// values pass keeps up to 4 heads x 4 vectors of output in registers over a block's tokens. The
+// hardware prefetcher does not follow this walk, so the next block is prefetched a few lines at a
+// time. Every score, softmax sum and output sum is formed as in the walk above: same bits.
+struct VectorSpan {
+  const float *q, *k, *v;
+  const int64_t* tables;
+  const int64_t* lens;
+  const int64_t* starts;
+  int64_t num_heads, head_dim, group, block_size, kv_heads, table_width, token_stride, block_stride;
+  float scale;
+  const float* zero_token;  // token_stride zeros: the keys of a partial tile's missing slots
+
+  // `then`: the first keys block the thread reads after this span (the next task's), or null.
+  void operator()(int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores,
+                  float* result, const float* then) const {
+    using namespace vec;
+    const int64_t t_begin = first_block * block_size;
+    const int64_t end = std::min(num_blocks * block_size, lens[row] - t_begin);
+    const int64_t skip = std::max<int64_t>(0, starts[row] - t_begin);
+    // Scores are indexed by the token's place in the span; a tile starts at a block's first token.
+    const int64_t padded = num_blocks * block_size + kTile;  // a block's last tile may write past its end
+    const float* q_row = q + row * num_heads * head_dim;
+    const int64_t* table = tables + row * table_width + first_block;
+    scores.resize(num_heads * padded);
+    const __m256 scale8 = _mm256_set1_ps(scale);
+
+    Prefetcher prefetcher;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* block = k + table[b] * block_stride;
+      const int64_t t0 = b * block_size, count = std::min(block_size, end - t0);
+      const int64_t j_first = skip > t0 ? (skip - t0) / kTile * kTile : 0;
+      prefetcher.aim(b + 1 < num_blocks ? k + table[b + 1] * block_stride : v + table[0] * block_stride, block_stride,
+                     (count - j_first + kTile - 1) / kTile * num_heads);
+      for (int64_t j = j_first; j < count; j += kTile) {
+        const float* tokens[kTile];
+        for (int64_t t = 0; t < kTile; ++t) tokens[t] = j + t < count ? block + (j + t) * token_stride : zero_token;
+        for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
+          for (int64_t g = 0; g < group; ++g, ++h) {
+            prefetcher.step();
+            const float* q_head = q_row + h * head_dim;
+            Vec acc[kTile];
+            for (int64_t t = 0; t < kTile; ++t) acc[t] = zero();
+            for (int64_t d = 0; d < head_dim; d += kWidth) {
+              const Vec qv = load(q_head + d);
+              for (int64_t t = 0; t < kTile; ++t) acc[t] = fma(qv, load(tokens[t] + kv * head_dim + d), acc[t]);
+            }
+            __m256 folded[kTile];
+            for (int64_t t = 0; t < kTile; ++t) folded[t] = fold(acc[t]);
+            _mm256_storeu_ps(scores.data() + h * padded + t0 + j, _mm256_mul_ps(sum_lanes(folded), scale8));
+          }
+        }
+      }
+    }
+    const int64_t stride = head_dim + 2;
+    softmax_rows(scores.data() + skip, padded, end - skip, num_heads, head_dim, result);
+    const int64_t vectors = head_dim / kWidth;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* block = v + table[b] * block_stride;
+      const int64_t t0 = b * block_size, count = std::min(block_size, end - t0), j0 = std::max<int64_t>(0, skip - t0);
+      const int64_t passes = kv_heads * ((group + kHeadsPerPass - 1) / kHeadsPerPass) *
+                             ((head_dim / kWidth + kVectorsPerPass - 1) / kVectorsPerPass);
+      prefetcher.aim(b + 1 < num_blocks ? v + table[b + 1] * block_stride : then, block_stride,
+                     std::max<int64_t>(1, count - j0) * passes);
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+          const int64_t heads = std::min(kHeadsPerPass, group - g0);
+          const float* probs[kHeadsPerPass];
+          float* outs[kHeadsPerPass];
+          for (int64_t g = 0; g < heads; ++g) {
+            const int64_t h = kv * group + g0 + g;
+            probs[g] = scores.data() + h * padded + t0;
+            outs[g] = result + h * stride + 2;
+          }
+          for (int64_t c = 0; c < vectors; c += kVectorsPerPass) {
+            const int64_t n = std::min(kVectorsPerPass, vectors - c);
+            const float* values = block + kv * head_dim;
+            switch (heads) {
+              case 1: values_pass<1>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
+              case 2: values_pass<2>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
+              case 3: values_pass<3>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
+              default: values_pass<4>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
+            }
+          }
+        }
+      }
+    }
+  }
+};
+#endif
 
 template <int64_t D>
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -140,6 +368,32 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                      block_tables.data_ptr<int64_t>(), lens, starts.data(), num_heads, head_dim, num_heads / kv_heads,
                      block_size, kv_heads, table_width, kv_heads * head_dim, block_size * kv_heads * head_dim,
                      static_cast<float>(scale)};
+  // Rows whose first block another row also holds (prefix-cache hits) read blocks the cache
+  // already has: the register-blocked span, bound by arithmetic, is the faster one there. A row
+  // streaming blocks of its own from memory is bound by the walk, which the token-by-token span
+  // keeps in the order the hardware prefetcher follows (docs/PERF.md). Both give the same bits.
+  const std::vector<float> zero_token(kv_heads * head_dim, 0.f);  // must outlive the tasks
+#if defined(__AVX2__) && defined(__FMA__)
+  std::vector<bool> shares_blocks(num_rows, false);
+  if (vec::handles(head_dim)) {
+    std::vector<std::pair<int64_t, int64_t>> firsts(num_rows);  // (first block, row)
+    for (int64_t row = 0; row < num_rows; ++row) firsts[row] = {span.tables[row * table_width], row};
+    std::sort(firsts.begin(), firsts.end());
+    for (int64_t i = 1; i < num_rows; ++i)
+      if (firsts[i].first == firsts[i - 1].first) shares_blocks[firsts[i].second] = shares_blocks[firsts[i - 1].second] = true;
+  }
+  const VectorSpan vector_span{span.q, span.k, span.v, span.tables, span.lens, span.starts, span.num_heads,
+                               span.head_dim, span.group, span.block_size, span.kv_heads, span.table_width,
+                               span.token_stride, span.block_stride, span.scale, zero_token.data()};
+  auto run_span = [&](int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores, float* result,
+                      const float* then) {
+    if (shares_blocks[row]) vector_span(row, first_block, num_blocks, scores, result, then);
+    else span(row, first_block, num_blocks, scores, result);
+  };
+#else
+  auto run_span = [&](int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores, float* result,
+                      const float*) { span(row, first_block, num_blocks, scores, result); };
+#endif
   const int64_t stride = head_dim + 2, threads = at::get_num_threads();
   auto out = torch::empty_like(q);
   float* out_ptr = out.data_ptr<float>();
@@ -178,7 +432,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     for (int64_t task = bounds[group_begin]; task < bounds[group_end]; ++task) {
       const auto [row, first_block, num_blocks] = tasks[task];
       float* result = sliced ? results.data() + task * num_heads * stride : own.data();
-      span(row, first_block, num_blocks, scores, result);
+      const float* then = nullptr;
+      if (task + 1 < bounds[group_end]) {
+        const auto& next = tasks[task + 1];
+        then = span.k + span.tables[next[0] * table_width + next[1]] * span.block_stride;
+      }
+      run_span(row, first_block, num_blocks, scores, result, then);
       if (sliced) continue;
       for (int64_t h = 0; h < num_heads; ++h) {  // the whole context: normalise straight into out
         const float* r = result + h * stride;
