@@ -79,7 +79,7 @@ inline __m256 fold(Vec v) { return v; }
 #endif
 
 constexpr int64_t kTile = 8;           // tokens whose scores are summed together
-constexpr int64_t kMaxHeadDim = 512;   // the zero token a partial tile points at
+constexpr int64_t kMaxHeadDim = 512;   // larger heads keep the plain loops (tested up to 256)
 constexpr int64_t kHeadsPerPass = 4, kVectorsPerPass = 4;  // the values pass's 16 accumulators
 
 // Lane t of the result: the sum of v[t]'s 8 lanes, in the same order for every t.
