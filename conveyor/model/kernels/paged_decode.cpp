@@ -157,16 +157,25 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }  // namespace vec
 #endif
 
-// exp(s[t] - peak) in place over a span's scores, and their sum: one out-of-line copy, so both
-// spans (and every inlining of them) sum in the same order.
-__attribute__((noinline)) static float exp_and_sum(float* s, int64_t n, float peak) {
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = conveyor::fast_exp(s[t] - peak);
-    total += s[t];
+// exp(s[t] - peak) in place over a span's scores, and their sum. The sum's order is the
+// language's (8 running partials, then a fixed tree), not a vectorizer's choice that could
+// depend on where the row starts: both spans, whose score rows sit at different offsets, must
+// get the same bits.
+inline float exp_and_sum(float* s, int64_t n, float peak) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+#pragma omp simd
+    for (int j = 0; j < 8; ++j) {  // lane j adds to part[j] only: a vector op per 8, order kept
+      s[t + j] = conveyor::fast_exp(s[t + j] - peak);
+      part[j] += s[t + j];
+    }
   }
-  return total;
+  for (int j = 0; t < n; ++t, ++j) {
+    s[t] = conveyor::fast_exp(s[t] - peak);
+    part[j] += s[t];
+  }
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
 // Per head h: row h of `scores` (`row_stride` apart, n tokens) -> exp(score - max) in place, and
@@ -308,11 +317,11 @@ struct VectorSpan {
     const int64_t stride = head_dim + 2;
     softmax_rows(scores.data() + skip, padded, end - skip, num_heads, head_dim, result);
     const int64_t vectors = head_dim / kWidth;
+    const int64_t passes = kv_heads * ((group + kHeadsPerPass - 1) / kHeadsPerPass) *
+                           ((vectors + kVectorsPerPass - 1) / kVectorsPerPass);  // values_pass calls a block
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float* block = v + table[b] * block_stride;
       const int64_t t0 = b * block_size, count = std::min(block_size, end - t0), j0 = std::max<int64_t>(0, skip - t0);
-      const int64_t passes = kv_heads * ((group + kHeadsPerPass - 1) / kHeadsPerPass) *
-                             ((head_dim / kWidth + kVectorsPerPass - 1) / kVectorsPerPass);
       prefetcher.aim(b + 1 < num_blocks ? v + table[b + 1] * block_stride : then, block_stride,
                      std::max<int64_t>(1, count - j0) * passes);
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
@@ -372,8 +381,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   // already has: the register-blocked span, bound by arithmetic, is the faster one there. A row
   // streaming blocks of its own from memory is bound by the walk, which the token-by-token span
   // keeps in the order the hardware prefetcher follows (docs/PERF.md). Both give the same bits.
-  const std::vector<float> zero_token(kv_heads * head_dim, 0.f);  // must outlive the tasks
 #if defined(__AVX2__) && defined(__FMA__)
+  const std::vector<float> zero_token(kv_heads * head_dim, 0.f);  // must outlive the tasks
   std::vector<bool> shares_blocks(num_rows, false);
   if (vec::handles(head_dim)) {
     std::vector<std::pair<int64_t, int64_t>> firsts(num_rows);  // (first block, row)
