@@ -9,9 +9,11 @@ alike. Switches:
 - `packed-linear`: the matmul on weights packed at load vs `F.linear` on the plain weights
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
+- `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
+    python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
 """
@@ -30,6 +32,8 @@ from conveyor.bench.decode import start_decode_batch
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
 from conveyor.model.ops import ReferenceOps
+from conveyor.runner.model_runner import ModelRunner
+from conveyor.sampling.sampler import torch_argmax
 
 from kernels.kernel_at import kernel_at
 
@@ -59,12 +63,13 @@ def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
         x, onednn[id(packed)], bias, "none", [], ""))
 
 
-SWITCHES: dict[str, Callable[[torch.nn.Module], Callable[[bool], None]]] = {
-    "decode-kernel": lambda model: _patch_switch(llama, "paged_decode_kernel", lambda: None),
-    "fused-ops": lambda model: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
-    "packed-linear": lambda model: _env_switch("CONVEYOR_PACKED_LINEAR"),
-    "kernels": lambda model: _env_switch("CONVEYOR_KERNELS"),
-    "panel-gemm": _onednn_switch,
+SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
+    "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
+    "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
+    "packed-linear": lambda runner: _env_switch("CONVEYOR_PACKED_LINEAR"),
+    "kernels": lambda runner: _env_switch("CONVEYOR_KERNELS"),
+    "panel-gemm": lambda runner: _onednn_switch(runner.model),
+    "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
 }
 
 
@@ -123,7 +128,7 @@ def main() -> None:
     if args.switch == "decode-kernel-at":
         switch, labels = _decode_kernel_at(args.baseline), ("this tree", args.baseline)
     else:
-        switch, labels = SWITCHES[args.switch](llm.engine.runner.model), ("on", "off")
+        switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None
     ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats, labels, share)
 

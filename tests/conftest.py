@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import SMOLLM_GGUF_NAME, hf_gguf_tokenizer
+from tests.helpers import SMOLLM_GGUF_NAME, gguf_parsed_once, hf_gguf_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +32,10 @@ def default_checkpoint(smollm_gguf_path: Path) -> Any:
 def hf_reference_model(smollm_gguf_path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm_gguf_path.parent, gguf_file=SMOLLM_GGUF_NAME, dtype=torch.float32
-    )
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            smollm_gguf_path.parent, gguf_file=SMOLLM_GGUF_NAME, dtype=torch.float32
+        )
     return model.eval()
 
 

@@ -13,6 +13,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.llama import KVCache, LlamaModel
 from conveyor.model.loader import load_checkpoint
+from conveyor.model.ops import layer_ops
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
@@ -72,7 +73,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
-        self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
+                               argmax=layer_ops(torch.float32).argmax_rows)
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @classmethod

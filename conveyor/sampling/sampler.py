@@ -9,7 +9,7 @@ the rows that ask for it.
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -85,8 +85,16 @@ def _penalize(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor
     return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
 
 
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+        """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as
+        torch.argmax; the runner passes the model's vectorised one (sampling sits above no model)."""
+        self._argmax = argmax
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
@@ -130,7 +138,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         params = [r.sampling_params for r in requests]
-        greedy = logits.argmax(dim=-1)
+        greedy = self._argmax(logits)
         if all(p.greedy for p in params):
             return greedy.tolist()
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])

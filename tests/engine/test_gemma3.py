@@ -4,7 +4,8 @@ batch through the engine equal transformers' (fp32, kernels on), and logits over
 prompt that crosses the 512-token sliding window agree within fp32 noise, prefilled in chunks that
 straddle the window's edge and then decoded through the paged kernel.
 
-transformers takes ~70 s to load this file (tokenizer and model), so each is loaded once here."""
+transformers takes ~50 s to load this file (tokenizer and model, sharing one parse of it), so each is
+loaded once here."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +22,7 @@ from conveyor.model.attention import AttentionMetadata, PrefillChunk
 from conveyor.model.tokenizer import ChatTemplateError
 from conveyor.runner.model_runner import LoadedModel, allocate_kv_cache, load_model
 from conveyor.sampling import SamplingParams
+from tests.helpers import gguf_parsed_once
 from tests.model.test_tokenizer import TEXTS
 
 MODEL = "gemma3-270m"
@@ -66,15 +68,17 @@ def gemma3(gemma3_path: Path) -> LoadedModel:
 def hf_tokenizer(gemma3_path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
 
 
 @pytest.fixture(scope="module")
 def hf_model(gemma3_path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name,
-                                                dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name,
+                                                    dtype=torch.float32).eval()
 
 
 def test_config_from_the_gguf(gemma3: LoadedModel) -> None:

@@ -86,6 +86,48 @@ def test_silu_and_mul(fused: FusedOps) -> None:
     torch.testing.assert_close(fused.silu_and_mul(gate_up), ReferenceOps.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 262144), (7, 49152), (3, 37), (2, 1), (4, 33)])
+def test_argmax_is_torchs_on_random_rows(fused: FusedOps, rows: int, vocab: int) -> None:
+    # 37, 33: lengths that end between vector steps; a wider tensor's column slice: strided rows
+    logits = torch.randn(rows, vocab + 5)[:, :vocab]
+    assert torch.equal(fused.argmax_rows(logits), logits.argmax(dim=-1))
+    assert fused.argmax_rows(logits).dtype == torch.long
+
+
+def test_argmax_ties_infinities_and_nans_as_torch() -> None:
+    """torch.argmax: the first index of the maximum; a NaN beats every number, the first NaN wins."""
+    module = fused_ops()
+    if module is None:
+        pytest.skip("fused ops unavailable")
+    nan, inf = float("nan"), float("inf")
+    all_minus_inf = torch.full((2, 100), -inf)
+    assert torch.equal(module.argmax_rows(all_minus_inf), torch.zeros(2, dtype=torch.long))
+    for row, where in (([1.0, 3.0, 3.0, 2.0], 1), ([0.0, nan, 5.0, nan], 1),
+                       ([-0.0, 0.0, -1.0, -0.0], 0), ([inf, 1.0, inf, nan], 3), ([1.0, 2.0, inf, 3.0], 2)):
+        for at in (0, 40, 123):  # the same pattern in the scalar tail and inside the vector steps
+            logits = torch.full((1, 160), -1e30)
+            logits[0, at : at + 4] = torch.tensor(row)
+            expected = logits.argmax(dim=-1)
+            assert int(expected) == at + where  # what torch does, pinned
+            assert torch.equal(module.argmax_rows(logits), expected), (row, at)
+
+
+def test_greedy_sampling_takes_the_kernels_argmax(fused: FusedOps, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    rows_seen: list[int] = []
+    kernel = FusedOps.argmax_rows
+
+    def recording(self: FusedOps, logits: torch.Tensor) -> torch.Tensor:
+        rows_seen.append(logits.shape[0])
+        return kernel(self, logits)
+
+    monkeypatch.setattr(FusedOps, "argmax_rows", recording)
+    llm = LLM(str(make_tiny_hf_checkpoint(tmp_path)), num_kv_blocks=16)
+    out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    assert rows_seen == [2, 2, 2]  # one call a step, for both rows
+
+
 def test_bad_inputs_raise_instead_of_writing_out_of_bounds(fused: FusedOps) -> None:
     caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
     cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
