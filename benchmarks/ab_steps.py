@@ -10,10 +10,13 @@ alike. Switches:
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
 - `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
+- `screened-argmax`: greedy tokens from the int8-screened head (quant_gemm.cpp's q8_0_argmax) vs
+  the full vocabulary projection and the sampler
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
+    python benchmarks/ab_steps.py --switch screened-argmax --model gemma3-270m --batch-sizes 1 8 32 --repeats 20
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
 """
@@ -70,6 +73,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "kernels": lambda runner: _env_switch("CONVEYOR_KERNELS"),
     "panel-gemm": lambda runner: _onednn_switch(runner.model),
     "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
+    "screened-argmax": lambda runner: _patch_switch(runner.model, "greedy_tokens", lambda h: None),
 }
 
 

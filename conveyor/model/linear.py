@@ -134,6 +134,31 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
+# Past this many candidate columns a row's screened argmax gives up and the full product runs
+# (a row whose logits are all within the int8 pass's bound of each other: rare; all-zero x does it).
+MAX_SCREENED_CANDIDATES = 4096
+
+
+def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
+    """argmax(x @ W^T, -1) of a Q8_0-packed W without the full fp32 product (quant_gemm.cpp's
+    q8_0_argmax: an int8 pass bounds every logit, the few columns that can be the maximum are
+    computed exactly): the same indices as the full product's argmax. None where it does not apply
+    (another layout, no AVX-512 VNNI/VBMI build, kernels or packing off, non-finite x)."""
+    if packed is None or packed.layout != "Q8_0" or not packing_enabled() or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    kernel = quant_gemm()
+    screen = getattr(kernel, "q8_0_argmax", None)
+    if screen is None or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
+        return None
+    tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
+    gave_up = tokens < 0
+    if bool(gave_up.any()):
+        rows = x[gave_up]
+        tokens[gave_up] = kernel.quantized_matmul(rows, packed.data, packed.out_features, None,  # type: ignore[union-attr]
+                                                  KERNEL_QTYPE["Q8_0"]).argmax(dim=-1)
+    return tokens
+
+
 class Linear(nn.Linear):
     """nn.Linear that, once `pack()` is called after loading, runs on its packed weight (from the
     checkpoint's blocks where `quantized` holds them). The plain weight stays (tied embeddings,

@@ -13,7 +13,7 @@ from torch import nn
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
-from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight
+from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight, screened_argmax
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.quantized import QuantizedWeight
 from conveyor.model.rope import rope_tables
@@ -76,6 +76,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: PackedWeight | None = None
         self.head_quantized: QuantizedWeight | None = None
+        self._head_finite = False
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 
@@ -115,6 +116,19 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Returns fp32 logits [len(logits_indices), vocab] for the rows that sample a token."""
+        return self.logits(self.sampling_hidden(input_ids, positions, meta, kv_caches, logits_indices))
+
+    @torch.inference_mode()
+    def sampling_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-normed hidden states of the rows that sample a token: what the vocabulary
+        projection takes."""
         x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as HF's Gemma does
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)
@@ -127,11 +141,23 @@ class LlamaModel(nn.Module):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
             x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, decode_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
-        h = ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
-        logits = matmul(h, self.head_weight, self.head_packed, None).float()
+        return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = matmul_path()(h, self.head_weight, self.head_packed, None).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @torch.inference_mode()
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
+        """argmax(self.logits(h), -1) without the full vocabulary projection where the head's
+        blocks allow it (conveyor.model.linear.screened_argmax), else None. A logit cap is monotone
+        but can round distinct logits to one value, which moves a tie's first index: not there."""
+        if self.cfg.final_logit_softcapping is not None or not self._head_finite:
+            return None
+        return screened_argmax(h, self.head_packed)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -144,6 +170,8 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.head_packed = pack_weight(self.head_weight, self.head_quantized)
+        # The screened argmax's bound needs finite weights (inf or NaN logits take the full product).
+        self._head_finite = bool(torch.isfinite(self.head_weight).all())
 
     def load_weights(self, weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them. `quantized`

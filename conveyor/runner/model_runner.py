@@ -104,12 +104,23 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, kv)
         t1 = time.perf_counter()
-        logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.logits_indices)
-        t2 = time.perf_counter()
+        h = self.model.sampling_hidden(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                                       inputs.logits_indices)
         num_sampling = inputs.num_sampling_rows
+        requests = out.sampling_requests()
+        if (num_sampling and token_masks is None and not inputs.prompt_logprob_rows
+                and Sampler.argmax_is_all(requests)):
+            # Greedy tokens and nothing else: the argmax may skip most of the vocabulary projection.
+            tokens = self.model.greedy_tokens(h)
+            if tokens is not None:
+                t2 = time.perf_counter()
+                stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, 0.0
+                return SamplerOutput(tokens.tolist())
+        logits = self.model.logits(h)
+        t2 = time.perf_counter()
         if token_masks is not None:
             apply_token_masks(logits[:num_sampling], token_masks)
-        sampled = self.sampler(logits[:num_sampling], out.sampling_requests()) if num_sampling else SamplerOutput([])
+        sampled = self.sampler(logits[:num_sampling], requests) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
             sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
         t3 = time.perf_counter()

@@ -99,6 +99,14 @@ class Sampler:
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
 
+    @staticmethod
+    def argmax_is_all(requests: Sequence[Request]) -> bool:
+        """Whether these requests' tokens are the argmax of the model's own logits and nothing else
+        is read from them: greedy, no logprobs, and no adjustment (adjust_logits) in force."""
+        return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
+                   and len(r.output_token_ids) >= p.min_tokens
+                   for r, p in ((r, r.sampling_params) for r in requests))
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: fp32 [len(requests), vocab]."""
         tokens = self._sample(adjust_logits(logits, requests, self.eos_token_ids), requests)

@@ -14,7 +14,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "panel_tile.h"
@@ -394,6 +398,122 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define CONVEYOR_SCREENED_ARGMAX 1
+// Greedy decoding's argmax of x @ W^T over a Q8_0 vocabulary projection, without the whole fp32
+// product: an int8 pass (x quantised per 32 k, VNNI dot products on the codes as they lie in the
+// panels) gives every column an approximate logit and a rigorous bound on its distance from the
+// fp32 logit the kernel computes; only the columns whose upper bound reaches the largest lower
+// bound can be the argmax (a tie for the maximum included), and those are computed exactly, one
+// FMA a k step in k order as the tile does, so the answer is the argmax of the full product's
+// logits, bit for bit. The bound, for column i with blocks b of 32 k, codes q (|q| <= 128), scale d:
+//   |fp32 - approx| <= sum_b |d_b| * 128 * (E_b + g_K A_b + g_24 s_b Q_b)
+// E_b = sum |x - s_b xq| (x's quantisation error), A_b = sum |x|, Q_b = sum |xq|, s_b x's scale,
+// g_n = n u / (1 - n u) (u = 2^-24): the fp32 FMA chain's rounding and the approximation's own.
+struct ScreenRow {
+  std::vector<uint8_t> xu;      // K: xq + 128, xq in [-127, 127]
+  std::vector<float> scale;     // per unit: s_b
+  std::vector<float> beta;      // per unit: 128 * (E_b + ...), rounded up
+};
+
+inline double gamma_n(double n) {
+  const double u = std::ldexp(1.0, -24);
+  return n * u / (1.0 - n * u);
+}
+
+ScreenRow quantize_row(const float* x, int64_t k_dim) {
+  ScreenRow row{std::vector<uint8_t>(k_dim), std::vector<float>(k_dim / 32), std::vector<float>(k_dim / 32)};
+  const double g_k = gamma_n(static_cast<double>(k_dim)), g_approx = gamma_n(static_cast<double>(k_dim / 32 + 4));
+  for (int64_t b = 0; b < k_dim / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float s = amax / 127.f;
+    double err = 0, abs_x = 0, abs_q = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = s > 0.f ? static_cast<int>(std::clamp(std::nearbyint(xb[j] / s), -127.f, 127.f)) : 0;
+      row.xu[b * 32 + j] = static_cast<uint8_t>(q + 128);
+      err += std::fabs(static_cast<double>(xb[j]) - static_cast<double>(s) * q);  // exact product in double
+      abs_x += std::fabs(static_cast<double>(xb[j]));
+      abs_q += std::abs(q);
+    }
+    row.scale[b] = s;
+    const double beta = 128.0 * (err + g_k * abs_x + g_approx * static_cast<double>(s) * abs_q) * (1.0 + 1e-6);
+    row.beta[b] = std::nextafter(static_cast<float>(beta), std::numeric_limits<float>::infinity());
+  }
+  return row;
+}
+
+struct Candidates {
+  float lower_max = -std::numeric_limits<float>::infinity();
+  std::vector<std::pair<float, int64_t>> upper_col;  // columns whose upper bound reached lower_max when seen
+};
+
+// One panel's 16 columns against R rows: approximate logits and bounds, then each row's candidates.
+template <int R>
+void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, int64_t col0, int64_t cols,
+                  Candidates* found) {
+  const __m512i perm = [] {
+    alignas(64) uint8_t idx[64];
+    for (int t = 0; t < 64; ++t) idx[t] = static_cast<uint8_t>((t % 4) * 16 + t / 4);  // lane c: k0..k3 of column c
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 approx[R], bound[R];
+  for (int r = 0; r < R; ++r) approx[r] = bound[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u, panel += Q8_0Unit::kBytes) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));
+    const __m512 abs_d = _mm512_abs_ps(d);
+    __m512i acc[R], code_sum = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    const uint8_t* codes = panel + 32;
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
+      const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + 64 * g));
+      code_sum = _mm512_dpbusd_epi32(code_sum, ones, w);
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, rows[r].xu.data() + u * 32 + 4 * g, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(x4), w);
+      }
+    }
+    const __m512i offset = _mm512_slli_epi32(code_sum, 7);  // sum (xq + 128) q - 128 sum q = sum xq q
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset));
+      approx[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(rows[r].scale[u])), approx[r]);
+      bound[r] = _mm512_fmadd_ps(abs_d, _mm512_set1_ps(rows[r].beta[u]), bound[r]);
+    }
+  }
+  const __mmask16 real = static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < R; ++r) {
+    // the fp32 rounding of approx +- bound itself, covered by a relative 2^-22 of approx
+    const __m512 slack = _mm512_fmadd_ps(_mm512_abs_ps(approx[r]), _mm512_set1_ps(std::ldexp(1.f, -22)), bound[r]);
+    const __m512 lower = _mm512_sub_ps(approx[r], slack), upper = _mm512_add_ps(approx[r], slack);
+    Candidates& c = found[r];
+    c.lower_max = std::max(c.lower_max, _mm512_mask_reduce_max_ps(real, lower));
+    __mmask16 keep = _mm512_mask_cmp_ps_mask(real, upper, _mm512_set1_ps(c.lower_max), _CMP_GE_OQ);
+    alignas(64) float up[16];
+    _mm512_store_ps(up, upper);
+    for (; keep; keep &= keep - 1) {
+      const int j = __builtin_ctz(keep);
+      c.upper_col.emplace_back(up[j], col0 + j);
+    }
+  }
+}
+
+// Column `col`'s fp32 logit exactly as the tiles compute it.
+float exact_q8_0(const float* x, const uint8_t* w, int64_t units, int64_t col) {
+  const uint8_t* panel = w + col / kPanel * units * Q8_0Unit::kBytes;
+  const int64_t c = col % kPanel;
+  float sum = 0.f;
+  for (int64_t u = 0; u < units; ++u, panel += Q8_0Unit::kBytes) {
+    const float d = _cvtsh_ss(load_u16(panel + 2 * c));
+    for (int64_t k = 0; k < 32; ++k)
+      sum = std::fma(x[u * 32 + k], static_cast<float>(static_cast<int8_t>(panel[32 + k * kPanel + c])) * d, sum);
+  }
+  return sum;
+}
+#endif
+
 }  // namespace
 
 // GGUF blocks [N, K / block * block bytes] -> [ceil(N/16), K / block, unit bytes]; columns past N
@@ -454,6 +574,72 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
   return y;
 }
 
+#if defined(CONVEYOR_SCREENED_ARGMAX)
+// Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as torch.argmax
+// on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates (the caller
+// then takes the full product). x must be finite.
+torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                          int64_t max_candidates) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_0_argmax: x must be 2-D fp32");
+  const Format f = format_of(QType::kQ8_0);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "q8_0_argmax: out_features does not match the packed weight");
+  const auto xs = x.contiguous();
+  const int64_t m = xs.size(0), k_dim = xs.size(1), panels = packed.size(0), units = packed.size(1);
+  const float* xp = xs.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  std::vector<ScreenRow> rows;
+  rows.reserve(m);
+  for (int64_t r = 0; r < m; ++r) rows.push_back(quantize_row(xp + r * k_dim, k_dim));
+  constexpr int kRowTile = 8;
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<Candidates>> found(threads, std::vector<Candidates>(m));
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Candidates>& mine = found[at::get_thread_num()];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+        const uint8_t* panel = wp + p * units * Q8_0Unit::kBytes;
+        switch (std::min<int64_t>(kRowTile, m - r0)) {
+#define CONVEYOR_SCREEN(R) case R: screen_panel<R>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0); break;
+          CONVEYOR_SCREEN(1) CONVEYOR_SCREEN(2) CONVEYOR_SCREEN(3) CONVEYOR_SCREEN(4)
+          CONVEYOR_SCREEN(5) CONVEYOR_SCREEN(6) CONVEYOR_SCREEN(7) CONVEYOR_SCREEN(8)
+#undef CONVEYOR_SCREEN
+          default: break;
+        }
+      }
+    }
+  });
+  auto out = torch::empty({m}, torch::kLong);
+  int64_t* outp = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float lower_max = -std::numeric_limits<float>::infinity();
+      for (const auto& t : found) lower_max = std::max(lower_max, t[r].lower_max);
+      std::vector<int64_t> cols;
+      for (const auto& t : found)
+        for (const auto& [upper, col] : t[r].upper_col)
+          if (upper >= lower_max) cols.push_back(col);
+      if (static_cast<int64_t>(cols.size()) > max_candidates) {
+        outp[r] = -1;
+        continue;
+      }
+      std::sort(cols.begin(), cols.end());
+      int64_t best_col = -1;
+      float best = 0.f;
+      for (const int64_t col : cols) {
+        const float v = exact_q8_0(xp + r * k_dim, wp, units, col);
+        if (best_col < 0 || v > best) best = v, best_col = col;
+      }
+      outp[r] = best_col;
+    }
+  });
+  return out;
+}
+#endif
+
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
@@ -461,4 +647,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_matmul", &quantized_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_quantized",
         py::call_guard<py::gil_scoped_release>());
+#if defined(CONVEYOR_SCREENED_ARGMAX)
+  m.def("q8_0_argmax", &q8_0_argmax, "each row's argmax of x @ W^T on a Q8_0-packed W, screened in int8, exact",
+        py::call_guard<py::gil_scoped_release>());
+#endif
 }
