@@ -154,7 +154,7 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     gave_up = tokens < 0
     if bool(gave_up.any()):
         rows = x[gave_up]
-        tokens[gave_up] = kernel.quantized_matmul(rows, packed.data, packed.out_features, None,  # type: ignore[union-attr]
+        tokens[gave_up] = kernel.quantized_matmul(rows, packed.data, packed.out_features, None,  # type: ignore[attr-defined]
                                                   KERNEL_QTYPE["Q8_0"]).argmax(dim=-1)
     return tokens
 

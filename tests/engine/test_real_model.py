@@ -114,3 +114,35 @@ def test_gguf_blocks_give_the_dense_fp32_results_bit_for_bit(make_engine, defaul
         return [steps[i] for i in ids]
 
     assert logprobs(make_engine()) == logprobs(dense)
+
+
+def test_greedy_batches_take_the_screened_head_and_others_the_full_one(make_engine, prompt_ids, hf_greedy,
+                                                                         monkeypatch):
+    """SmolLM2's Q8_0 head: all-greedy steps skip the full vocabulary projection (same tokens as
+    transformers'), a batch with a logprobs request computes the logits for every row."""
+    from conveyor.model import llama
+
+    screened_rows: list[int] = []
+    plain = llama.screened_argmax
+
+    def recording(x: torch.Tensor, packed):  # type: ignore[no-untyped-def]
+        result = plain(x, packed)
+        if result is not None:
+            screened_rows.append(x.shape[0])
+        return result
+
+    from conveyor.model.kernels import quant_gemm
+
+    if getattr(quant_gemm(), "q8_0_argmax", None) is None:
+        pytest.skip("no screened argmax in this build")
+    monkeypatch.setattr(llama, "screened_argmax", recording)
+    assert run(make_engine(), prompt_ids) == hf_greedy
+    assert screened_rows and max(screened_rows) > 1
+    screened_rows.clear()
+    engine = make_engine()
+    logprobs = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine.add_request(prompt_ids[0], logprobs)
+    engine.add_request(prompt_ids[1], GREEDY)
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert screened_rows and set(screened_rows) == {1}  # only the greedy one, once the logprobs one has ended

@@ -1,0 +1,91 @@
+"""Greedy tokens from the int8-screened Q8_0 head (quant_gemm.cpp's q8_0_argmax, through
+conveyor.model.linear.screened_argmax) are the full product's argmax, index for index: on random
+blocks and rows past one tile, with exact ties (the first column wins, as torch.argmax), near-ties one
+code apart, outlier activations, and the fallbacks (too many candidates, non-finite input)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.model.kernels import quant_gemm
+from conveyor.model.linear import PackedWeight, linear, pack_weight, screened_argmax
+from conveyor.model.quantized import QuantizedWeight
+from tests.model.test_quant_gemm import random_blocks, reference_fp32
+
+SCREEN = getattr(quant_gemm(), "q8_0_argmax", None)
+pytestmark = pytest.mark.skipif(SCREEN is None, reason="the screened argmax needs an AVX-512 VNNI/VBMI build")
+
+K = 320  # 10 blocks of 32
+N = 1000  # 62 full panels and one of 8 columns
+
+
+def packed_head(q: QuantizedWeight) -> tuple[torch.Tensor, PackedWeight]:
+    weight = reference_fp32(q)
+    packed = pack_weight(weight, q)
+    assert packed is not None and packed.layout == "Q8_0"
+    return weight, packed
+
+
+def full_argmax(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    return linear(x, weight, packed).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 33])  # 9, 17, 33: tiles of 8 rows and a remainder
+def test_random_blocks_and_rows(rows: int) -> None:
+    weight, packed = packed_head(random_blocks("Q8_0", N, K, seed=rows))
+    x = torch.randn(rows, K)
+    x[:, 7] *= 50.0  # an outlier feature, as hidden states have: one block's scale set by it
+    got = screened_argmax(x, packed)
+    assert got is not None and got.dtype == torch.long
+    assert torch.equal(got, full_argmax(x, weight, packed))
+
+
+def test_exact_ties_go_to_the_first_column() -> None:
+    q = random_blocks("Q8_0", N, K, seed=1)
+    blocks = q.blocks.clone()
+    blocks[3] = blocks[950] = blocks[900]  # three identical columns, one in the last, partial panel
+    q = QuantizedWeight("Q8_0", blocks)
+    weight, packed = packed_head(q)
+    x = weight[900:901].clone()  # column 900's logit is its squared norm: the maximum
+    expected = full_argmax(x, weight, packed)
+    assert int(expected) == 3  # what torch.argmax does with a three-way tie, pinned
+    assert torch.equal(screened_argmax(x, packed), expected)
+
+
+def test_near_ties_one_code_apart() -> None:
+    q = random_blocks("Q8_0", N, K, seed=2)
+    blocks = q.blocks.clone()
+    x = reference_fp32(QuantizedWeight("Q8_0", blocks))[500:501].clone()
+    # Column 20 = column 500 with one code one step away where x is largest, so the two logits differ
+    # by d * x_k: well inside the int8 pass's bound on either.
+    k = int(x[0].argmax())
+    block, j = divmod(k, 32)
+    blocks[20] = blocks[500]
+    code = blocks[20, block * 34 + 2 + j].view(torch.int8)
+    step = 1 if int(code) < 127 else -1
+    blocks[20, block * 34 + 2 + j] = (code + step).view(torch.uint8)
+    weight, packed = packed_head(QuantizedWeight("Q8_0", blocks))
+    logits = linear(x, weight, packed)[0]
+    assert 0 < abs(float(logits[20] - logits[500])) < 1e-2 * float(logits[500].abs())
+    assert torch.equal(screened_argmax(x, packed), full_argmax(x, weight, packed))
+    assert torch.equal(screened_argmax(-x, packed), full_argmax(-x, weight, packed))
+
+
+def test_too_many_candidates_fall_back_to_the_full_product() -> None:
+    weight, packed = packed_head(random_blocks("Q8_0", N, K, seed=3))
+    zeros = torch.zeros(2, K)  # every logit 0: every column a candidate
+    assert SCREEN(zeros, packed.data, packed.out_features, 16).tolist() == [-1, -1]
+    assert screened_argmax(zeros, packed).tolist() == [0, 0]  # the full product: all tie, the first wins
+    mixed = torch.cat([torch.randn(1, K), zeros])
+    assert torch.equal(screened_argmax(mixed, packed), full_argmax(mixed, weight, packed))
+
+
+def test_non_finite_input_or_another_layout_is_not_screened() -> None:
+    weight, packed = packed_head(random_blocks("Q8_0", N, K, seed=4))
+    x = torch.randn(2, K)
+    x[1, 3] = float("nan")
+    assert screened_argmax(x, packed) is None
+    x[1, 3] = float("inf")
+    assert screened_argmax(x, packed) is None
+    q4 = random_blocks("Q4_1", N, K, seed=4)
+    assert screened_argmax(torch.randn(1, K), pack_weight(reference_fp32(q4), q4)) is None
