@@ -438,13 +438,15 @@ ScreenRow quantize_row(const float* x, int64_t k_dim) {
       abs_q += std::abs(q);
     }
     row.scale[b] = s;
-    const double beta = 128.0 * (err + g_k * abs_x + g_approx * static_cast<double>(s) * abs_q) * (1.0 + 1e-6);
+    // times 1 + 2 g: the fp32 sum of |d_b| beta_b over the blocks, and approx +- bound, round too
+    const double beta = 128.0 * (err + g_k * abs_x + g_approx * static_cast<double>(s) * abs_q) * (1.0 + 2.0 * g_approx);
     row.beta[b] = std::nextafter(static_cast<float>(beta), std::numeric_limits<float>::infinity());
   }
   return row;
 }
 
 struct Candidates {
+  bool non_finite = false;  // an approximate logit overflowed: the bound says nothing, take the full product
   float lower_max = -std::numeric_limits<float>::infinity();
   std::vector<std::pair<float, int64_t>> upper_col;  // columns whose upper bound reached lower_max when seen
 };
@@ -489,6 +491,8 @@ void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, in
     const __m512 slack = _mm512_fmadd_ps(_mm512_abs_ps(approx[r]), _mm512_set1_ps(std::ldexp(1.f, -22)), bound[r]);
     const __m512 lower = _mm512_sub_ps(approx[r], slack), upper = _mm512_add_ps(approx[r], slack);
     Candidates& c = found[r];
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    c.non_finite |= _mm512_mask_cmp_ps_mask(real, _mm512_abs_ps(upper), inf, _CMP_NLT_UQ) != 0;  // inf or NaN
     c.lower_max = std::max(c.lower_max, _mm512_mask_reduce_max_ps(real, lower));
     __mmask16 keep = _mm512_mask_cmp_ps_mask(real, upper, _mm512_set1_ps(c.lower_max), _CMP_GE_OQ);
     alignas(64) float up[16];
@@ -576,8 +580,8 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
 
 #if defined(CONVEYOR_SCREENED_ARGMAX)
 // Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as torch.argmax
-// on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates (the caller
-// then takes the full product). x must be finite.
+// on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or whose
+// approximate logits overflow (the caller then takes the full product). x must be finite.
 torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           int64_t max_candidates) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_0_argmax: x must be 2-D fp32");
@@ -617,7 +621,15 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float lower_max = -std::numeric_limits<float>::infinity();
-      for (const auto& t : found) lower_max = std::max(lower_max, t[r].lower_max);
+      bool non_finite = false;
+      for (const auto& t : found) {
+        lower_max = std::max(lower_max, t[r].lower_max);
+        non_finite = non_finite || t[r].non_finite;
+      }
+      if (non_finite) {
+        outp[r] = -1;
+        continue;
+      }
       std::vector<int64_t> cols;
       for (const auto& t : found)
         for (const auto& [upper, col] : t[r].upper_col)

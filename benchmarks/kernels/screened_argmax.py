@@ -1,0 +1,108 @@
+"""Greedy decoding's vocabulary projection: the full fp32 product on the Q8_0 blocks then argmax,
+against the int8-screened argmax (quant_gemm.cpp's q8_0_argmax), on a real model's head and real
+final hidden states.
+
+Loads the model, runs a few greedy prompts to collect the hidden states the head takes, checks
+that both give the same index for every row, prints how many columns each row had to compute
+exactly (the smallest candidate cap at which the screen does not give up), then times both at each
+row count, alternated repeat by repeat, min / median.
+
+    python benchmarks/kernels/screened_argmax.py --model gemma3-270m --rows 1 8 32
+    python benchmarks/kernels/screened_argmax.py --rows 1 8 32       # the default SmolLM2-135M
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.kernels import quant_gemm
+from conveyor.model.quantized import KERNEL_QTYPE
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+           "1, 2, 3, 4,", "The three laws of thermodynamics are", "SELECT name FROM users WHERE"]
+
+
+def final_hidden_states(llm: LLM, tokens: int) -> torch.Tensor:
+    model = llm.engine.runner.model
+    seen: list[torch.Tensor] = []
+    plain = model.sampling_hidden
+
+    def keep(*args: object, **kwargs: object) -> torch.Tensor:
+        h = plain(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(h.clone())
+        return h
+
+    model.sampling_hidden = keep  # type: ignore[method-assign]
+    try:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=tokens, temperature=0.0))
+    finally:
+        model.sampling_hidden = plain  # type: ignore[method-assign]
+    return torch.cat(seen)
+
+
+def candidates_needed(screen: Callable, h: torch.Tensor, data: torch.Tensor, out_features: int) -> int:
+    low, high = 1, out_features
+    while low < high:
+        mid = (low + high) // 2
+        if int(screen(h, data, out_features, mid)[0]) >= 0:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt whose hidden states are kept")
+    args = parser.parse_args()
+    kernel = quant_gemm()
+    screen = getattr(kernel, "q8_0_argmax", None)
+    if screen is None:
+        raise SystemExit("no q8_0_argmax in this build (it needs AVX-512 VNNI and VBMI)")
+    llm = LLM(args.model, num_kv_blocks=256)
+    packed = llm.engine.runner.model.head_packed
+    if packed is None or packed.layout != "Q8_0":
+        raise SystemExit(f"the head is not in Q8_0 blocks here ({None if packed is None else packed.layout})")
+    hidden = final_hidden_states(llm, args.tokens)
+    qtype = KERNEL_QTYPE["Q8_0"]
+
+    def full(x: torch.Tensor) -> torch.Tensor:
+        return kernel.quantized_matmul(x, packed.data, packed.out_features, None, qtype).argmax(dim=-1)  # type: ignore[union-attr]
+
+    def screened(x: torch.Tensor) -> torch.Tensor:
+        return screen(x, packed.data, packed.out_features, packed.out_features)
+
+    same = torch.equal(full(hidden), screened(hidden))
+    counts = sorted(candidates_needed(screen, hidden[i : i + 1], packed.data, packed.out_features)
+                    for i in range(hidden.shape[0]))
+    print(f"head: {packed.out_features} x {hidden.shape[1]} Q8_0 ({packed.nbytes / 1e6:.0f} MB); "
+          f"{hidden.shape[0]} real hidden states; same argmax for every row: {same}")
+    print(f"columns computed exactly per row: min {counts[0]}, median {counts[len(counts) // 2]}, "
+          f"max {counts[-1]} (of {packed.out_features})")
+    print("| rows | full product + argmax ms (min / median) | screened ms (min / median) | full / screened |")
+    print("|---:|---:|---:|---:|")
+    for rows in args.rows:
+        x = hidden[torch.arange(rows) % hidden.shape[0]].contiguous()
+        times: dict[str, list[float]] = {"full": [], "screened": []}
+        for _ in range(2):
+            full(x), screened(x)
+        for _ in range(args.repeats):
+            for name, fn in (("full", full), ("screened", screened)):
+                start = time.perf_counter()
+                fn(x)
+                times[name].append((time.perf_counter() - start) * 1e3)
+        a, b = times["full"], times["screened"]
+        print(f"| {rows} | {min(a):.2f} / {statistics.median(a):.2f} | {min(b):.2f} / {statistics.median(b):.2f} | "
+              f"{statistics.median(a) / statistics.median(b):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
