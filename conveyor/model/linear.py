@@ -143,8 +143,11 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     """argmax(x @ W^T, -1) of a Q8_0-packed W without the full fp32 product (quant_gemm.cpp's
     q8_0_argmax: an int8 pass bounds every logit, the few columns that can be the maximum are
     computed exactly): the same indices as the full product's argmax. None where it does not apply
-    (another layout, no AVX-512 VNNI/VBMI build, kernels or packing off, non-finite x)."""
+    (another layout, no AVX-512 VNNI/VBMI build, kernels or packing off, CONVEYOR_SCREENED_ARGMAX=0,
+    non-finite x)."""
     if packed is None or packed.layout != "Q8_0" or not packing_enabled() or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
     kernel = quant_gemm()
     screen = getattr(kernel, "q8_0_argmax", None)

@@ -80,7 +80,7 @@ def test_too_many_candidates_fall_back_to_the_full_product() -> None:
     assert torch.equal(screened_argmax(mixed, packed), full_argmax(mixed, weight, packed))
 
 
-def test_non_finite_input_or_another_layout_is_not_screened() -> None:
+def test_non_finite_input_another_layout_or_switched_off_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
     weight, packed = packed_head(random_blocks("Q8_0", N, K, seed=4))
     x = torch.randn(2, K)
     x[1, 3] = float("nan")
@@ -89,3 +89,5 @@ def test_non_finite_input_or_another_layout_is_not_screened() -> None:
     assert screened_argmax(x, packed) is None
     q4 = random_blocks("Q4_1", N, K, seed=4)
     assert screened_argmax(torch.randn(1, K), pack_weight(reference_fp32(q4), q4)) is None
+    monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
+    assert screened_argmax(torch.randn(1, K), packed) is None
