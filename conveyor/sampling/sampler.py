@@ -17,16 +17,26 @@ from conveyor.request import Request
 from conveyor.sampling.outputs import SamplerOutput
 
 
+def _holds_back_stops(request: Request) -> bool:
+    return len(request.output_token_ids) < request.sampling_params.min_tokens
+
+
+def adjusts_logits(request: Request) -> bool:
+    """Whether adjust_logits changes this request's row this step."""
+    p = request.sampling_params
+    return _holds_back_stops(request) or bool(p.logit_bias) or p.penalized
+
+
 def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """min_tokens, logit_bias, repetition/frequency/presence penalties, before temperature (vLLM's
     order). Returns `logits` itself when no request adjusts anything, else an adjusted copy, so the
     caller's logits stay the model's own (logprobs are reported from those)."""
     params = [r.sampling_params for r in requests]
-    suppress = [i for i, (r, p) in enumerate(zip(requests, params)) if len(r.output_token_ids) < p.min_tokens]
+    if not any(adjusts_logits(r) for r in requests):
+        return logits
+    suppress = [i for i, r in enumerate(requests) if _holds_back_stops(r)]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if not (suppress or biased or penalized):
-        return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
     if suppress:  # EOS and stop tokens may not end the request before min_tokens
@@ -103,9 +113,8 @@ class Sampler:
     def argmax_is_all(requests: Sequence[Request]) -> bool:
         """Whether these requests' tokens are the argmax of the model's own logits and nothing else
         is read from them: greedy, no logprobs, and no adjustment (adjust_logits) in force."""
-        return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
-                   and len(r.output_token_ids) >= p.min_tokens
-                   for r, p in ((r, r.sampling_params) for r in requests))
+        return all(r.sampling_params.greedy and r.sampling_params.logprobs is None and not adjusts_logits(r)
+                   for r in requests)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: fp32 [len(requests), vocab]."""

@@ -228,3 +228,16 @@ def test_prompt_logprobs_of_given_logits():
     for row, (target, entry) in enumerate(zip([4, 0, 7], out)):
         assert abs(entry[target] - float(logp[row, target])) < 1e-6
         assert set(logp[row].topk(2).indices.tolist()) <= set(entry) and len(entry) <= 3
+
+
+def test_argmax_is_all_only_for_greedy_rows_nothing_reads_or_adjusts():
+    """The runner may skip the full logits only for such rows (ModelRunner.execute)."""
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler.argmax_is_all(requests(greedy, greedy))
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=0),
+                  SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, min_tokens=2)):
+        assert not Sampler.argmax_is_all(requests(greedy, other)), other
+    held = made_request("held", [1], [2], SamplingParams(temperature=0.0, min_tokens=2))
+    done = made_request("done", [1], [2, 3], SamplingParams(temperature=0.0, min_tokens=2))
+    assert not Sampler.argmax_is_all([held]) and Sampler.argmax_is_all([done])  # min_tokens reached: nothing held back
