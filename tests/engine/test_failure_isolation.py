@@ -72,7 +72,7 @@ def test_bisection_needs_few_retries():
     assert runner.calls <= 1 + 2 * 5 + 1
 
 
-def _poison_after(model_or_sampler, method: str, is_poisoned) -> None:
+def _poison_after(monkeypatch, model_or_sampler, method: str, is_poisoned) -> None:
     original = getattr(model_or_sampler, method)
 
     def wrapped(*args, **kwargs):
@@ -81,7 +81,7 @@ def _poison_after(model_or_sampler, method: str, is_poisoned) -> None:
             raise RuntimeError("injected failure")
         return result
 
-    setattr(model_or_sampler, method, wrapped)
+    monkeypatch.setattr(model_or_sampler, method, wrapped)  # the model is shared by the session's engines
 
 
 GOOD_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -95,17 +95,17 @@ def _tokens(results: dict[str, list]) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("where", ["model", "sampler"])
-def test_real_model_survivors_match_a_clean_run(make_engine, where):
+def test_real_model_survivors_match_a_clean_run(make_engine, where, monkeypatch):
     clean = _tokens(run(make_engine(), GOOD_PROMPTS, GOOD_PARAMS))
     engine = make_engine()
     poison_id = engine.tokenizer.encode("Zebra")[0]
     if where == "model":  # after the whole forward pass has written every row's KV
-        runner = engine.runner
-        _poison_after(runner, "model", lambda ids, *rest: bool((ids == poison_id).any()))
+        _poison_after(monkeypatch, engine.runner.model, "sampling_hidden",
+                      lambda ids, *rest: bool((ids == poison_id).any()))
     else:  # after the sampler has drawn from every request's generator
         sampler = engine.runner.sampler
-        _poison_after(sampler, "_uniforms", lambda requests: any(r.prompt_token_ids[0] == poison_id
-                                                                 for r in requests))
+        _poison_after(monkeypatch, sampler, "_uniforms", lambda requests: any(r.prompt_token_ids[0] == poison_id
+                                                                              for r in requests))
     prompts = GOOD_PROMPTS[:1] + ["Zebra crossings are"] + GOOD_PROMPTS[1:]
     params = GOOD_PARAMS[:1] + [SamplingParams(max_tokens=8, temperature=1.0, seed=1)] + GOOD_PARAMS[1:]
     results = run(engine, prompts, params)
