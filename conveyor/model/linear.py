@@ -144,8 +144,10 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     q8_0_argmax: an int8 pass bounds every logit, the few columns that can be the maximum are
     computed exactly): the same indices as the full product's argmax. None where it does not apply
     (another layout, no AVX-512 VNNI/VBMI build, kernels or packing off, CONVEYOR_SCREENED_ARGMAX=0,
-    non-finite x)."""
+    non-finite x, or so many rows that the full product would run F.linear instead of the blocks)."""
     if packed is None or packed.layout != "Q8_0" or not packing_enabled() or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if x.shape[0] >= PLAIN_FROM_ROWS[packed.layout]:
         return None
     if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
@@ -156,9 +158,9 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
     gave_up = tokens < 0
     if bool(gave_up.any()):
-        rows = x[gave_up]
-        tokens[gave_up] = kernel.quantized_matmul(rows, packed.data, packed.out_features, None,  # type: ignore[attr-defined]
-                                                  KERNEL_QTYPE["Q8_0"]).argmax(dim=-1)
+        full = packed_product(x[gave_up], packed, None, None, kernel)
+        assert full is not None  # the kernel that screened is the one that multiplies
+        tokens[gave_up] = full.argmax(dim=-1)
     return tokens
 
 
