@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, re
 
 # Rows through the in-register tiles (1-10: one tile with AVX-512, one or two on AVX2), the L2 buffer
 # (11+) and two row blocks of it (131).
-ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 33, 131]
+ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 33, 64, 65, 131]
 
 # Byte offsets of each block's fp16 fields (d, and the minimum / dmin where there is one).
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],

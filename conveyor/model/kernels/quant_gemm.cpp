@@ -89,6 +89,49 @@ inline void unsigned_codes(const uint8_t* codes, int64_t k, __m256i& lo, __m256i
   }
 }
 
+#if defined(__AVX512F__)
+// The same expansion 16 columns at a time, in one zmm register: the same fp32 operations on the
+// same values lane by lane, so the same weights bit for bit, in about half the instructions.
+struct Scales16 {
+  __m512 s, o;
+};
+
+inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512i load16_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i load16_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// unsigned_codes for all 16 columns: lanes 0-7 and 8-15 both read the step's 8 nibble bytes (the
+// load duplicates them), lanes 8-15 shifted right by 4 to their high nibbles.
+template <int kBits>
+inline __m512i unsigned_codes16(const uint8_t* codes, int64_t k) {
+  const uint8_t* chunk = codes + k / kChunkK * kChunkBytes<kBits>;
+  const int64_t kk = k % kChunkK;
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(chunk + kk * 8))));
+  const __m512i nibble_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  __m512i code = _mm512_and_si512(_mm512_srlv_epi32(q, nibble_shift), _mm512_set1_epi32(0xF));
+  const uint8_t* high = chunk + kChunkK * 8 + kk * kHighBytes<kBits>;
+  if constexpr (kBits == 5) {
+    // As unsigned_codes: lane c holds the uint16 twice and shifts bit c of the upper copy to bit 4.
+    const __m512i h = _mm512_set1_epi16(static_cast<int16_t>(load_u16(high)));
+    const __m512i shifts = _mm512_setr_epi32(12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27);
+    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srlv_epi32(h, shifts), _mm512_set1_epi32(0x10)));
+  } else if constexpr (kBits == 6) {
+    // Every lane holds both uint16 (columns 0-7's bits in 0-15, columns 8-15's in 16-31); rotating
+    // lane c right by 2c - 4 (mod 32), lane 8 + c by 12 + 2c, brings its two bits to bits 4-5.
+    const __m512i h = _mm512_set1_epi32(static_cast<int32_t>(load_u32(high)));
+    const __m512i rotations = _mm512_setr_epi32(28, 30, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26);
+    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_rorv_epi32(h, rotations), _mm512_set1_epi32(0x30)));
+  }
+  return code;
+}
+
+#endif
+
 // One unit's layout and expansion. kGroupK: the k steps that share one scale (and offset).
 // group(g) -> the fp32 scales and offsets of group g; weights(s, k) -> the 16 weights of step k.
 template <int kBits, bool kHasMin>  // Q4_0 (4, false), Q4_1 (4, true), Q5_0, Q5_1
@@ -112,6 +155,16 @@ struct LegacyUnit {
     w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
     w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
   }
+#if defined(__AVX512F__)
+  inline Scales16 group16(int64_t) const {
+    const __m512 d = half16(src);
+    if constexpr (kHasMin) return {d, half16(src + 32)};
+    return {d, _mm512_mul_ps(d, _mm512_set1_ps(kBits == 4 ? -8.0f : -16.0f))};
+  }
+  inline __m512 weights16(const Scales16& s, int64_t k) const {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(unsigned_codes16<kBits>(src + kHeader, k)), s.s, s.o);
+  }
+#endif
 };
 
 struct Q8_0Unit {  // 16 fp16 scales, then 16 int8 codes per k
@@ -125,6 +178,12 @@ struct Q8_0Unit {  // 16 fp16 scales, then 16 int8 codes per k
     w_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(codes)), s.s_lo);
     w_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(codes + 8)), s.s_hi);
   }
+#if defined(__AVX512F__)
+  inline Scales16 group16(int64_t) const { return {half16(src), _mm512_setzero_ps()}; }
+  inline __m512 weights16(const Scales16& s, int64_t k) const {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(load16_i8(src + 32 + k * 16)), s.s);
+  }
+#endif
 };
 
 // Q4_K / Q5_K: fp16 d and dmin, then per 32 k the 6-bit scale and minimum of each column as bytes.
@@ -150,6 +209,17 @@ struct KQuantUnit {
     w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
     w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
   }
+#if defined(__AVX512F__)
+  inline Scales16 group16(int64_t g) const {
+    const uint8_t* sc = src + 64 + g * 16;
+    const uint8_t* mins = src + 64 + 8 * 16 + g * 16;
+    return {_mm512_mul_ps(half16(src), _mm512_cvtepi32_ps(load16_u8(sc))),
+            _mm512_xor_ps(_mm512_mul_ps(half16(src + 32), _mm512_cvtepi32_ps(load16_u8(mins))), _mm512_set1_ps(-0.0f))};
+  }
+  inline __m512 weights16(const Scales16& s, int64_t k) const {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(unsigned_codes16<kBits>(src + kHeader, k)), s.s, s.o);
+  }
+#endif
 };
 
 // Q6_K: fp16 d, then per 16 k the int8 scale of each column. gguf: (d * sc) * (q - 32), exact
@@ -173,6 +243,15 @@ struct Q6_KUnit {
     w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
     w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
   }
+#if defined(__AVX512F__)
+  inline Scales16 group16(int64_t g) const {
+    const __m512 scale = _mm512_mul_ps(half16(src), _mm512_cvtepi32_ps(load16_i8(src + 32 + g * 16)));
+    return {scale, _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f))};
+  }
+  inline __m512 weights16(const Scales16& s, int64_t k) const {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(unsigned_codes16<6>(src + kHeader, k)), s.s, s.o);
+  }
+#endif
 };
 
 // One panel of quantised units -> [K][16] fp32 in `out`, for the tiles to read from L2.
@@ -181,6 +260,11 @@ void expand_panel(const uint8_t* src, int64_t units, float* out) {
   for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
     const U unit{src};
     for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
+#if defined(__AVX512F__)
+      const Scales16 s = unit.group16(g);
+      _Pragma("GCC unroll 4") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k, out += kPanel)
+        _mm512_storeu_ps(out, unit.weights16(s, k));
+#else
       const Scales s = unit.group(g);
       _Pragma("GCC unroll 4") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k, out += kPanel) {
         __m256 w_lo, w_hi;
@@ -188,39 +272,77 @@ void expand_panel(const uint8_t* src, int64_t units, float* out) {
         _mm256_storeu_ps(out, w_lo);
         _mm256_storeu_ps(out + 8, w_hi);
       }
+#endif
     }
   }
 }
 
-// Up to kFusedRows rows against one quantised panel, expanding in registers: for so few rows the
-// round trip through an L2 buffer costs as much as the arithmetic (measured: docs/PERF.md,
-// "streaming the GGUF's own blocks"). Up to 10 rows run as one or two such tiles, each expanding
-// the panel; more rows expand it once into the buffer. With AVX2's 16 vector registers a 6-row
-// tile spills; AVX-512VL's 32 hold a 10-row tile's 20 sums beside the weights, their scales and
-// offsets, so the panel is expanded once instead of twice at 6-10 rows.
-// Same sums in the same order as tile<R>, so the same results.
-#if defined(__AVX512VL__)
-constexpr int kFusedRows = 10;
+// Up to kFusedRowsMax rows against one quantised panel, expanding in registers, in tiles of up to
+// kFusedRows rows that each expand the panel again (from L1). Expanding a panel once into an L2
+// buffer for fp32 tiles to read is slower up to 64 rows, even though the fused tiles repeat the
+// expansion (docs/PERF.md, "Linear layers"); more rows take the buffer. With AVX2's 16 ymm
+// registers a 6-row tile spills (2 sums a row); with AVX-512 a row's 16 sums are one zmm
+// register, so a tile holds 12 rows beside the weights, their scales and offsets, and each panel
+// step is half the instructions. Same sums in the same order as tile<R>, so the same results.
+#if defined(__AVX512F__)
+constexpr int kFusedRows = 12;
+constexpr int64_t kFusedRowsMax = 64;
 #else
 constexpr int kFusedRows = 5;
-#endif
 constexpr int64_t kFusedRowsMax = 10;
+#endif
 
+// Calls tile(r0, rows) for the fused tiles of m rows: balanced sizes (AVX2: 7 rows as 4 + 3).
+template <class F>
+inline void for_fused_tiles(int64_t m, F&& tile) {
+  const int64_t tiles = (m + kFusedRows - 1) / kFusedRows;
+  for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
+    const int64_t rows = (m - r0) / (tiles - t);
+    tile(r0, rows);
+    r0 += rows;
+  }
+}
+
+// A fused tile reads its R rows interleaved k by k ([K][R], see interleave_rows): one pointer for
+// all the rows and one cache line for 16 of them a step, where R row pointers crowd the 16 general
+// registers and the loads come from R lines.
 template <class U, int R>
-void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t units, const float* bias, float* y,
-                int64_t y_stride, int64_t cols) {
+void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float* bias, float* y, int64_t y_stride,
+                int64_t cols) {
+#if defined(__AVX512F__)
+  __m512 sums[R];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
+    const U unit{src};
+    for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
+      const Scales16 s = unit.group16(g);
+      const float* xg = xt + (u * U::kUnitK + g * U::kGroupK) * R;
+      _Pragma("GCC unroll 2") for (int64_t k = 0; k < U::kGroupK; ++k) {
+        const __m512 w = unit.weights16(s, g * U::kGroupK + k);
+        _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r)
+          sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[k * R + r]), w, sums[r]);
+      }
+    }
+  }
+  alignas(64) float row[kPanel];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(row, sums[r]);
+    float* out = y + r * y_stride;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
+  }
+#else
   __m256 lo[R], hi[R];
   zero_sums<R>(lo, hi);
   for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
     const U unit{src};
-    const float* xu = x + u * U::kUnitK;
     for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
       const Scales s = unit.group(g);
-      _Pragma("GCC unroll 2") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k) {
+      const float* xg = xt + (u * U::kUnitK + g * U::kGroupK) * R;
+      _Pragma("GCC unroll 2") for (int64_t k = 0; k < U::kGroupK; ++k) {
         __m256 w_lo, w_hi;
-        unit.weights(s, k, w_lo, w_hi);
+        unit.weights(s, g * U::kGroupK + k, w_lo, w_hi);
         _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(xu + r * x_stride + k);
+          const __m256 xv = _mm256_broadcast_ss(xg + k * R + r);
           lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
           hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
         }
@@ -228,33 +350,37 @@ void fused_tile(const float* x, int64_t x_stride, const uint8_t* src, int64_t un
     }
   }
   store_sums<R>(lo, hi, bias, y, y_stride, cols);
+#endif
 }
 
-template <class U>
-void rows_times_quantized_panel(const float* x, int64_t x_stride, int64_t m, const uint8_t* src, int64_t units,
-                                const float* bias, float* y, int64_t y_stride, int64_t cols, std::vector<float>& buffer) {
-  if (m <= kFusedRowsMax) {
-    // Tiles of balanced sizes (AVX2: 7 rows as 4 + 3): each expands the panel again, from L1.
-    const int64_t tiles = (m + kFusedRows - 1) / kFusedRows;
-    for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
-      const int64_t rows = (m - r0) / (tiles - t);
-      const float* xr = x + r0 * x_stride;
-      float* yr = y + r0 * y_stride;
-      switch (rows) {
-#define CONVEYOR_FUSED(R) \
-  case R: if constexpr (R <= kFusedRows) fused_tile<U, R>(xr, x_stride, src, units, bias, yr, y_stride, cols); break;
-        CONVEYOR_FUSED(1) CONVEYOR_FUSED(2) CONVEYOR_FUSED(3) CONVEYOR_FUSED(4) CONVEYOR_FUSED(5)
-        CONVEYOR_FUSED(6) CONVEYOR_FUSED(7) CONVEYOR_FUSED(8) CONVEYOR_FUSED(9) CONVEYOR_FUSED(10)
-#undef CONVEYOR_FUSED
-        default: break;
-      }
-      r0 += rows;
+// x's m rows laid out for the fused tiles: tile by tile (for_fused_tiles), each [K][rows].
+inline void interleave_rows(const float* x, int64_t x_stride, int64_t m, int64_t k_dim, float* out) {
+  for_fused_tiles(m, [&](int64_t r0, int64_t rows) {
+    float* tile = out + r0 * k_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = x + (r0 + r) * x_stride;
+      for (int64_t k = 0; k < k_dim; ++k) tile[k * rows + r] = row[k];
     }
-    return;
-  }
-  buffer.resize(units * U::kUnitK * kPanel);
-  expand_panel<U>(src, units, buffer.data());
-  rows_times_panel(x, x_stride, m, buffer.data(), units * U::kUnitK, bias, y, y_stride, cols, /*from_memory=*/false);
+  });
+}
+
+// m <= kFusedRowsMax rows (interleaved) against one quantised panel, each tile expanding it.
+template <class U>
+void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t units, const float* bias, float* y,
+                int64_t y_stride, int64_t cols) {
+  for_fused_tiles(m, [&](int64_t r0, int64_t rows) {
+    const float* xt = interleaved + r0 * units * U::kUnitK;
+    float* yr = y + r0 * y_stride;
+    switch (rows) {
+#define CONVEYOR_FUSED(R) \
+  case R: if constexpr (R <= kFusedRows) fused_tile<U, R>(xt, src, units, bias, yr, y_stride, cols); break;
+      CONVEYOR_FUSED(1) CONVEYOR_FUSED(2) CONVEYOR_FUSED(3) CONVEYOR_FUSED(4) CONVEYOR_FUSED(5)
+      CONVEYOR_FUSED(6) CONVEYOR_FUSED(7) CONVEYOR_FUSED(8) CONVEYOR_FUSED(9) CONVEYOR_FUSED(10)
+      CONVEYOR_FUSED(11) CONVEYOR_FUSED(12)
+#undef CONVEYOR_FUSED
+      default: break;
+    }
+  });
 }
 
 using Q4_0Unit = LegacyUnit<4, false>;
@@ -384,15 +510,33 @@ void pack_block(QType type, const uint8_t* block, int64_t c, uint8_t* out) {
 template <class U>
 void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
                    const float* bias, float* y, int64_t out_features) {
+  if (m <= kFusedRowsMax) {
+    std::vector<float> interleaved;  // one row is its own interleaving
+    if (m > 1) {
+      interleaved.resize(m * units * U::kUnitK);
+      interleave_rows(x, x_stride, m, units * U::kUnitK, interleaved.data());
+    }
+    const float* xt = m > 1 ? interleaved.data() : x;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel;
+        fused_rows<U>(xt, m, w + p * units * U::kBytes, units, bias ? bias + col0 : nullptr, y + col0,
+                      out_features, std::min(kPanel, out_features - col0));
+      }
+    });
+    return;
+  }
+  // More rows expand each panel once into an L2 buffer, in blocks of rows (see for_row_blocks).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2) for 11+ rows
-    // Many rows: in blocks of rows (see for_row_blocks), each panel expanded again per block.
+    thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2)
     for_row_blocks(m, [&](int64_t r0, int64_t rows) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-        rows_times_quantized_panel<U>(x + r0 * x_stride, x_stride, rows, w + p * units * U::kBytes, units,
-                                      bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features, cols,
-                                      expanded);
+        expanded.resize(units * U::kUnitK * kPanel);
+        expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
+        rows_times_panel(x + r0 * x_stride, x_stride, rows, expanded.data(), units * U::kUnitK,
+                         bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features, cols,
+                         /*from_memory=*/false);
       }
     });
   });
