@@ -13,12 +13,15 @@ alike. Switches:
 - `screened-argmax`: greedy tokens from the int8-screened head (quant_gemm.cpp's q8_0_argmax) vs
   the full vocabulary projection and the sampler
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
+- `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
+  `--baseline REV` (same packed layout)
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
     python benchmarks/ab_steps.py --switch screened-argmax --model gemma3-270m --batch-sizes 1 8 32 --repeats 20
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
+    python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
 """
 from __future__ import annotations
 
@@ -82,6 +85,14 @@ def _decode_kernel_at(revision: str) -> Callable[[bool], None]:
     return _patch_switch(llama, "paged_decode_kernel", lambda: old)
 
 
+def _quant_kernel_at(revision: str) -> Callable[[bool], None]:
+    old = kernel_at(revision, "quant_gemm")
+    return _patch_switch(linear, "quant_gemm", lambda: old)
+
+
+AT_REVISION = {"decode-kernel-at": _decode_kernel_at, "quant-kernel-at": _quant_kernel_at}
+
+
 def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
     """Milliseconds per call of each mode's callable, alternating modes every pair of calls."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
@@ -117,8 +128,8 @@ def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", choices=[*SWITCHES, "decode-kernel-at"], required=True)
-    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at")
+    parser.add_argument("--switch", choices=[*SWITCHES, *AT_REVISION], required=True)
+    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at")
     parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=CHAT_CONTEXTS)
@@ -126,11 +137,11 @@ def main() -> None:
     parser.add_argument("--share", help="G:P: prompts in G groups starting with the same P tokens (cache hits)")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
-    if args.switch == "decode-kernel-at" and not args.baseline:
-        parser.error("--switch decode-kernel-at needs --baseline REV")
+    if args.switch in AT_REVISION and not args.baseline:
+        parser.error(f"--switch {args.switch} needs --baseline REV")
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
-    if args.switch == "decode-kernel-at":
-        switch, labels = _decode_kernel_at(args.baseline), ("this tree", args.baseline)
+    if args.switch in AT_REVISION:
+        switch, labels = AT_REVISION[args.switch](args.baseline), ("this tree", args.baseline)
     else:
         switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, re
 
 # Rows through the in-register tiles (1-10: one tile with AVX-512, one or two on AVX2), the L2 buffer
 # (11+) and two row blocks of it (131).
-ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 33, 64, 65, 131]
+ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 24, 25, 33, 131]
 
 # Byte offsets of each block's fp16 fields (d, and the minimum / dmin where there is one).
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -105,6 +105,21 @@ def test_blocks_give_the_fp32_products_bit_for_bit(qtype: str, out_features: int
             assert torch.equal(got, linear(x, weight, dense, b)), rows
             bound = 1e-5 * float((x.abs() @ weight.abs().T).max())  # fp32 rounding of a length-k sum
             torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=bound)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_large_k_products_in_fused_tiles_give_the_fp32_products_bit_for_bit(qtype: str) -> None:
+    """From K = 2048 up to 64 rows run in fused tiles (three to six of them) on AVX-512 builds; past
+    64 rows, and on smaller K past 24, through the L2 buffer: every path the same sums."""
+    k, out_features = 2048, 40
+    q = random_blocks(qtype, out_features, k, seed=2)
+    weight = reference_fp32(q)
+    packed, dense = pack_weight(weight, q), pack_weight(weight)
+    assert packed is not None and dense is not None
+    bias = torch.randn(out_features)
+    for rows in (25, 33, 64, 65):
+        x = torch.randn(rows, k)
+        assert torch.equal(linear(x, weight, packed, bias), linear(x, weight, dense, bias)), rows
 
 
 def test_shipped_blocks_match_the_loaded_weights(default_checkpoint) -> None:

@@ -277,20 +277,23 @@ void expand_panel(const uint8_t* src, int64_t units, float* out) {
   }
 }
 
-// Up to kFusedRowsMax rows against one quantised panel, expanding in registers, in tiles of up to
-// kFusedRows rows that each expand the panel again (from L1). Expanding a panel once into an L2
-// buffer for fp32 tiles to read is slower up to 64 rows, even though the fused tiles repeat the
-// expansion (docs/PERF.md, "Linear layers"); more rows take the buffer. With AVX2's 16 ymm
-// registers a 6-row tile spills (2 sums a row); with AVX-512 a row's 16 sums are one zmm
-// register, so a tile holds 12 rows beside the weights, their scales and offsets, and each panel
-// step is half the instructions. Same sums in the same order as tile<R>, so the same results.
+// A few rows run against a quantised panel in fused tiles of up to kFusedRows rows, each expanding
+// the panel in registers (again, from L1, for each tile); more rows expand each panel once into an
+// L2 buffer that fp32 tiles read back. Two fused tiles beat the buffer everywhere measured; three
+// to six (25-64 rows) only where a panel's buffer (K x 64 bytes) is large, from K = 2048 (128 KB),
+// and lose to it on smaller K (docs/PERF.md, "Linear layers"). With AVX2's 16 ymm registers a
+// 6-row tile spills (2 sums a row); with AVX-512 a row's 16 sums are one zmm register, so a tile
+// holds 12 rows beside the weights, their scales and offsets, and each panel step is half the
+// instructions. Same sums in the same order as tile<R>, so the same results.
 #if defined(__AVX512F__)
 constexpr int kFusedRows = 12;
-constexpr int64_t kFusedRowsMax = 64;
+constexpr int64_t kFusedRowsLargeK = 64, kLargeK = 2048;
 #else
 constexpr int kFusedRows = 5;
-constexpr int64_t kFusedRowsMax = 10;
+constexpr int64_t kFusedRowsLargeK = 2 * kFusedRows, kLargeK = 0;
 #endif
+
+inline bool fuses(int64_t m, int64_t k_dim) { return m <= 2 * kFusedRows || (k_dim >= kLargeK && m <= kFusedRowsLargeK); }
 
 // Calls tile(r0, rows) for the fused tiles of m rows: balanced sizes (AVX2: 7 rows as 4 + 3).
 template <class F>
@@ -353,18 +356,18 @@ void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float*
 #endif
 }
 
-// x's m rows laid out for the fused tiles: tile by tile (for_fused_tiles), each [K][rows].
+// x's m rows laid out for the fused tiles: tile by tile (for_fused_tiles), each [K][rows]. Read
+// k-major, so the writes are sequential (on a small product this copy is a share of the time).
 inline void interleave_rows(const float* x, int64_t x_stride, int64_t m, int64_t k_dim, float* out) {
   for_fused_tiles(m, [&](int64_t r0, int64_t rows) {
     float* tile = out + r0 * k_dim;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = x + (r0 + r) * x_stride;
-      for (int64_t k = 0; k < k_dim; ++k) tile[k * rows + r] = row[k];
-    }
+    const float* first = x + r0 * x_stride;
+    for (int64_t k = 0; k < k_dim; ++k, tile += rows)
+      for (int64_t r = 0; r < rows; ++r) tile[r] = first[r * x_stride + k];
   });
 }
 
-// m <= kFusedRowsMax rows (interleaved) against one quantised panel, each tile expanding it.
+// m rows (interleaved) against one quantised panel in fused tiles, each expanding it.
 template <class U>
 void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t units, const float* bias, float* y,
                 int64_t y_stride, int64_t cols) {
@@ -510,10 +513,10 @@ void pack_block(QType type, const uint8_t* block, int64_t c, uint8_t* out) {
 template <class U>
 void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
                    const float* bias, float* y, int64_t out_features) {
-  if (m <= kFusedRowsMax) {
-    std::vector<float> interleaved;  // one row is its own interleaving
+  if (fuses(m, units * U::kUnitK)) {
+    thread_local std::vector<float> interleaved;  // one row is its own interleaving
     if (m > 1) {
-      interleaved.resize(m * units * U::kUnitK);
+      if (interleaved.size() < static_cast<size_t>(m * units * U::kUnitK)) interleaved.resize(m * units * U::kUnitK);
       interleave_rows(x, x_stride, m, units * U::kUnitK, interleaved.data());
     }
     const float* xt = m > 1 ? interleaved.data() : x;
@@ -526,7 +529,7 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
     });
     return;
   }
-  // More rows expand each panel once into an L2 buffer, in blocks of rows (see for_row_blocks).
+  // More rows: each panel expanded once into the L2 buffer, in blocks of rows (see for_row_blocks).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2)
     for_row_blocks(m, [&](int64_t r0, int64_t rows) {
