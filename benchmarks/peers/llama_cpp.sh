@@ -7,6 +7,19 @@
 #   benchmarks/peers/llama_cpp.sh                                   # chat, 32 prompts, 32 slots
 #   benchmarks/peers/llama_cpp.sh --dataset prefix --num-prompts 64 --request-rate 2 --slots 32
 #   benchmarks/peers/llama_cpp.sh --model gemma3-270m --slots 1 --num-prompts 8
+#   benchmarks/peers/llama_cpp.sh --model gemma3-270m --slots 1 --num-prompts 8 --max-concurrency 1 --rounds 5
+#
+# By default (one round) llama-server is started, warmed up, benchmarked and stopped, then conveyor's
+# server likewise, so the two measurements are a minute or more apart. With --rounds N (N > 1) both
+# servers are started once (llama-server first, then conveyor, each waited for and warmed up) and
+# stay up for N rounds of the same benchmark, back to back, the order alternating (round 1
+# llama.cpp then conveyor, round 2 conveyor then llama.cpp, ...) so that the machine's drift hits
+# both alike; it then prints each round's output tok/s and conveyor/llama.cpp ratio, their
+# min/median/max, and the full table for the median round (the lower middle one for even N).
+# While one server is benchmarked the other sits idle: it holds its memory (both must fit at once)
+# but takes no CPU, since neither server does background work while it has no request.
+# Round I draws its requests with seed SEED + I - 1 (both servers get the same ones within a round),
+# so no round finds an earlier round's prompts in either server's cache.
 #
 # Options (or the environment variable in brackets):
 #   --model M              [MODEL=smollm2-135m] a conveyor model name or a .gguf path; both servers
@@ -20,8 +33,12 @@
 #                          is cut short by llama-server without an error, so size T from the
 #                          workload (the table below checks every request's output length)
 #   --seed S               [SEED=0]
-#   --out-dir DIR          [OUT_DIR=out/peers/llama_cpp] result JSON files and server logs
-#   --only llama|conveyor  [ONLY=] run one side (the table needs both result files in OUT_DIR)
+#   --out-dir DIR          [OUT_DIR=out/peers/llama_cpp] result JSON and text files, server logs
+#   --only llama|conveyor  [ONLY=] run one side (the table needs both result files in OUT_DIR); not
+#                          with --rounds above 1
+#   --rounds N             [ROUNDS=1] N > 1: both servers up at once, N rounds alternating which goes
+#                          first (above); results in OUT_DIR/llama-I.json, conveyor-I.json and the
+#                          same .txt for round I (one round: llama.json, conveyor.json, .txt)
 #   --setup-only           build llama-server, then stop
 #   -- ARGS...             passed to both `conveyor bench serve` runs
 # Also: LLAMA_DIR (default benchmarks/peers/.llama-cpp: the source and the build, ~20 min on two
@@ -46,6 +63,7 @@ CTX_PER_SLOT=${CTX_PER_SLOT:-2048}
 SEED=${SEED:-0}
 OUT_DIR=${OUT_DIR:-$ROOT/out/peers/llama_cpp}
 ONLY=${ONLY:-}
+ROUNDS=${ROUNDS:-1}
 SETUP_ONLY=0
 BENCH_EXTRA=()
 
@@ -72,12 +90,21 @@ while [[ $# -gt 0 ]]; do
         --seed) SEED=$2; shift 2 ;;
         --out-dir) OUT_DIR=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
+        --rounds) ROUNDS=$2; shift 2 ;;
         --setup-only) SETUP_ONLY=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+if [[ ! $ROUNDS =~ ^[1-9][0-9]*$ ]]; then
+    echo "--rounds (ROUNDS) must be a whole number of at least 1, not '$ROUNDS'" >&2
+    exit 2
+fi
+if ((ROUNDS > 1)) && [[ -n $ONLY ]]; then
+    echo "--only $ONLY runs one server, --rounds $ROUNDS alternates both: use one or the other" >&2
+    exit 2
+fi
 
 log() { printf '[llama_cpp.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 # shellcheck source=common.sh
@@ -145,45 +172,82 @@ warm_up() {  # a few short requests, so one-off first-call costs stay out of the
         --input-len 64 --output-len 16 --num-prompts 4 --disable-tqdm --vocab-size "$VOCAB" >/dev/null
 }
 
-run_llama() {
-    local logfile=$OUT_DIR/llama-server.log url=http://127.0.0.1:$LLAMA_PORT pgid
+start_llama() {  # start llama-server, wait until healthy, warm it up; sets LLAMA_URL, LLAMA_PGID
+    local logfile=$OUT_DIR/llama-server.log
     local args=(-m "$GGUF" --alias "$NAME" --host 127.0.0.1 --port "$LLAMA_PORT" -t "$THREADS" -tb "$THREADS"
                 --parallel "$SLOTS" -c $((SLOTS * CTX_PER_SLOT)) --cont-batching -b 2048 -ub 512)
     # shellcheck disable=SC2206
     args+=($LLAMA_EXTRA_ARGS)
+    LLAMA_URL=http://127.0.0.1:$LLAMA_PORT
     log "starting llama.cpp: llama-server ${args[*]}"
     setsid "$SERVER_BIN" "${args[@]}" >"$logfile" 2>&1 &
-    pgid=$!
-    SERVER_PGIDS+=("$pgid")
-    wait_healthy "$url" "$pgid" 300 "$logfile"
-    warm_up "$url"
-    log "benchmarking llama.cpp (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    LLAMA_PGID=$!
+    SERVER_PGIDS+=("$LLAMA_PGID")
+    wait_healthy "$LLAMA_URL" "$LLAMA_PGID" 300 "$logfile"
+    warm_up "$LLAMA_URL"
+}
+
+bench_llama() {  # bench_llama NAME: results in $OUT_DIR/NAME.json and NAME.txt
+    log "benchmarking llama.cpp into $1.json (load average $(cut -d' ' -f1-3 /proc/loadavg))"
     local own=()
     # A conversation's next turn carries the tokens generated: llama-server returns them per chunk
     # (as __verbose.tokens) only when asked with these two request fields.
     [[ $DATASET == multi-turn ]] && own=(--extra-body '{"return_tokens": true, "verbose": true}')
-    bench "$url" llama-cpp "$OUT_DIR/llama.json" "${own[@]}" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/llama.txt"
-    stop_server "$pgid"
+    bench "$LLAMA_URL" llama-cpp "$OUT_DIR/$1.json" "${own[@]}" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/$1.txt"
+}
+
+stop_llama() {
+    stop_server "$LLAMA_PGID"
     log "llama.cpp stopped"
 }
 
-run_conveyor() {
-    local logfile=$OUT_DIR/conveyor-server.log url=http://127.0.0.1:$CONVEYOR_PORT pgid
+start_conveyor() {  # start conveyor, wait until healthy, warm it up; sets CONVEYOR_URL, CONVEYOR_PGID
+    local logfile=$OUT_DIR/conveyor-server.log
     local args=(serve --model "$GGUF" --served-model-name "$NAME" --host 127.0.0.1 --port "$CONVEYOR_PORT"
                 --max-num-seqs "$SLOTS" --kv-cache-memory "${KV_CACHE_GIB}GiB" --num-threads "$THREADS"
                 --max-waiting-requests 100000 --log-level warning)
     # shellcheck disable=SC2206
     args+=($CONVEYOR_EXTRA_ARGS)
+    CONVEYOR_URL=http://127.0.0.1:$CONVEYOR_PORT
     log "starting conveyor: conveyor ${args[*]}"
     setsid "$CONVEYOR_PY" -m conveyor.cli "${args[@]}" >"$logfile" 2>&1 &
-    pgid=$!
-    SERVER_PGIDS+=("$pgid")
-    wait_healthy "$url" "$pgid" 600 "$logfile"
-    warm_up "$url"
-    log "benchmarking conveyor (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    bench "$url" conveyor "$OUT_DIR/conveyor.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/conveyor.txt"
-    stop_server "$pgid"
+    CONVEYOR_PGID=$!
+    SERVER_PGIDS+=("$CONVEYOR_PGID")
+    wait_healthy "$CONVEYOR_URL" "$CONVEYOR_PGID" 600 "$logfile"
+    warm_up "$CONVEYOR_URL"
+}
+
+bench_conveyor() {  # bench_conveyor NAME: results in $OUT_DIR/NAME.json and NAME.txt
+    log "benchmarking conveyor into $1.json (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    bench "$CONVEYOR_URL" conveyor "$OUT_DIR/$1.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/$1.txt"
+}
+
+stop_conveyor() {
+    stop_server "$CONVEYOR_PGID"
     log "conveyor stopped"
+}
+
+rounds_summary() {  # rounds_summary PY DIR N: per-round output tok/s and ratios; last line: the median round
+    "$1" - "$2" "$3" <<'PYEOF'
+import json, os, sys
+out_dir, n = sys.argv[1], int(sys.argv[2])
+def tok_s(name):
+    return json.load(open(os.path.join(out_dir, name)))["output_throughput"]
+rows = []
+for i in range(1, n + 1):
+    ours, theirs = tok_s(f"conveyor-{i}.json"), tok_s(f"llama-{i}.json")
+    rows.append((i, ours, theirs, ours / theirs if theirs else float("inf")))
+print(f"output tok/s, {n} rounds (odd rounds llama.cpp first, even rounds conveyor first)")
+print(f"{'round':>5} {'first':>9} {'conveyor':>10} {'llama.cpp':>10} {'conveyor/llama.cpp':>19}")
+for i, ours, theirs, ratio in rows:
+    first = "llama.cpp" if i % 2 else "conveyor"
+    print(f"{i:>5} {first:>9} {ours:>10.1f} {theirs:>10.1f} {ratio:>18.2f}x")
+ranked = sorted(rows, key=lambda row: row[3])
+median = ranked[(n - 1) // 2]  # the lower middle one for an even count
+print(f"conveyor/llama.cpp over {n} rounds: min {ranked[0][3]:.2f}x, median {median[3]:.2f}x "
+      f"(round {median[0]}), max {ranked[-1][3]:.2f}x")
+print(median[0])
+PYEOF
 }
 
 build_server
@@ -200,11 +264,48 @@ VOCAB=$("$CONVEYOR_PY" -c "import sys, gguf; r = gguf.GGUFReader(sys.argv[1]); \
 f = r.fields['tokenizer.ggml.tokens']; print(len(f.data))" "$GGUF")
 log "model $GGUF ($VOCAB tokens); workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, $SLOTS slots," \
     "$CTX_PER_SLOT tokens a slot, $THREADS threads"
-[[ -z $ONLY || $ONLY == llama ]] && run_llama
-[[ -z $ONLY || $ONLY == conveyor ]] && run_conveyor
+if ((ROUNDS == 1)); then  # one server at a time, as always
+    if [[ -z $ONLY || $ONLY == llama ]]; then
+        start_llama
+        bench_llama llama
+        stop_llama
+    fi
+    if [[ -z $ONLY || $ONLY == conveyor ]]; then
+        start_conveyor
+        bench_conveyor conveyor
+        stop_conveyor
+    fi
+    echo
+    echo "===== llama.cpp ($LLAMA_COMMIT) ====="
+    cat "$OUT_DIR/llama.txt"
+    echo "===== conveyor ====="
+    cat "$OUT_DIR/conveyor.txt"
+    ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/llama.json" "llama.cpp"
+    exit 0
+fi
+
+# --rounds N > 1: both servers up, the order alternating from round to round
+start_llama
+start_conveyor
+FIRST_SEED=$SEED
+for ((round = 1; round <= ROUNDS; round++)); do
+    SEED=$((FIRST_SEED + round - 1))  # bench reads it
+    if ((round % 2)); then
+        log "round $round of $ROUNDS: llama.cpp, then conveyor"
+        bench_llama "llama-$round"
+        bench_conveyor "conveyor-$round"
+    else
+        log "round $round of $ROUNDS: conveyor, then llama.cpp"
+        bench_conveyor "conveyor-$round"
+        bench_llama "llama-$round"
+    fi
+done
+stop_conveyor
+stop_llama
+summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS")
+median=${summary##*$'\n'}
 echo
-echo "===== llama.cpp ($LLAMA_COMMIT) ====="
-cat "$OUT_DIR/llama.txt"
-echo "===== conveyor ====="
-cat "$OUT_DIR/conveyor.txt"
-ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/llama.json" "llama.cpp"
+printf '%s\n' "${summary%$'\n'*}"
+echo
+echo "===== round $median, the median ratio (llama.cpp $LLAMA_COMMIT) ====="
+ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor-$median.json" "$OUT_DIR/llama-$median.json" "llama.cpp"
