@@ -61,9 +61,9 @@ for key, name, higher in rows:
     a, b = ours.get(key), theirs.get(key)
     if a is None or b is None:
         continue
-    ratio = a / b if b else float("inf")
     better = "conveyor" if (a > b) == higher and a != b else ("same" if a == b else peer)
     digits = 3 if key == "cached_prompt_share" else 1
-    print(f"{name:<14} {a:>10.{digits}f} {b:>10.{digits}f} {ratio:>{max(14, len(label)) - 1}.2f}x  {better}")
+    ratio = f"{a / b:.2f}x" if b else ("-" if a == b else "inf")  # 0 / 0: no ratio
+    print(f"{name:<14} {a:>10.{digits}f} {b:>10.{digits}f} {ratio:>{max(14, len(label))}}  {better}")
 PYEOF
 }

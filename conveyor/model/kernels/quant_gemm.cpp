@@ -254,17 +254,13 @@ struct Q6_KUnit {
 #endif
 };
 
-// One panel of quantised units -> [K][16] fp32 in `out`, for the tiles to read from L2.
+// One panel of quantised units -> [K][16] fp32 in `out`, for the tiles to read from L2. In ymm
+// halves on AVX-512 builds too: a zmm expansion here measured slower (docs/PERF.md, zmm tiles).
 template <class U>
 void expand_panel(const uint8_t* src, int64_t units, float* out) {
   for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
     const U unit{src};
     for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
-#if defined(__AVX512F__)
-      const Scales16 s = unit.group16(g);
-      _Pragma("GCC unroll 4") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k, out += kPanel)
-        _mm512_storeu_ps(out, unit.weights16(s, k));
-#else
       const Scales s = unit.group(g);
       _Pragma("GCC unroll 4") for (int64_t k = g * U::kGroupK; k < (g + 1) * U::kGroupK; ++k, out += kPanel) {
         __m256 w_lo, w_hi;
@@ -272,7 +268,6 @@ void expand_panel(const uint8_t* src, int64_t units, float* out) {
         _mm256_storeu_ps(out, w_lo);
         _mm256_storeu_ps(out + 8, w_hi);
       }
-#endif
     }
   }
 }
