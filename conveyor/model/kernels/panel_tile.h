@@ -42,6 +42,32 @@ inline void store_sums(const __m256 (&lo)[R], const __m256 (&hi)[R], const float
   }
 }
 
+// Calls tile(r0, rows) for balanced tiles of at most kMax rows over [0, m) (13 rows as 7 + 6, not
+// 12 + 1, so no tile is too short to keep the FMAs busy).
+template <int64_t kMax, class F>
+inline void for_balanced_tiles(int64_t m, F&& tile) {
+  const int64_t tiles = (m + kMax - 1) / kMax;
+  for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
+    const int64_t rows = (m - r0) / (tiles - t);
+    tile(r0, rows);
+    r0 += rows;
+  }
+}
+
+// x's m rows laid out for tiles of at most kMax rows: tile by tile (for_balanced_tiles), each
+// [K][rows] at out + r0 * K, so that a tile reads its rows through one pointer (quant_gemm.cpp's
+// fused tiles, whose unpacking needs the general registers that R row pointers would take). Read
+// k-major, so the writes are sequential.
+template <int64_t kMax>
+inline void interleave_rows(const float* x, int64_t x_stride, int64_t m, int64_t k_dim, float* out) {
+  for_balanced_tiles<kMax>(m, [&](int64_t r0, int64_t rows) {
+    float* tile = out + r0 * k_dim;
+    const float* first = x + r0 * x_stride;
+    for (int64_t k = 0; k < k_dim; ++k, tile += rows)
+      for (int64_t r = 0; r < rows; ++r) tile[r] = first[r * x_stride + k];
+  });
+}
+
 template <int R, bool kPrefetch>
 inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
                  float* y, int64_t y_stride, int64_t cols) {
@@ -65,6 +91,17 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t k
 #if defined(__AVX512F__)
 constexpr int kMaxTileRows = 12;
 
+// Rows [0, R) of y = the sums (+ bias), one zmm register a row; only the first `cols` columns are real.
+template <int R>
+inline void store_sums512(const __m512 (&sums)[R], const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  alignas(64) float row[kPanel];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(row, sums[r]);
+    float* out = y + r * y_stride;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
+  }
+}
+
 template <int R, bool kPrefetch>
 inline void tile512(const float* x, int64_t x_stride, const float* panel, int64_t k_dim, const float* bias,
                     float* y, int64_t y_stride, int64_t cols) {
@@ -76,12 +113,7 @@ inline void tile512(const float* x, int64_t x_stride, const float* panel, int64_
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
       sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + k]), w, sums[r]);
   }
-  alignas(64) float row[kPanel];
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(row, sums[r]);
-    float* out = y + r * y_stride;
-    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
-  }
+  store_sums512<R>(sums, bias, y, y_stride, cols);
 }
 #define CONVEYOR_TILE_FN tile512
 #else
@@ -90,14 +122,11 @@ constexpr int kMaxTileRows = 6;
 #endif
 
 // Rows [0, m) against one panel; cols < 16 only in the last panel of an N not divisible by 16.
-// The first tile streams the panel from memory; the others find it in L2. Tiles of balanced
-// sizes (13 rows as 7 + 6, not 12 + 1), so no tile is too short to keep the FMAs busy.
+// The first tile streams the panel from memory; the others find it in L2.
 inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const float* panel, int64_t k_dim,
                              const float* bias, float* y, int64_t y_stride, int64_t cols, bool from_memory = true) {
   const bool prefetch = from_memory && m > 2;
-  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
-  for (int64_t r = 0, t = 0; t < tiles; ++t) {
-    const int64_t rows = (m - r) / (tiles - t);
+  for_balanced_tiles<kMaxTileRows>(m, [&](int64_t r, int64_t rows) {
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     const bool stream = prefetch && r == 0;
@@ -114,8 +143,7 @@ inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const 
       default: break;
     }
 #undef CONVEYOR_TILE
-    r += rows;
-  }
+  });
 }
 
 // A product of many rows (a prefill chunk) runs in blocks of rows, each over all of a thread's
@@ -130,12 +158,7 @@ constexpr int64_t kRowBlock = 16 * kMaxTileRows;
 
 template <class F>
 inline void for_row_blocks(int64_t m, F&& block) {
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  for (int64_t r = 0, b = 0; b < blocks; ++b) {
-    const int64_t rows = (m - r) / (blocks - b);
-    block(r, rows);
-    r += rows;
-  }
+  for_balanced_tiles<kRowBlock>(m, block);
 }
 
 }  // namespace conveyor_panels

@@ -290,20 +290,7 @@ constexpr int64_t kFusedRowsLargeK = 2 * kFusedRows, kLargeK = 0;
 
 inline bool fuses(int64_t m, int64_t k_dim) { return m <= 2 * kFusedRows || (k_dim >= kLargeK && m <= kFusedRowsLargeK); }
 
-// Calls tile(r0, rows) for the fused tiles of m rows: balanced sizes (AVX2: 7 rows as 4 + 3).
-template <class F>
-inline void for_fused_tiles(int64_t m, F&& tile) {
-  const int64_t tiles = (m + kFusedRows - 1) / kFusedRows;
-  for (int64_t r0 = 0, t = 0; t < tiles; ++t) {
-    const int64_t rows = (m - r0) / (tiles - t);
-    tile(r0, rows);
-    r0 += rows;
-  }
-}
-
-// A fused tile reads its R rows interleaved k by k ([K][R], see interleave_rows): one pointer for
-// all the rows and one cache line for 16 of them a step, where R row pointers crowd the 16 general
-// registers and the loads come from R lines.
+// A fused tile reads its R rows interleaved k by k ([K][R], see interleave_rows in panel_tile.h).
 template <class U, int R>
 void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float* bias, float* y, int64_t y_stride,
                 int64_t cols) {
@@ -322,12 +309,7 @@ void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float*
       }
     }
   }
-  alignas(64) float row[kPanel];
-  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(row, sums[r]);
-    float* out = y + r * y_stride;
-    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
-  }
+  store_sums512<R>(sums, bias, y, y_stride, cols);
 #else
   __m256 lo[R], hi[R];
   zero_sums<R>(lo, hi);
@@ -351,22 +333,11 @@ void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float*
 #endif
 }
 
-// x's m rows laid out for the fused tiles: tile by tile (for_fused_tiles), each [K][rows]. Read
-// k-major, so the writes are sequential (on a small product this copy is a share of the time).
-inline void interleave_rows(const float* x, int64_t x_stride, int64_t m, int64_t k_dim, float* out) {
-  for_fused_tiles(m, [&](int64_t r0, int64_t rows) {
-    float* tile = out + r0 * k_dim;
-    const float* first = x + r0 * x_stride;
-    for (int64_t k = 0; k < k_dim; ++k, tile += rows)
-      for (int64_t r = 0; r < rows; ++r) tile[r] = first[r * x_stride + k];
-  });
-}
-
 // m rows (interleaved) against one quantised panel in fused tiles, each expanding it.
 template <class U>
 void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t units, const float* bias, float* y,
                 int64_t y_stride, int64_t cols) {
-  for_fused_tiles(m, [&](int64_t r0, int64_t rows) {
+  for_balanced_tiles<kFusedRows>(m, [&](int64_t r0, int64_t rows) {
     const float* xt = interleaved + r0 * units * U::kUnitK;
     float* yr = y + r0 * y_stride;
     switch (rows) {
@@ -512,7 +483,7 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
     thread_local std::vector<float> interleaved;  // one row is its own interleaving
     if (m > 1) {
       if (interleaved.size() < static_cast<size_t>(m * units * U::kUnitK)) interleaved.resize(m * units * U::kUnitK);
-      interleave_rows(x, x_stride, m, units * U::kUnitK, interleaved.data());
+      interleave_rows<kFusedRows>(x, x_stride, m, units * U::kUnitK, interleaved.data());
     }
     const float* xt = m > 1 ? interleaved.data() : x;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -527,10 +498,10 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
   // More rows: each panel expanded once into the L2 buffer, in blocks of rows (see for_row_blocks).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2)
+    expanded.resize(units * U::kUnitK * kPanel);
     for_row_blocks(m, [&](int64_t r0, int64_t rows) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-        expanded.resize(units * U::kUnitK * kPanel);
         expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
         rows_times_panel(x + r0 * x_stride, x_stride, rows, expanded.data(), units * U::kUnitK,
                          bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features, cols,
