@@ -99,19 +99,25 @@ def _is_good(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def _peaks(records: list[RequestRecord]) -> tuple[float, int]:
-    """Most output tokens in one whole second of the run, and most requests in flight in one."""
+    """Most output tokens in one whole second of the run, and most requests in flight at one instant
+    (a request that ends as the next begins, as with --max-concurrency 1, does not overlap it)."""
     ok = [r for r in records if r.success]
     if not ok:
         return 0.0, 0
     t0 = min(r.start for r in ok)
     seconds = int(np.ceil(max(r.start + r.latency for r in ok) - t0)) + 1
-    tokens, concurrent = np.zeros(seconds), np.zeros(seconds)
+    tokens = np.zeros(seconds)
     for r in ok:
         for t in r.token_times():
             if 0 <= int(t - t0) < seconds:
                 tokens[int(t - t0)] += 1
-        concurrent[int(r.start - t0) : int(r.start + r.latency - t0) + 1] += 1
-    return float(tokens.max()), int(concurrent.max())
+    # Ends sort before starts at the same instant: (time, -1) < (time, +1).
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    return float(tokens.max()), peak
 
 
 def compute_metrics(

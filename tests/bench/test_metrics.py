@@ -72,7 +72,16 @@ def test_peaks_bucket_tokens_and_requests_per_second() -> None:
     m = compute_metrics(_records(), 2.0)
     # tokens at 0.5, 0.6, 0.8 (second 0) and 1.1, 1.2, 1.5, 1.6 (second 1)
     assert m.max_output_tokens_per_s == 4
-    assert m.max_concurrent_requests == 3
+    assert m.max_concurrent_requests == 3  # all three in flight from 1.0 to 1.1
+
+
+def test_requests_one_after_another_are_never_concurrent() -> None:
+    # As with --max-concurrency 1: each request starts when the one before ends (or just after),
+    # several of them within one second.
+    one_by_one = [RequestRecord(prompt_len=1, output_len=1, start=0.25 * i, ttft=0.25, latency=0.25) for i in range(8)]
+    assert compute_metrics(one_by_one, 2.0).max_concurrent_requests == 1
+    overlapping = one_by_one + [RequestRecord(prompt_len=1, output_len=1, start=0.3, ttft=0.1, latency=0.1)]
+    assert compute_metrics(overlapping, 2.0).max_concurrent_requests == 2
 
 
 def test_printed_block_and_json_keys_follow_vllm() -> None:

@@ -119,9 +119,11 @@ def test_request_sent_to_a_dead_replica_is_retried_on_the_live_one(replicas) -> 
         client = RayEngineClient(workers, deployment.tokenizer)
         client.start()  # its pollers run from the first await on; r0's pick happens before that
         sinks = {f"r{i}": asyncio.Queue() for i in range(len(prompts))}
+        placed = {}
         for (rid, p, sp) in zip(sinks, prompts, params):
             await client.add_request(rid, p, sp, sinks[rid])
-        placed = {rid: client.placement(rid) for rid in sinks}
+            # Read at once: a short request can finish on the live replica while the next is added.
+            placed[rid] = client.placement(rid)
         outcomes = {rid: await collect(q, 1) for rid, q in sinks.items()}
         running = client.is_running  # one replica left is still a service
         client.detach()
