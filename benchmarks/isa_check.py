@@ -1,14 +1,16 @@
-"""Builds the matmul and decode attention kernels for another x86 target beside the native build
-and checks they agree.
+"""Builds the matmul and attention kernels for another x86 target beside the native build and
+checks they agree.
 
 The kernels compile with -march=native, so a machine with AVX-512 never runs the code an AVX2-only
-machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp and paged_decode.cpp for
-`--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can run too, and checks on
-random blocks of every GGUF type the kernel reads that both builds give gguf's dequantised weights
-exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows, with and without bias, on a
-partial last panel; and that both builds' decode attention matches a float64 reference (1e-5) over
-head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens, sliding windows, one row and many,
-rows with blocks of their own and rows sharing their first block (its two spans).
+machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp, paged_decode.cpp and
+paged_prefill.cpp for `--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can
+run too, and checks on random blocks of every GGUF type the kernel reads that both builds give
+gguf's dequantised weights exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows,
+with and without bias, on a partial last panel; that both builds' decode attention matches a
+float64 reference (1e-5) over head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens,
+sliding windows, one row and many, rows with blocks of their own and rows sharing their first
+block (its two spans); and that both builds' prefill attention matches one too (2e-5): fresh
+prompts and cache hits, GQA groups 1-32, blocks of 5 and 16 tokens, windows.
 
     python benchmarks/isa_check.py [--march haswell]
 """
@@ -78,6 +80,37 @@ def attention_agrees(native: object, other: object) -> bool:
     return ok
 
 
+def prefill_attention_agrees(native: object, other: object) -> bool:
+    """Both builds' prefill attention against each query's softmax in float64: fresh prompts and
+    cache hits, lengths on and off a step's 16 (AVX2: 8) keys, GQA groups 1-32, windows."""
+    gen = torch.Generator().manual_seed(1)
+    ok = True
+    cases = ((0, 1, 0), (0, 37, 0), (0, 300, 0), (45, 70, 0), (1024, 9, 0), (30, 20, 17), (100, 7, 40), (0, 50, 1))
+    for head_dim, heads, kv_heads, block_size in ((64, 9, 3, 16), (128, 32, 4, 16), (256, 4, 1, 16), (64, 8, 8, 5),
+                                                  (128, 32, 1, 16)):
+        for num_cached, num_tokens, window in cases:
+            total = num_cached + num_tokens
+            used = -(-total // block_size)
+            k_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen)
+            v_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen)
+            table = torch.randperm(used + 2, generator=gen)[:used]
+            slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
+            keys = k_cache.view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+            values = v_cache.view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+            q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+            scale = head_dim**-0.5
+            want = []
+            for i in range(num_tokens):
+                pos = num_cached + i
+                first = max(0, pos - window + 1) if window else 0
+                weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), keys[first:pos + 1]) * scale, dim=-1)
+                want.append(torch.einsum("ht,thd->hd", weights, values[first:pos + 1]).float())
+            for kernel in (native, other):
+                got = kernel.paged_prefill_attention(q, k_cache, v_cache, table, num_cached, scale, window)  # type: ignore[attr-defined]
+                ok &= torch.allclose(got, torch.stack(want), rtol=2e-5, atol=2e-5)
+    return ok
+
+
 def random_blocks(qtype: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Uniformly random code and scale bytes; any finite fp16 bit pattern in the fp16 fields."""
     weights, nbytes = BLOCK_SIZES[qtype]
@@ -128,6 +161,9 @@ def main() -> None:
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")
+    prefill_ok = prefill_attention_agrees(_load("paged_prefill"), build("paged_prefill", args.march))
+    failures += not prefill_ok
+    print(f"prefill attention: native and {args.march} builds match the float64 reference {prefill_ok}")
     print("all agree" if not failures else f"{failures} check(s) disagree")
     raise SystemExit(1 if failures else 0)
 

@@ -4,7 +4,7 @@ The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, h
 and values are scattered into it through a flat slot mapping; queries read their context back
 through block tables. Single-query rows (decodes) are attended in one batched call (a C++ kernel
 that reads the blocks in place, or gather + SDPA as the fallback); multi-token prefill chunks,
-which are few and large, one SDPA call each.
+which are few and large, one call each (a C++ kernel that reads the blocks in place, or SDPA).
 
 A sliding-window layer (Gemma's local layers) passes `window`: a query at position p then sees
 positions p - window + 1 .. p only (as HF's sliding mask: key > query - window), and only the
@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
+from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 
 
 @dataclass
@@ -54,6 +54,10 @@ class AttentionMetadata:
         return self._decode_masks[window]
 
 
+# The prefill kernel's compiled-in head sizes (others take SDPA).
+PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
@@ -78,11 +82,13 @@ def attend(
     scale: float,
     decode_kernel: PagedDecodeKernel | None | Literal["resolve"] = "resolve",
     window: int | None = None,
+    prefill_kernel: PagedPrefillKernel | None | Literal["resolve"] = "resolve",
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens, already written into the cache
     at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d].
     `decode_kernel`: paged_decode_kernel() as the caller resolved it once per forward pass (None:
-    the torch fallback), or "resolve" to look it up here. `window`: a sliding window's size (None: all)."""
+    the torch fallback), or "resolve" to look it up here; `prefill_kernel` likewise, from
+    paged_prefill_kernel(), for the prefill chunks. `window`: a sliding window's size (None: all)."""
     num_decode = meta.num_decode_tokens
     if isinstance(decode_kernel, str):
         decode_kernel = paged_decode_kernel()
@@ -105,8 +111,14 @@ def attend(
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
             out[:num_decode] = od.squeeze(2)
     block_size = k_cache.shape[1]
+    chunk_kernel = paged_prefill_kernel() if meta.prefills and isinstance(prefill_kernel, str) else prefill_kernel
+    if isinstance(chunk_kernel, str) or q.dtype != torch.float32 or q.shape[-1] not in PREFILL_KERNEL_HEAD_DIMS:
+        chunk_kernel = None
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        if chunk_kernel is not None:  # reads the chunk's keys and any cached ones from the cache in place
+            out[rows] = chunk_kernel(q[rows], k_cache, v_cache, chunk.block_table, chunk.num_cached, scale, window or 0)
+            continue
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         fits_window = window is None or chunk.num_cached + chunk.num_tokens <= window
         if chunk.num_cached == 0 and fits_window:

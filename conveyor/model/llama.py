@@ -12,7 +12,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
-from conveyor.model.kernels import PagedDecodeKernel, paged_decode_kernel
+from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight, screened_argmax
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.quantized import QuantizedWeight
@@ -45,15 +45,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
         ops: LayerOps, matmul: Matmul, decode_kernel: PagedDecodeKernel | None,
+        prefill_kernel: PagedPrefillKernel | None = None,
     ) -> torch.Tensor:
-        """Updates the residual stream x in place and returns it. `ops`, `matmul` and
-        `decode_kernel` are resolved once per forward pass (the env switches are not read per op)."""
+        """Updates the residual stream x in place and returns it. `ops`, `matmul` and the attention
+        kernels are resolved once per forward pass (the env switches are not read per op)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         qk_norm = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm, eps)
         qkv = self.qkv.forward(ops.rms_norm(x, self.input_norm, eps), matmul)
         q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
                                      cfg.num_kv_heads, qk_norm)
-        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel, self.window)
+        attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel, self.window, prefill_kernel)
         attn_out = self.o_proj.forward(attn.view(x.shape[0], -1), matmul)
         if self.attn_out_norm is not None:
             attn_out = ops.rms_norm(attn_out, self.attn_out_norm, eps)
@@ -137,9 +138,10 @@ class LlamaModel(nn.Module):
         local = None if self.rope_local is None else tuple(t[positions].to(x.dtype) for t in self.rope_local)
         ops, matmul = layer_ops(x.dtype), matmul_path()
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
+        prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None
         for layer, kv in zip(self.layers, kv_caches):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
-            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, decode_kernel)
+            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, decode_kernel, prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
 

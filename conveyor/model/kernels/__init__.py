@@ -140,6 +140,21 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
     return None if module is None else module.paged_decode_attention  # type: ignore[attr-defined]
 
 
+PagedPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], torch.Tensor]
+
+
+def paged_prefill_kernel() -> PagedPrefillKernel | None:
+    """(q [n,H,d], k_cache, v_cache [blocks, block_size, kv_heads, d], block_table [blocks] int64,
+    num_cached, scale, window) -> [n,H,d]: causal attention of one prefill chunk whose queries sit
+    at positions num_cached.., every key (cached and the chunk's own) read from the cache; window > 0
+    limits each query to its last `window` positions. fp32, head dims 64, 128 or 256. None when
+    unavailable or disabled (CONVEYOR_KERNELS=0, or CONVEYOR_PREFILL_ATTENTION=0 for this one alone)."""
+    if not kernels_enabled() or os.environ.get("CONVEYOR_PREFILL_ATTENTION", "1") == "0":
+        return None
+    module = _load("paged_prefill")
+    return None if module is None else module.paged_prefill_attention  # type: ignore[attr-defined]
+
+
 def fused_ops() -> object | None:
     """The module of fused per-layer ops (fused_ops.cpp: rms_norm, add_rms_norm_, rope_and_cache,
     silu_and_mul; fp32 only), or None when unavailable or disabled."""
@@ -161,10 +176,10 @@ def quant_gemm() -> object | None:
 def build_kernels(dtype: torch.dtype) -> None:
     """Builds (or loads from the cache) every kernel a forward pass in `dtype` resolves, so that
     none is built inside a request: the matmul path resolves both panel kernels whatever the
-    dtype (conveyor/model/linear.py), the fused ops and the decode kernel are fp32 only."""
+    dtype (conveyor/model/linear.py), the fused ops and the attention kernels are fp32 only."""
     kernels: list[Callable[[], object]] = [panel_gemm, quant_gemm]
     if dtype == torch.float32:
-        kernels += [fused_ops, paged_decode_kernel]
+        kernels += [fused_ops, paged_decode_kernel, paged_prefill_kernel]
     # A cold build compiles each kernel's one source on one core: build them side by side.
     with ThreadPoolExecutor(max_workers=max(1, min(len(kernels), os.cpu_count() or 1))) as pool:
         for built in [pool.submit(kernel) for kernel in kernels]:
