@@ -51,32 +51,20 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }  // namespace
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
 
 // Vector helpers for the two spans below (AVX-512 where the build has it, else AVX2).
 namespace vec {
 
+using namespace conveyor_simd;
+
+inline __m256 fold(Vec v) {  // lanes i and i + 8 added: 8 lanes (AVX2: v itself)
 #if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kWidth = 16;
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec splat(float x) { return _mm512_set1_ps(x); }
-inline __m256 fold(Vec v) {  // lanes i and i + 8 added: 8 lanes
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
 #else
-using Vec = __m256;
-constexpr int64_t kWidth = 8;
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec splat(float x) { return _mm256_set1_ps(x); }
-inline __m256 fold(Vec v) { return v; }
+  return v;
 #endif
+}
 
 constexpr int64_t kTile = 8;           // tokens whose scores are summed together
 constexpr int64_t kMaxHeadDim = 512;   // larger heads keep the plain loops (tested up to 256)
