@@ -20,7 +20,7 @@ def test_a_step_resolves_no_kernel_that_building_the_engine_did_not(make_engine,
     monkeypatch.setattr(kernels, "_load", recording)
     engine = make_engine(max_num_seqs=2)
     at_build = set(asked)
-    assert at_build == {"paged_decode", "fused_ops", "panel_gemm", "quant_gemm"}  # fp32 runs all four
+    assert at_build == {"paged_decode", "paged_prefill", "fused_ops", "panel_gemm", "quant_gemm"}  # fp32 runs all five
     asked.clear()
     engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests:
