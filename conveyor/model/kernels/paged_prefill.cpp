@@ -36,7 +36,7 @@ struct Chunk {
   float* out;          // [n, heads, d]
   const float* keys;   // [kv_heads][positions from key_base (+ kKeys of zeros)][d]
   const float* values; // likewise
-  int64_t n, heads, kv_heads, num_cached, window, key_base, run;  // run: positions per KV head
+  int64_t heads, kv_heads, num_cached, window, key_base, run;  // run: positions per KV head
   float scale;
 
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
@@ -159,7 +159,7 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
     TORCH_CHECK(tp[b] >= 0 && tp[b] < k_cache.size(0), "paged_prefill_attention: block id out of range");
 
-  Chunk c{qc.data_ptr<float>(), out.data_ptr<float>(), nullptr, nullptr, n, heads, kv_heads, num_cached, window,
+  Chunk c{qc.data_ptr<float>(), out.data_ptr<float>(), nullptr, nullptr, heads, kv_heads, num_cached, window,
           0, 0, static_cast<float>(scale)};
   c.key_base = c.first_key(num_cached);
   c.run = context - c.key_base + kKeys;  // a step past the last key reads zeros (masked)
