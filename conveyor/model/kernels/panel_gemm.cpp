@@ -4,8 +4,9 @@
 // from DRAM each step. The panel layout keeps 16 output columns of W for all of K together
 // ([panels][K][16]), so one panel is one sequential stream: the kernel reads it from memory once,
 // for the first tile of rows, then from L2 for the other tiles. A tile holds up to 6 rows x 16
-// columns in 12 AVX registers; per k it loads 2 vectors of weights and broadcasts 6 inputs.
-// The two threads take halves of the panels (each its own contiguous stream). With a few rows per
+// columns in 12 AVX registers; per k it loads 2 vectors of weights and broadcasts 6 inputs (with
+// AVX-512, a tile takes two adjacent panels at once: panel_tile.h). The two threads take halves
+// of the panels (each its own contiguous stream). With a few rows per
 // tile there is enough arithmetic between loads that one core keeps too few cache misses in flight
 // to pull its share of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (faster
 // at 4-32 rows, docs/PERF.md; at 1-2 rows the core is waiting on memory anyway and gains nothing).
@@ -63,6 +64,14 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& packed, 
     for_row_blocks(m, [&](int64_t r0, int64_t rows) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel;
+        if (p + 1 < end) {
+          rows_times_panel_pair(xp + r0 * x_stride, x_stride, rows, wp + p * k_dim * kPanel,
+                                wp + (p + 1) * k_dim * kPanel, k_dim, bias_ptr ? bias_ptr + col0 : nullptr,
+                                yp + r0 * out_features + col0, out_features,
+                                std::min(kPanel, out_features - col0 - kPanel));
+          ++p;
+          continue;
+        }
         rows_times_panel(xp + r0 * x_stride, x_stride, rows, wp + p * k_dim * kPanel, k_dim,
                          bias_ptr ? bias_ptr + col0 : nullptr, yp + r0 * out_features + col0, out_features,
                          std::min(kPanel, out_features - col0));

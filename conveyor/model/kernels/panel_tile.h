@@ -1,8 +1,9 @@
 // The panel tile shared by panel_gemm.cpp (fp32 panels) and quant_gemm.cpp (GGUF blocks):
 // up to 6 rows x 16 columns of y = x @ W^T in 12 AVX registers, over one panel [K][16] of W; with
 // AVX-512, up to 12 rows x 16 columns in 12 zmm registers (each panel step then feeds twice the
-// rows, so the panel is read from L2 half as often at prefill sizes). Either way each column's
-// sum is one FMA a k step, in k order: the same results whatever the tile.
+// rows, so the panel is read from L2 half as often at prefill sizes), and up to 14 rows x 32
+// columns where a thread has two panels left. Whatever the tile, each column's sum is one FMA a
+// k step, in k order: the same results.
 #pragma once
 
 #include <algorithm>
@@ -116,6 +117,36 @@ inline void tile512(const float* x, int64_t x_stride, const float* panel, int64_
   store_sums512<R>(sums, bias, y, y_stride, cols);
 }
 #define CONVEYOR_TILE_FN tile512
+
+// Two adjacent panels a tile: R rows x 32 columns in 2R zmm registers. A k step's two weight
+// loads and R broadcasts feed 2R FMAs, where the one-panel tile spends a load on every FMA; on a
+// core with two 512-bit FMA units the loads then set the pace, here the FMAs do. At decode sizes,
+// where the weights' stream sets the pace, the first tile keeps two streams in flight instead of
+// one (faster there too: docs/PERF.md). Each column's sum is still one FMA a k step in k order:
+// the same bits as tile512.
+constexpr int kMaxPairRows = 14;  // 28 sums + 2 weights + 1 broadcast of the 32 zmm registers
+
+template <int R, bool kPrefetch>
+inline void pair_tile512(const float* x, int64_t x_stride, const float* left_panel, const float* right_panel,
+                         int64_t k_dim, const float* bias, float* y, int64_t y_stride, int64_t right_cols) {
+  __m512 left[R], right[R];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) left[r] = right[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w_left = _mm512_loadu_ps(left_panel + k * kPanel);
+    const __m512 w_right = _mm512_loadu_ps(right_panel + k * kPanel);
+    if constexpr (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(left_panel + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(right_panel + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+      left[r] = _mm512_fmadd_ps(xv, w_left, left[r]);
+      right[r] = _mm512_fmadd_ps(xv, w_right, right[r]);
+    }
+  }
+  store_sums512<R>(left, bias, y, y_stride, kPanel);
+  store_sums512<R>(right, bias ? bias + kPanel : nullptr, y + kPanel, y_stride, right_cols);
+}
 #else
 constexpr int kMaxTileRows = 6;
 #define CONVEYOR_TILE_FN tile
@@ -144,6 +175,39 @@ inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const 
     }
 #undef CONVEYOR_TILE
   });
+}
+
+// Rows [0, m) against two adjacent panels (the left one full); right_cols < 16 only when the
+// right one is the last panel of an N not divisible by 16. Without AVX-512 (16 registers) it is
+// the one-panel tile twice.
+inline void rows_times_panel_pair(const float* x, int64_t x_stride, int64_t m, const float* left_panel,
+                                  const float* right_panel, int64_t k_dim, const float* bias, float* y,
+                                  int64_t y_stride, int64_t right_cols, bool from_memory = true) {
+#if defined(__AVX512F__)
+  const bool prefetch = from_memory && m > 2;
+  for_balanced_tiles<kMaxPairRows>(m, [&](int64_t r, int64_t rows) {
+    const float* xr = x + r * x_stride;
+    float* yr = y + r * y_stride;
+    const bool stream = prefetch && r == 0;
+#define CONVEYOR_PAIR_TILE(R)                                                                                     \
+  case R:                                                                                                         \
+    if (stream) pair_tile512<R, true>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols); \
+    else pair_tile512<R, false>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols);       \
+    break;
+    switch (rows) {
+      CONVEYOR_PAIR_TILE(14) CONVEYOR_PAIR_TILE(13) CONVEYOR_PAIR_TILE(12) CONVEYOR_PAIR_TILE(11)
+      CONVEYOR_PAIR_TILE(10) CONVEYOR_PAIR_TILE(9) CONVEYOR_PAIR_TILE(8) CONVEYOR_PAIR_TILE(7)
+      CONVEYOR_PAIR_TILE(6) CONVEYOR_PAIR_TILE(5) CONVEYOR_PAIR_TILE(4) CONVEYOR_PAIR_TILE(3)
+      CONVEYOR_PAIR_TILE(2) CONVEYOR_PAIR_TILE(1)
+      default: break;
+    }
+#undef CONVEYOR_PAIR_TILE
+  });
+#else
+  rows_times_panel(x, x_stride, m, left_panel, k_dim, bias, y, y_stride, kPanel, from_memory);
+  rows_times_panel(x, x_stride, m, right_panel, k_dim, bias ? bias + kPanel : nullptr, y + kPanel, y_stride,
+                   right_cols, from_memory);
+#endif
 }
 
 // A product of many rows (a prefill chunk) runs in blocks of rows, each over all of a thread's

@@ -497,13 +497,23 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
   }
   // More rows: each panel expanded once into the L2 buffer, in blocks of rows (see for_row_blocks).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> expanded;  // one panel in fp32 (K x 64 bytes, in L2)
-    expanded.resize(units * U::kUnitK * kPanel);
+    thread_local std::vector<float> expanded;  // two panels in fp32 (K x 64 bytes each, in L2)
+    const int64_t k_dim = units * U::kUnitK;
+    expanded.resize(2 * k_dim * kPanel);
     for_row_blocks(m, [&](int64_t r0, int64_t rows) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        if (p + 1 < end) {
+          expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
+          expand_panel<U>(w + (p + 1) * units * U::kBytes, units, expanded.data() + k_dim * kPanel);
+          rows_times_panel_pair(x + r0 * x_stride, x_stride, rows, expanded.data(), expanded.data() + k_dim * kPanel,
+                                k_dim, bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features,
+                                std::min(kPanel, out_features - col0 - kPanel), /*from_memory=*/false);
+          ++p;
+          continue;
+        }
         expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
-        rows_times_panel(x + r0 * x_stride, x_stride, rows, expanded.data(), units * U::kUnitK,
+        rows_times_panel(x + r0 * x_stride, x_stride, rows, expanded.data(), k_dim,
                          bias ? bias + col0 : nullptr, y + r0 * out_features + col0, out_features, cols,
                          /*from_memory=*/false);
       }
