@@ -352,6 +352,51 @@ void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t
   });
 }
 
+#if defined(__AVX512F__)
+// Two adjacent panels a fused tile, as pair_tile512 does for fp32 panels (panel_tile.h): two
+// streams of blocks in flight, and each broadcast row value feeds two FMAs. Same sums, same order.
+// Only for the few rows of a small decode step: from 4 rows, two panels' unpacking beside 2R sums
+// runs out of registers and is slower than one panel a tile (docs/PERF.md).
+constexpr int64_t kFusedPairMaxRows = 3;
+template <class U, int R>
+void fused_pair_tile(const float* xt, const uint8_t* left_src, const uint8_t* right_src, int64_t units,
+                     const float* bias, float* y, int64_t y_stride, int64_t right_cols) {
+  __m512 left[R], right[R];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) left[r] = right[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u, left_src += U::kBytes, right_src += U::kBytes) {
+    const U left_unit{left_src}, right_unit{right_src};
+    for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
+      const Scales16 ls = left_unit.group16(g), rs = right_unit.group16(g);
+      const float* xg = xt + (u * U::kUnitK + g * U::kGroupK) * R;
+      _Pragma("GCC unroll 2") for (int64_t k = 0; k < U::kGroupK; ++k) {
+        const __m512 wl = left_unit.weights16(ls, g * U::kGroupK + k);
+        const __m512 wr = right_unit.weights16(rs, g * U::kGroupK + k);
+        _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(xg[k * R + r]);
+          left[r] = _mm512_fmadd_ps(xv, wl, left[r]);
+          right[r] = _mm512_fmadd_ps(xv, wr, right[r]);
+        }
+      }
+    }
+  }
+  store_sums512<R>(left, bias, y, y_stride, kPanel);
+  store_sums512<R>(right, bias ? bias + kPanel : nullptr, y + kPanel, y_stride, right_cols);
+}
+
+// m <= kFusedPairMaxRows rows (interleaved: one tile) against two adjacent quantised panels (the left one full).
+template <class U>
+void fused_pair_rows(const float* interleaved, int64_t m, const uint8_t* left_src, const uint8_t* right_src,
+                     int64_t units, const float* bias, float* y, int64_t y_stride, int64_t right_cols) {
+  switch (m) {
+#define CONVEYOR_FUSED_PAIR(R) \
+  case R: fused_pair_tile<U, R>(interleaved, left_src, right_src, units, bias, y, y_stride, right_cols); break;
+    CONVEYOR_FUSED_PAIR(1) CONVEYOR_FUSED_PAIR(2) CONVEYOR_FUSED_PAIR(3)
+#undef CONVEYOR_FUSED_PAIR
+    default: break;
+  }
+}
+#endif
+
 using Q4_0Unit = LegacyUnit<4, false>;
 using Q4_1Unit = LegacyUnit<4, true>;
 using Q5_0Unit = LegacyUnit<5, false>;
@@ -489,6 +534,15 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel;
+#if defined(__AVX512F__)
+        if (m <= kFusedPairMaxRows && p + 1 < end) {
+          fused_pair_rows<U>(xt, m, w + p * units * U::kBytes, w + (p + 1) * units * U::kBytes, units,
+                             bias ? bias + col0 : nullptr, y + col0, out_features,
+                             std::min(kPanel, out_features - col0 - kPanel));
+          ++p;
+          continue;
+        }
+#endif
         fused_rows<U>(xt, m, w + p * units * U::kBytes, units, bias ? bias + col0 : nullptr, y + col0,
                       out_features, std::min(kPanel, out_features - col0));
       }
