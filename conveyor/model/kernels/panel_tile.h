@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <immintrin.h>
 
@@ -52,6 +53,16 @@ inline void for_balanced_tiles(int64_t m, F&& tile) {
     const int64_t rows = (m - r0) / (tiles - t);
     tile(r0, rows);
     r0 += rows;
+  }
+}
+
+// Calls tile(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kMax: a tile's row count
+// as a compile-time constant, so that its sums are fully unrolled into registers.
+template <int kMax, class F>
+inline void with_rows(int64_t rows, F&& tile) {
+  if constexpr (kMax > 0) {
+    if (rows == kMax) tile(std::integral_constant<int, kMax>{});
+    else with_rows<kMax - 1>(rows, tile);
   }
 }
 
@@ -161,19 +172,11 @@ inline void rows_times_panel(const float* x, int64_t x_stride, int64_t m, const 
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     const bool stream = prefetch && r == 0;
-#define CONVEYOR_TILE(R)                                                                             \
-  case R:                                                                                            \
-    if constexpr (R <= kMaxTileRows) {                                                               \
-      if (stream) CONVEYOR_TILE_FN<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);   \
-      else CONVEYOR_TILE_FN<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);         \
-    }                                                                                                \
-    break;
-    switch (rows) {
-      CONVEYOR_TILE(12) CONVEYOR_TILE(11) CONVEYOR_TILE(10) CONVEYOR_TILE(9) CONVEYOR_TILE(8) CONVEYOR_TILE(7)
-      CONVEYOR_TILE(6) CONVEYOR_TILE(5) CONVEYOR_TILE(4) CONVEYOR_TILE(3) CONVEYOR_TILE(2) CONVEYOR_TILE(1)
-      default: break;
-    }
-#undef CONVEYOR_TILE
+    with_rows<kMaxTileRows>(rows, [&](auto tile_rows) {
+      constexpr int R = decltype(tile_rows)::value;
+      if (stream) CONVEYOR_TILE_FN<R, true>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);
+      else CONVEYOR_TILE_FN<R, false>(xr, x_stride, panel, k_dim, bias, yr, y_stride, cols);
+    });
   });
 }
 
@@ -189,19 +192,11 @@ inline void rows_times_panel_pair(const float* x, int64_t x_stride, int64_t m, c
     const float* xr = x + r * x_stride;
     float* yr = y + r * y_stride;
     const bool stream = prefetch && r == 0;
-#define CONVEYOR_PAIR_TILE(R)                                                                                     \
-  case R:                                                                                                         \
-    if (stream) pair_tile512<R, true>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols); \
-    else pair_tile512<R, false>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols);       \
-    break;
-    switch (rows) {
-      CONVEYOR_PAIR_TILE(14) CONVEYOR_PAIR_TILE(13) CONVEYOR_PAIR_TILE(12) CONVEYOR_PAIR_TILE(11)
-      CONVEYOR_PAIR_TILE(10) CONVEYOR_PAIR_TILE(9) CONVEYOR_PAIR_TILE(8) CONVEYOR_PAIR_TILE(7)
-      CONVEYOR_PAIR_TILE(6) CONVEYOR_PAIR_TILE(5) CONVEYOR_PAIR_TILE(4) CONVEYOR_PAIR_TILE(3)
-      CONVEYOR_PAIR_TILE(2) CONVEYOR_PAIR_TILE(1)
-      default: break;
-    }
-#undef CONVEYOR_PAIR_TILE
+    with_rows<kMaxPairRows>(rows, [&](auto tile_rows) {
+      constexpr int R = decltype(tile_rows)::value;
+      if (stream) pair_tile512<R, true>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols);
+      else pair_tile512<R, false>(xr, x_stride, left_panel, right_panel, k_dim, bias, yr, y_stride, right_cols);
+    });
   });
 #else
   rows_times_panel(x, x_stride, m, left_panel, k_dim, bias, y, y_stride, kPanel, from_memory);

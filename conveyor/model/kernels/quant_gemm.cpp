@@ -340,15 +340,9 @@ void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t
   for_balanced_tiles<kFusedRows>(m, [&](int64_t r0, int64_t rows) {
     const float* xt = interleaved + r0 * units * U::kUnitK;
     float* yr = y + r0 * y_stride;
-    switch (rows) {
-#define CONVEYOR_FUSED(R) \
-  case R: if constexpr (R <= kFusedRows) fused_tile<U, R>(xt, src, units, bias, yr, y_stride, cols); break;
-      CONVEYOR_FUSED(1) CONVEYOR_FUSED(2) CONVEYOR_FUSED(3) CONVEYOR_FUSED(4) CONVEYOR_FUSED(5)
-      CONVEYOR_FUSED(6) CONVEYOR_FUSED(7) CONVEYOR_FUSED(8) CONVEYOR_FUSED(9) CONVEYOR_FUSED(10)
-      CONVEYOR_FUSED(11) CONVEYOR_FUSED(12)
-#undef CONVEYOR_FUSED
-      default: break;
-    }
+    with_rows<kFusedRows>(rows, [&](auto tile_rows) {
+      fused_tile<U, decltype(tile_rows)::value>(xt, src, units, bias, yr, y_stride, cols);
+    });
   });
 }
 
@@ -387,13 +381,9 @@ void fused_pair_tile(const float* xt, const uint8_t* left_src, const uint8_t* ri
 template <class U>
 void fused_pair_rows(const float* interleaved, int64_t m, const uint8_t* left_src, const uint8_t* right_src,
                      int64_t units, const float* bias, float* y, int64_t y_stride, int64_t right_cols) {
-  switch (m) {
-#define CONVEYOR_FUSED_PAIR(R) \
-  case R: fused_pair_tile<U, R>(interleaved, left_src, right_src, units, bias, y, y_stride, right_cols); break;
-    CONVEYOR_FUSED_PAIR(1) CONVEYOR_FUSED_PAIR(2) CONVEYOR_FUSED_PAIR(3)
-#undef CONVEYOR_FUSED_PAIR
-    default: break;
-  }
+  with_rows<kFusedPairMaxRows>(m, [&](auto tile_rows) {
+    fused_pair_tile<U, decltype(tile_rows)::value>(interleaved, left_src, right_src, units, bias, y, y_stride, right_cols);
+  });
 }
 #endif
 
@@ -783,13 +773,9 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
       const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
       for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
         const uint8_t* panel = wp + p * units * Q8_0Unit::kBytes;
-        switch (std::min<int64_t>(kRowTile, m - r0)) {
-#define CONVEYOR_SCREEN(R) case R: screen_panel<R>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0); break;
-          CONVEYOR_SCREEN(1) CONVEYOR_SCREEN(2) CONVEYOR_SCREEN(3) CONVEYOR_SCREEN(4)
-          CONVEYOR_SCREEN(5) CONVEYOR_SCREEN(6) CONVEYOR_SCREEN(7) CONVEYOR_SCREEN(8)
-#undef CONVEYOR_SCREEN
-          default: break;
-        }
+        with_rows<kRowTile>(std::min<int64_t>(kRowTile, m - r0), [&](auto tile_rows) {
+          screen_panel<decltype(tile_rows)::value>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0);
+        });
       }
     }
   });
