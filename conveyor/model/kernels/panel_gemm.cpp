@@ -6,10 +6,10 @@
 // for the first tile of rows, then from L2 for the other tiles. A tile holds up to 6 rows x 16
 // columns in 12 AVX registers; per k it loads 2 vectors of weights and broadcasts 6 inputs (with
 // AVX-512, a tile takes two adjacent panels at once: panel_tile.h). The two threads take halves
-// of the panels (each its own contiguous stream). With a few rows per
-// tile there is enough arithmetic between loads that one core keeps too few cache misses in flight
-// to pull its share of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (faster
-// at 4-32 rows, docs/PERF.md; at 1-2 rows the core is waiting on memory anyway and gains nothing).
+// of the panels (each its own contiguous stream). With a few rows per tile there is enough
+// arithmetic between loads that one core keeps too few cache misses in flight to pull its share
+// of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (faster at 4-32 rows,
+// docs/PERF.md; at 1-2 rows the core is waiting on memory anyway and gains nothing).
 // Sums run over k in order, one FMA per step: results differ from MKL/oneDNN in rounding only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
