@@ -209,20 +209,24 @@ class RayEngineClient:
             return
         t.busy = True
         try:
-            error = await self._move_kv(t, source)
+            error, skipped = await self._move_kv(t, source)
         finally:  # cancelled (detach) or not: the parked blocks must not outlive the handover
             t.busy = False
             source.tell("release", t.request_id)
         if error is not None:
             self._fail(t, error if isinstance(error, ConveyorError) else WorkerDiedError(f"KV handover failed: {error}"))
             return
+        block_bytes = ready.num_bytes // max(1, ready.num_blocks)
         self.cluster.kv_transfers += 1
-        self.cluster.kv_transfer_bytes += ready.num_bytes
+        self.cluster.kv_transfer_bytes += (ready.num_blocks - skipped) * block_bytes
+        self.cluster.kv_transfer_cached_bytes += skipped * block_bytes
         if t.aborted:
             t.worker.tell("abort", t.request_id)
 
-    async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> BaseException | None:
-        """Import the request's KV into a live decode worker (a second one if the first died)."""
+    async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> tuple[BaseException | None, int]:
+        """Import the request's KV into a live decode worker (a second one if the first died),
+        leaving out the leading blocks that worker's prefix cache holds. Returns the error, if any,
+        and how many blocks were left out."""
         import ray
 
         tried: WorkerHandle | None = None
@@ -230,20 +234,21 @@ class RayEngineClient:
         for _ in range(MAX_ATTEMPTS):
             target = pick(self.workers, "decode", self._tracked.values(), exclude=tried)
             if target is None:
-                return WorkerDiedError("no live decode worker to take the request over")
+                return WorkerDiedError("no live decode worker to take the request over"), 0
             t.worker, tried = target, target
             try:
-                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id))
-                return None
+                skipped = await target.actor.cached_prefix_blocks.remote(t.prompt)
+                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id, skipped))
+                return None, skipped
             except ray.exceptions.RayError as exc:
                 if not source.alive or not await self._responds(source):
                     self._worker_died(source)
-                    return exc  # the KV is gone with it
+                    return exc, 0  # the KV is gone with it
                 if await self._responds(target):
-                    return exc  # not a death: the import itself failed
+                    return exc, 0  # not a death: the import itself failed
                 self._worker_died(target)
                 error = exc
-        return error
+        return error, 0
 
     async def _responds(self, worker: WorkerHandle) -> bool:
         try:

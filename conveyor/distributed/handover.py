@@ -1,12 +1,19 @@
 """KV handover between two engines: export a prefilled request's blocks, import them elsewhere.
 
 Only the request's own blocks move (the first `num_computed_tokens` tokens' worth), never the
-pool. The importer allocates its own blocks, writes the KV in, and queues the request at the
-count it reached, so the scheduler's one rule (computed vs known tokens) resumes it as a decode.
-When it may do so is conveyor/engine/imports.py's rule. Runs on the engine's own thread on both
-sides (the KV manager is not thread-safe).
+pool, and not those the importer's prefix cache already holds: the front end asks the importer
+how many leading blocks of the prompt it has cached (`cached_prefix_blocks`) and the export
+starts after them. The importer allocates its own blocks (its cached ones head the table), writes
+the KV of the rest in, and queues the request at the count it reached, so the scheduler's one rule
+(computed vs known tokens) resumes it as a decode. Should the importer have evicted some of the
+blocks it said it held before the KV arrives, the request is queued at the end of what it still
+holds and the gap is recomputed there: slower, never wrong. When it may enter is
+conveyor/engine/imports.py's rule. Runs on the engine's own thread on both sides (the KV manager
+is not thread-safe), but for cached_prefix_blocks, an estimate that the import checks again.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,9 +32,19 @@ def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
     return table[: blocks_for(request.num_computed_tokens, engine.kv.block_size)]
 
 
-def export_request(engine: LLMEngine, request: Request) -> KVPayload:
+def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int]) -> int:
+    """How many leading full blocks of `token_ids` the engine's prefix cache holds now: an export
+    to this engine may leave them out. Safe off the engine's thread (dict reads only); the import
+    looks again."""
+    return len(engine.kv.lookup_prefix(lambda start, end: token_ids[start:end], len(token_ids)))
+
+
+def export_request(engine: LLMEngine, request: Request, first_block: int = 0) -> KVPayload:
+    """The request's KV from block `first_block` on (the importer holds the blocks before it)."""
     runner = kv_transfer(engine.runner)
-    data = runner.read_kv_blocks(request_blocks(engine, request))
+    blocks = request_blocks(engine, request)
+    first_block = max(0, min(first_block, len(blocks)))
+    data = runner.read_kv_blocks(blocks[first_block:])
     dtype = "bfloat16" if data.dtype == torch.bfloat16 else "float32"
     array = data.view(torch.int16).numpy() if dtype == "bfloat16" else data.numpy()
     return KVPayload(
@@ -38,6 +55,7 @@ def export_request(engine: LLMEngine, request: Request) -> KVPayload:
         num_computed_tokens=request.num_computed_tokens,
         kv=array,
         kv_dtype=dtype,
+        first_block=first_block,
         sampler_state=runner.sampler.generator_state(request),
     )
 
@@ -46,31 +64,37 @@ def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
     return blocks_for(payload.num_computed_tokens, engine.kv.block_size)
 
 
-def import_request(engine: LLMEngine, payload: KVPayload) -> Request:
-    """Allocate, write, queue; when the import queue (conveyor/engine/imports.py) lets it in."""
+def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | None = None) -> Request:
+    """Allocate, write, queue; when the import queue (conveyor/engine/imports.py) lets it in.
+    `cached`: the engine's cached leading blocks of the request (looked up here if None)."""
     runner = kv_transfer(engine.runner)
     expected = blocks_needed(engine, payload)
-    if payload.kv.shape[2] != expected or payload.kv.shape[3] != engine.kv.block_size:
+    first = payload.first_block
+    if not 0 <= first <= expected or payload.kv.shape[2] != expected - first \
+            or payload.kv.shape[3] != engine.kv.block_size:
         raise InvalidRequestError(
-            f"KV of {payload.request_id!r} has {payload.kv.shape[2]} blocks of {payload.kv.shape[3]} tokens; "
-            f"this engine needs {expected} blocks of {engine.kv.block_size}"
+            f"KV of {payload.request_id!r} has {payload.kv.shape[2]} blocks of {payload.kv.shape[3]} tokens "
+            f"from block {first}; this engine needs {expected} blocks of {engine.kv.block_size}"
         )
     request = Request(payload.request_id, payload.prompt_token_ids, payload.params, engine.clock())
     request.output_token_ids = list(payload.output_token_ids)
     request.num_computed_tokens = payload.num_computed_tokens
     request.status = RequestStatus.WAITING
-    array = np.ascontiguousarray(payload.kv)
-    # What Ray hands over is a read-only view of the object store: copy it, torch wants to own it.
-    data = torch.from_numpy(array if array.flags.writeable else array.copy())
-    if payload.kv_dtype == "bfloat16":
-        data = data.view(torch.bfloat16)
-    engine.kv.allocate(request.request_id, request.num_computed_tokens)
-    try:
-        runner.write_kv_blocks(engine.kv.block_tables[request.request_id], data)
-        engine.add_prefilled_request(request)
-    except BaseException:
-        engine.kv.free(request.request_id)
-        raise
+    if cached is None:
+        cached = engine.kv.lookup_prefix(request.token_slice, request.num_computed_tokens)
+    cached = cached[:expected]
+    if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
+        request.num_computed_tokens = len(cached) * engine.kv.block_size
+
+    def write_kv(blocks: list[int]) -> None:
+        if not blocks:
+            return
+        array = np.ascontiguousarray(payload.kv[:, :, len(cached) - first:])
+        # What Ray hands over is a read-only view of the object store: copy it, torch wants to own it.
+        data = torch.from_numpy(array if array.flags.writeable else array.copy())
+        runner.write_kv_blocks(blocks, data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data)
+
+    engine.add_prefilled_request(request, cached, write_kv)
     if payload.sampler_state is not None:
         runner.sampler.set_generator_state(request, payload.sampler_state)
     request.times.first_token = request.times.first_scheduled = request.arrival_time

@@ -84,6 +84,9 @@ class KVPayload:
     output_token_ids: list[int]
     params: SamplingParams
     num_computed_tokens: int
-    kv: Any  # numpy array [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] (zero-copy in Ray)
+    # numpy array [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] (zero-copy in Ray): the
+    # request's blocks from `first_block` on (the importer said its prefix cache holds those before)
+    kv: Any
     kv_dtype: str  # "float32" or "bfloat16" (bf16 travels as int16 bits: numpy has no bf16)
     sampler_state: Any = None  # the request's own generator state when it samples with a seed
+    first_block: int = 0

@@ -33,6 +33,10 @@ class ClusterMetrics:
                                  ["model_name"], registry=registry).labels(model_name)
         self.transfer_bytes = Counter("conveyor:kv_transfer_bytes", "Bytes of KV moved by handovers.",
                                       ["model_name"], registry=registry).labels(model_name)
+        self.transfer_cached_bytes = Counter(
+            "conveyor:kv_transfer_cached_bytes",
+            "Bytes of KV handovers left out because the decode worker's prefix cache held those blocks.",
+            ["model_name"], registry=registry).labels(model_name)
         self.failures = Counter("conveyor:worker_failures", "Workers that died.", ["model_name"],
                                 registry=registry).labels(model_name)
         self.retries = Counter("conveyor:request_retries", "Requests resubmitted after their worker died.",
@@ -58,10 +62,12 @@ class ClusterMetrics:
         for counter, now, before in (
             (self.transfers, cluster.kv_transfers, self._seen.kv_transfers),
             (self.transfer_bytes, cluster.kv_transfer_bytes, self._seen.kv_transfer_bytes),
+            (self.transfer_cached_bytes, cluster.kv_transfer_cached_bytes, self._seen.kv_transfer_cached_bytes),
             (self.failures, cluster.worker_failures, self._seen.worker_failures),
             (self.retries, cluster.retries, self._seen.retries),
         ):
             if now > before:
                 counter.inc(now - before)
-        self._seen = ClusterStats([], cluster.kv_transfers, cluster.kv_transfer_bytes, cluster.worker_failures,
-                                  cluster.retries)
+        self._seen = ClusterStats(kv_transfers=cluster.kv_transfers, kv_transfer_bytes=cluster.kv_transfer_bytes,
+                                  kv_transfer_cached_bytes=cluster.kv_transfer_cached_bytes,
+                                  worker_failures=cluster.worker_failures, retries=cluster.retries)

@@ -34,7 +34,8 @@ class WorkerStats:
 class ClusterStats:
     workers: list[WorkerStats] = field(default_factory=list)
     kv_transfers: int = 0  # cumulative handovers that completed
-    kv_transfer_bytes: int = 0
+    kv_transfer_bytes: int = 0  # moved
+    kv_transfer_cached_bytes: int = 0  # left out: the decode worker's prefix cache held those blocks
     worker_failures: int = 0
     retries: int = 0  # requests resubmitted to another worker after theirs died
     totals: dict[str, WorkerTotals] = field(default_factory=dict)  # by worker name

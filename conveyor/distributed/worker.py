@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config import EngineConfig
-from conveyor.distributed.handover import export_request, import_request, request_blocks
+from conveyor.distributed.handover import cached_prefix_blocks, export_request, import_request, request_blocks
 from conveyor.distributed.messages import (
     HandoverReady,
     KVPayload,
@@ -64,6 +64,10 @@ class _PendingImport:
     @property
     def num_computed_tokens(self) -> int:
         return self.payload.num_computed_tokens
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt = self.payload.prompt_token_ids
+        return (prompt + self.payload.output_token_ids)[start:end] if end > len(prompt) else prompt[start:end]
 
 
 class EngineWorker(EngineLoop[_Command]):
@@ -115,11 +119,19 @@ class EngineWorker(EngineLoop[_Command]):
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
-    async def export_kv(self, request_id: str) -> KVPayload:
+    async def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
+        """The parked request's KV from block `first_block` on (the importer caches those before)."""
         # Off the loop thread so a long step does not delay the handover: the blocks of a parked
         # request are written by nobody until `release`, and reading other blocks is harmless.
         request, _ = self._parked[request_id]
-        return await asyncio.to_thread(export_request, self.engine, request)
+        return await asyncio.to_thread(export_request, self.engine, request, first_block)
+
+    async def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of `token_ids` this worker's prefix cache holds (an import
+        of them may leave those out). Read here, not on the loop thread: an answer now, not after
+        the step in flight; import_kv checks again."""
+        self._check_alive()
+        return cached_prefix_blocks(self.engine, token_ids)
 
     async def import_kv(self, payload: KVPayload) -> None:
         """Returns once the request is in this engine (it may wait for free blocks)."""
@@ -222,9 +234,9 @@ class EngineWorker(EngineLoop[_Command]):
     def _before_step(self) -> None:
         self._imports.take(self.engine, self._admit_import, lambda pending, error: pending.done.set_exception(error))
 
-    def _admit_import(self, pending: _PendingImport) -> None:
+    def _admit_import(self, pending: _PendingImport, cached: list[int]) -> None:
         try:
-            import_request(self.engine, pending.payload)
+            import_request(self.engine, pending.payload, cached)
         except Exception as exc:
             pending.done.set_exception(exc)
         else:

@@ -4,12 +4,14 @@ One rule, for the Ray decode workers (conveyor/distributed/worker.py) and the si
 workers (conveyor/sim/disagg.py): requests enter in arrival order and the head waits for blocks
 rather than being overtaken (no starvation); an import may take only the free blocks the
 scheduler has not promised to its own requests (Scheduler.uncommitted_free_blocks); one that
-could never fit this engine's pool is refused at once instead of waiting forever.
+could never fit this engine's pool is refused at once instead of waiting forever. The leading
+blocks of an import that this engine's prefix cache holds (a shared system prompt, an earlier
+turn) are taken from it, not written again, and need no free block unless they are evictable.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Generic, Iterator, Protocol, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
@@ -22,6 +24,8 @@ class Importable(Protocol):
 
     @property
     def num_computed_tokens(self) -> int: ...
+
+    def token_slice(self, start: int, end: int) -> Sequence[int]: ...
 
 
 Item = TypeVar("Item", bound=Importable)
@@ -62,18 +66,21 @@ class ImportQueue(Generic[Item]):
     def __iter__(self) -> Iterator[Item]:
         return iter(self._items)
 
-    def take(self, engine: LLMEngine, admit: Callable[[Item], None],
+    def take(self, engine: LLMEngine, admit: Callable[[Item, list[int]], None],
              refuse: Callable[[Item, InvalidRequestError], None]) -> None:
-        """Admit the head while it fits (`admit` allocates its blocks and queues it in `engine`)."""
+        """Admit the head while it fits: `admit(item, cached)` queues it in `engine` with the
+        leading blocks of it that the engine's prefix cache holds (LLMEngine.add_prefilled_request)."""
+        kv = engine.kv
         while self._items:
             item = self._items[0]
-            needed = blocks_to_run(item.num_computed_tokens, engine.kv.block_size)
-            if needed > engine.kv.num_blocks:  # it would wait forever
+            needed = blocks_to_run(item.num_computed_tokens, kv.block_size)
+            if needed > kv.num_blocks:  # it would wait forever
                 self._items.popleft()
                 refuse(item, InvalidRequestError(f"request {item.request_id!r} needs {needed} KV blocks; "
-                                                 f"this engine has {engine.kv.num_blocks}"))
+                                                 f"this engine has {kv.num_blocks}"))
                 continue
-            if needed > import_headroom(engine):
+            cached = kv.lookup_prefix(item.token_slice, item.num_computed_tokens)
+            if kv.blocks_to_start(item.num_computed_tokens + 1, cached) > import_headroom(engine):
                 return
             self._items.popleft()
-            admit(item)
+            admit(item, cached)

@@ -202,16 +202,30 @@ class LLMEngine:
             self._unfinished_samples.pop(request.group_id, None)
         return request
 
-    def add_prefilled_request(self, request: Request) -> None:
-        """Queue a request whose first `num_computed_tokens` tokens already have KV in its blocks
-        (allocated and written by the caller); it resumes like any request, from that count."""
+    def add_prefilled_request(self, request: Request, cached: Sequence[int] = (),
+                              write_kv: Callable[[list[int]], None] | None = None) -> None:
+        """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere, with
+        blocks for them: `cached` (kv.lookup_prefix: leading blocks of it that this engine's prefix
+        cache holds) head its table as they are, and `write_kv(blocks)` writes the KV of the blocks
+        after them (the simulator's runner holds no data and passes None). Those blocks are then
+        keyed like computed ones, so the next import of the same prefix finds them. It resumes like
+        any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         request.sampling_params = request.sampling_params.bounded(self.vocab_size)
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
-        self._start_grammar(request)  # replays the output it already has
+        rid = request.request_id
+        self.kv.allocate(rid, request.num_computed_tokens, cached)
+        try:
+            if write_kv is not None:
+                write_kv(self.kv.block_tables[rid][len(cached):])
+            self._start_grammar(request)  # replays the output it already has
+        except BaseException:
+            self.kv.free(rid)  # before keying: a block whose write failed must never be a hit
+            raise
+        self.kv.cache_full_blocks(rid, request.num_computed_tokens, request.token_slice)
         self.scheduler.add_request(request)
-        self._unfinished_samples[request.request_id] = 1
+        self._unfinished_samples[rid] = 1
 
     def _start_grammar(self, request: Request) -> None:
         if request.sampling_params.structured is None:

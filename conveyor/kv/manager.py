@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from conveyor.errors import OutOfBlocksError
 from conveyor.kv.block_pool import BlockPool
@@ -96,19 +96,37 @@ class KVCacheManager:
             keys.append(block_key(keys[-1] if keys else self._root_key, token_slice(i * bs, (i + 1) * bs)))
         return keys[index]
 
+    def _leading_hits(self, keys: Iterable[bytes]) -> list[int]:
+        hits = []
+        for key in keys:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def cached_prefix(self, request_id: str, token_slice: TokenSlice, max_tokens: int) -> list[int]:
         """The blocks of the longest run of the request's leading full blocks that are cached and
         lie within its first max_tokens tokens; nothing is taken yet (pass them to allocate). Only
         for a request that holds no blocks: one with KV already resumes from it."""
         if not self.enable_prefix_caching or request_id in self.block_tables:
             return []
-        hits = []
-        for index in range(max_tokens // self.block_size):
-            block = self.pool.lookup(self._key(request_id, index, token_slice))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        num_blocks = max_tokens // self.block_size
+        return self._leading_hits(self._key(request_id, index, token_slice) for index in range(num_blocks))
+
+    def lookup_prefix(self, token_slice: TokenSlice, max_tokens: int) -> list[int]:
+        """As cached_prefix, for tokens no request of this manager holds yet (a request another
+        engine computed, before it is imported): keys computed afresh, nothing remembered."""
+        if not self.enable_prefix_caching:
+            return []
+
+        def chain() -> Iterator[bytes]:
+            key = self._root_key
+            for start in range(0, max_tokens // self.block_size * self.block_size, self.block_size):
+                key = block_key(key, token_slice(start, start + self.block_size))
+                yield key
+
+        return self._leading_hits(chain())
 
     def cache_full_blocks(self, request_id: str, num_computed_tokens: int, token_slice: TokenSlice) -> None:
         """Key the request's blocks that its first num_computed_tokens tokens fill (their KV is
@@ -131,12 +149,17 @@ class KVCacheManager:
         table = self.block_tables.get(request_id)
         bs = self.block_size
         if not table:
-            new = max(-(-num_total_tokens // bs), len(cached)) - len(cached)
-            return new + sum(1 for b in cached if self.pool.ref_count(b) == 0), False
+            return self.blocks_to_start(num_total_tokens, cached), False
         new = -(-num_total_tokens // bs) - len(table)
         written = self.num_slotted_tokens.get(request_id, 0)
         cow = num_total_tokens > written and written % bs != 0 and self.pool.ref_count(table[written // bs]) > 1
         return (new if new > 0 else 0), cow
+
+    def blocks_to_start(self, num_total_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free blocks a new table takes for num_total_tokens slots when it starts with `cached`:
+        the blocks past them, and each cached one that is evictable (free) rather than owned."""
+        new = max(blocks_for(num_total_tokens, self.block_size), len(cached)) - len(cached)
+        return new + sum(1 for b in cached if self.pool.ref_count(b) == 0)
 
     def can_allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> bool:
         new, copy_on_write = self._needs(request_id, num_total_tokens, cached)

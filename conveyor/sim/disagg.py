@@ -14,8 +14,10 @@ disaggregation runs in two passes over the same clock origin:
    bytes / (tp x kv_transfer_bandwidth): each shard moves its slice over its own link), goes to the
    decode worker with the fewest outstanding tokens, waits in its import queue until the blocks fit
    (Scheduler.uncommitted_free_blocks, the Ray workers' rule), takes its own blocks from that
-   worker's KV manager and enters through LLMEngine.add_prefilled_request: prompt computed, first
-   token known.
+   worker's KV manager (the leading ones its prefix cache holds shared, as on Ray) and enters
+   through LLMEngine.add_prefilled_request: prompt computed, first token known. The transfer time
+   counts every block: the prefill pass runs before the decode workers' caches exist, so the
+   blocks a Ray handover leaves out (those the decode worker holds) are not known then.
 
 A client's record joins the two: TTFT from the prefill worker, later tokens from the decode worker,
 so the first inter-token gap carries the transfer and any wait for the decode worker.
@@ -83,9 +85,8 @@ class Lane:
 def take_imports(lane: Lane) -> None:
     engine = lane.engine
 
-    def admit(request: Request) -> None:
-        engine.kv.allocate(request.request_id, request.num_computed_tokens)
-        engine.add_prefilled_request(request)  # the prefill worker validated the same limits
+    def admit(request: Request, cached: list[int]) -> None:
+        engine.add_prefilled_request(request, cached)  # the prefill worker validated the same limits
 
     def refuse(request: Request, error: InvalidRequestError) -> None:
         raise error  # both sides share one engine configuration: this cannot happen

@@ -242,7 +242,8 @@ def test_cache_aware_replicas_send_each_turn_back_to_its_history(replicas, confi
 def test_prefill_decode_with_a_shared_prefix_hits_the_prefill_cache_and_changes_no_output(disaggregated,
                                                                                            config) -> None:
     """Two waves of requests sharing a 48-token prefix: the second wave's prompts come out of the
-    prefill worker's prefix cache, are handed over, and decode to the same tokens as one engine."""
+    prefill worker's prefix cache, are handed over without the prefix's blocks (the decode worker
+    holds them since the first wave), and decode to the same tokens as one engine."""
     shared = [(7 * j + 3) % 1900 + 50 for j in range(48)]  # unlike every other test's prompts
     prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(6)]
     params = _greedy(6, max_tokens=8)
@@ -262,3 +263,7 @@ def test_prefill_decode_with_a_shared_prefix_hits_the_prefill_cache_and_changes_
     assert first["w0-0"].cached_tokens == 0
     assert all(o.cached_tokens == 48 for o in rest.values())  # three full blocks of 16
     assert cluster.kv_transfers == 6
+    block_bytes = disaggregated.workers[0].info.kv_block_bytes
+    # 51-token prompts: 4 blocks each. The first moves whole; the rest move only their last block.
+    assert cluster.kv_transfer_bytes == (4 + 5 * 1) * block_bytes
+    assert cluster.kv_transfer_cached_bytes == 5 * 3 * block_bytes

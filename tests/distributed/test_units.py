@@ -10,6 +10,7 @@ import pytest
 from conveyor.distributed.deploy import DeploymentConfig
 from conveyor.distributed.handover import (
     blocks_needed,
+    cached_prefix_blocks,
     export_request,
     import_request,
     request_blocks,
@@ -82,6 +83,42 @@ def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_
         import_request(decode, payload)
         prefill.kv.free(request_id)
     assert prefill.kv.pool.num_used == 0
+    got = {}
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            if out.finished:
+                got[out.request_id] = [list(out.token_ids)]
+    assert got == expected
+    assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+
+
+def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_model) -> None:
+    """Requests sharing a 48-token prefix (3 blocks of 16): once the first is imported, the others'
+    exports start at block 3, their decode tables share those blocks, and every output is one
+    engine's. An import whose promised blocks were evicted meanwhile recomputes the gap."""
+    config = tiny_config(tiny_model)
+    shared = [(7 * j + 3) % 1900 + 50 for j in range(48)]
+    prompts = [shared + [100 + i] * (5 + 7 * i) for i in range(4)]
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=9, temperature=0.9, seed=3, ignore_eos=True)
+    expected = reference_outputs(config, prompts, params)
+    prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(config)
+    parked = _prefill(prefill, prompts, params)
+    skipped = []
+    for i, (request_id, request) in enumerate(sorted(parked.items())):
+        skip = cached_prefix_blocks(decode, request.prompt_token_ids)
+        payload = export_request(prefill, request, skip)
+        assert payload.first_block == skip and payload.kv.shape[2] == len(request_blocks(prefill, request)) - skip
+        if i == 3:  # the decode engine loses what it promised before the KV arrives
+            decode.kv.lookup_prefix = lambda token_slice, max_tokens: []  # type: ignore[method-assign]
+        import_request(decode, payload)
+        skipped.append(skip)
+        prefill.kv.free(request_id)
+    assert skipped == [0, 3, 3, 3]
+    tables = [decode.kv.block_tables[f"r{i}"] for i in range(3)]
+    assert tables[0][:3] == tables[1][:3] == tables[2][:3]
+    assert [decode.kv.pool.ref_count(b) for b in tables[0][:3]] == [3, 3, 3]
+    assert decode.scheduler.requests["r3"].num_computed_tokens == 0  # the gap: recomputed here
     got = {}
     while decode.has_unfinished_requests:
         for out in decode.step():

@@ -134,6 +134,31 @@ def test_a_hit_needs_free_blocks_only_for_evictable_ones() -> None:
         kv.allocate("b", 8, cached)  # a hit only starts a table
 
 
+def test_lookup_of_tokens_no_request_holds_finds_the_same_blocks_and_remembers_nothing() -> None:
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(14))
+    start(kv, "a", tokens)  # 3 keyed blocks
+    assert kv.lookup_prefix(slicer(tokens), 14) == kv.cached_prefix("b", slicer(tokens), 14) == kv.block_tables["a"][:3]
+    assert kv.lookup_prefix(slicer(tokens), 11) == kv.block_tables["a"][:2], "full blocks within max_tokens only"
+    assert kv.lookup_prefix(slicer([0, 1, 2, 3, 9, 9, 9, 9]), 8) == kv.block_tables["a"][:1], "stops at a miss"
+    kv.free("b")
+    kv.lookup_prefix(slicer(tokens), 14)
+    assert kv._keys.keys() == {"a"}, "an import's lookup leaves no memo behind"
+    assert KVCacheManager(8, 4).lookup_prefix(slicer(tokens), 14) == []
+
+
+def test_a_new_table_takes_free_blocks_for_evictable_hits_and_the_blocks_past_them() -> None:
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(12))
+    start(kv, "a", tokens)  # 3 keyed blocks, owned
+    hits = kv.lookup_prefix(slicer(tokens), 12)
+    assert kv.blocks_to_start(13, hits) == 1, "owned hits cost nothing; the 13th token a new block"
+    assert kv.blocks_to_start(8, hits) == 0
+    kv.free("a")
+    assert kv.blocks_to_start(13, hits) == 4, "evictable hits cost a free block each"
+    assert kv.blocks_to_start(13) == 4
+
+
 def test_eviction_takes_the_tail_of_the_least_recently_freed_request_first() -> None:
     kv = KVCacheManager(6, 2, enable_prefix_caching=True)
     start(kv, "a", [1, 2, 3, 4, 5, 6])  # 3 keyed blocks
