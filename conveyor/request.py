@@ -104,6 +104,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def cache_salt(self) -> str | None:
+        """Its prefix-cache isolation: it shares cached blocks only with requests of the same salt."""
+        return self.sampling_params.cache_salt
+
     def token_at(self, position: int) -> int:
         n_prompt = len(self.prompt_token_ids)
         if position < n_prompt:

@@ -71,7 +71,6 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "priority": (None, 0),
     "request_id": (None,),
-    "cache_salt": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "guided_decoding_backend": (None,),
@@ -107,6 +106,8 @@ class _Sampling(_Strict):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     add_special_tokens: bool | None = None  # default: true for completions, false for chat (vLLM)
     user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
+    # vLLM's: cached prompt blocks are shared only between requests that send the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
 
     # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
     response_format: dict[str, Any] | None = None
@@ -161,6 +162,7 @@ class _Sampling(_Strict):
             min_tokens=(self.min_tokens, None), stop_token_ids=(self.stop_token_ids, None),
             include_stop_str_in_output=(self.include_stop_str_in_output, False),
             skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),
+            cache_salt=(self.cache_salt, None),
         )
         kwargs.update({name: value for name, (value, unset) in optional.items() if value is not None and value != unset})
         if structured is not None:

@@ -32,11 +32,11 @@ def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
     return table[: blocks_for(request.num_computed_tokens, engine.kv.block_size)]
 
 
-def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int]) -> int:
+def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
     """How many leading full blocks of `token_ids` the engine's prefix cache holds now: an export
     to this engine may leave them out. Safe off the engine's thread (dict reads only); the import
     looks again."""
-    return len(engine.kv.lookup_prefix(lambda start, end: token_ids[start:end], len(token_ids)))
+    return len(engine.kv.lookup_prefix(lambda start, end: token_ids[start:end], len(token_ids), cache_salt))
 
 
 def export_request(engine: LLMEngine, request: Request, first_block: int = 0) -> KVPayload:
@@ -81,7 +81,7 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     request.num_computed_tokens = payload.num_computed_tokens
     request.status = RequestStatus.WAITING
     if cached is None:
-        cached = engine.kv.lookup_prefix(request.token_slice, request.num_computed_tokens)
+        cached = engine.kv.lookup_prefix(request.token_slice, request.num_computed_tokens, request.cache_salt)
     cached = cached[:expected]
     if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
         request.num_computed_tokens = len(cached) * engine.kv.block_size

@@ -40,7 +40,7 @@ from conveyor.kv.manager import iter_block_keys
 log = logging.getLogger("conveyor.distributed")
 
 ROUTING_POLICIES = ("cache-aware", "least-load")  # the first is the default
-ROUTER_SALT = "router"  # keys only need to agree with each other, not with a worker's own
+ROUTER_KEYS = "router"  # the chain's root: keys only need to agree with each other, not with a worker's own
 RECENT_S = 30.0  # how long a history counts as live on its worker after its last request (time constant)
 FORGOTTEN_AFTER_S = 10 * RECENT_S  # a history idle that long weighs < 1e-4: dropped
 
@@ -183,15 +183,16 @@ class Router:
         return index
 
     def route(self, workers: Iterable[WorkerHandle], role: str, requests: Iterable[Assignment],
-              prompt: Sequence[int]) -> Route | None:
-        """Where a new request of `role` goes; None if no worker of that role is alive."""
+              prompt: Sequence[int], cache_salt: str | None = None) -> Route | None:
+        """Where a new request of `role` goes; None if no worker of that role is alive. A request's
+        `cache_salt` keys its blocks apart, as the workers' caches do."""
         candidates = _candidates(workers, role, None)
         if not candidates:
             return None
         loads = _loads(candidates, requests)
         if self.policy == "least-load" or any(w.info is None for w in candidates):  # (info: once started)
             return Route(min(candidates, key=lambda w: loads[id(w)]), 0)
-        keys = self._keys(candidates[0], prompt)
+        keys = self._keys(candidates[0], prompt, cache_salt)
         # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
         hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
         now = self._clock()
@@ -227,10 +228,10 @@ class Router:
         for histories in self._histories.values():
             histories.forget_idle(now)
 
-    def record(self, worker: WorkerHandle, token_ids: Sequence[int]) -> None:
+    def record(self, worker: WorkerHandle, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         """A request's prompt and output as the worker computed them: what its cache now holds."""
         if self.policy == "cache-aware" and worker.info is not None:
-            self._index(worker).add(self._keys(worker, token_ids))
+            self._index(worker).add(self._keys(worker, token_ids, cache_salt))
 
     def forget(self, worker: WorkerHandle) -> None:
         """A dead worker's cache is gone with it."""
@@ -238,5 +239,5 @@ class Router:
         self._histories.pop(worker.name, None)
 
     @staticmethod
-    def _keys(worker: WorkerHandle, token_ids: Sequence[int]) -> list[bytes]:
-        return list(iter_block_keys(ROUTER_SALT, token_ids, worker.info.block_size))
+    def _keys(worker: WorkerHandle, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        return list(iter_block_keys(ROUTER_KEYS, token_ids, worker.info.block_size, cache_salt))

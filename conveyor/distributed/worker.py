@@ -65,6 +65,10 @@ class _PendingImport:
     def num_computed_tokens(self) -> int:
         return self.payload.num_computed_tokens
 
+    @property
+    def cache_salt(self) -> str | None:
+        return self.payload.params.cache_salt
+
     def token_slice(self, start: int, end: int) -> list[int]:
         prompt = self.payload.prompt_token_ids
         return (prompt + self.payload.output_token_ids)[start:end] if end > len(prompt) else prompt[start:end]
@@ -126,12 +130,12 @@ class EngineWorker(EngineLoop[_Command]):
         request, _ = self._parked[request_id]
         return await asyncio.to_thread(export_request, self.engine, request, first_block)
 
-    async def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+    async def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """How many leading full blocks of `token_ids` this worker's prefix cache holds (an import
         of them may leave those out). Read here, not on the loop thread: an answer now, not after
         the step in flight; import_kv checks again."""
         self._check_alive()
-        return cached_prefix_blocks(self.engine, token_ids)
+        return cached_prefix_blocks(self.engine, token_ids, cache_salt)
 
     async def import_kv(self, payload: KVPayload) -> None:
         """Returns once the request is in this engine (it may wait for free blocks)."""

@@ -27,6 +27,9 @@ class Importable(Protocol):
 
     def token_slice(self, start: int, end: int) -> Sequence[int]: ...
 
+    @property
+    def cache_salt(self) -> str | None: ...
+
 
 Item = TypeVar("Item", bound=Importable)
 
@@ -79,7 +82,7 @@ class ImportQueue(Generic[Item]):
                 refuse(item, InvalidRequestError(f"request {item.request_id!r} needs {needed} KV blocks; "
                                                  f"this engine has {kv.num_blocks}"))
                 continue
-            cached = kv.lookup_prefix(item.token_slice, item.num_computed_tokens)
+            cached = kv.lookup_prefix(item.token_slice, item.num_computed_tokens, item.cache_salt)
             if kv.blocks_to_start(item.num_computed_tokens + 1, cached) > import_headroom(engine):
                 return
             self._items.popleft()

@@ -56,9 +56,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.clock = clock
-        # The cache salt is the model's identity: a key never matches KV another model computed.
+        # Keys chain from the model's identity: a key never matches KV another model computed.
         self.kv = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, cache_salt=f"{config.model}|{config.dtype}"
+            num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            model_identity=f"{config.model}|{config.dtype}",
         )
         self.scheduler = make_scheduler(config.scheduler, self.kv)
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
@@ -223,7 +224,7 @@ class LLMEngine:
         except BaseException:
             self.kv.free(rid)  # before keying: a block whose write failed must never be a hit
             raise
-        self.kv.cache_full_blocks(rid, request.num_computed_tokens, request.token_slice)
+        self.kv.cache_full_blocks(rid, request.num_computed_tokens, request.token_slice, request.cache_salt)
         self.scheduler.add_request(request)
         self._unfinished_samples[rid] = 1
 

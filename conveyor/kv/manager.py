@@ -25,9 +25,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def root_key(cache_salt: str) -> bytes:
-    """The parent key of a sequence's first block: the model's identity."""
-    return hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+def root_key(model_identity: str, cache_salt: str | None = None) -> bytes:
+    """The parent key of a sequence's first block: the model's identity, and the request's
+    `cache_salt` if it has one (vLLM's: only requests with the same salt share cached blocks, so a
+    tenant cannot learn from a hit's speed what another tenant's prompts were)."""
+    key = hashlib.blake2b(model_identity.encode(), digest_size=16).digest()
+    if cache_salt is not None:
+        key = hashlib.blake2b(key + b"salt:" + cache_salt.encode(), digest_size=16).digest()
+    return key
 
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -35,9 +40,10 @@ def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def iter_block_keys(cache_salt: str, token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
+def iter_block_keys(model_identity: str, token_ids: Sequence[int], block_size: int,
+                    cache_salt: str | None = None) -> Iterator[bytes]:
     """The keys of the full blocks of a token sequence, first block first."""
-    key = root_key(cache_salt)
+    key = root_key(model_identity, cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         key = block_key(key, token_ids[start : start + block_size])
         yield key
@@ -59,7 +65,7 @@ class KVUsage:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, cache_salt: str = ""
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, model_identity: str = ""
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -72,7 +78,7 @@ class KVCacheManager:
         # (source, destination) block copies the runner must make before the next forward:
         # copy-on-write of a shared, partly filled block that one of its owners writes into.
         self.pending_copies: list[tuple[int, int]] = []
-        self._root_key = root_key(cache_salt)
+        self._model_identity = model_identity
         # Per request: keys of its leading full blocks computed so far (a memo: tokens only append),
         # and how many leading blocks of its table have been offered to the cache.
         self._keys: dict[str, list[bytes]] = {}
@@ -88,12 +94,13 @@ class KVCacheManager:
         return self.pool.num_free
 
     # --- prefix cache ---------------------------------------------------------------------------
-    def _key(self, request_id: str, index: int, token_slice: TokenSlice) -> bytes:
+    def _key(self, request_id: str, index: int, token_slice: TokenSlice, cache_salt: str | None) -> bytes:
         keys = self._keys.setdefault(request_id, [])
         bs = self.block_size
         while len(keys) <= index:
             i = len(keys)
-            keys.append(block_key(keys[-1] if keys else self._root_key, token_slice(i * bs, (i + 1) * bs)))
+            parent = keys[-1] if keys else root_key(self._model_identity, cache_salt)
+            keys.append(block_key(parent, token_slice(i * bs, (i + 1) * bs)))
         return keys[index]
 
     def _leading_hits(self, keys: Iterable[bytes]) -> list[int]:
@@ -105,39 +112,42 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def cached_prefix(self, request_id: str, token_slice: TokenSlice, max_tokens: int) -> list[int]:
+    def cached_prefix(self, request_id: str, token_slice: TokenSlice, max_tokens: int,
+                      cache_salt: str | None = None) -> list[int]:
         """The blocks of the longest run of the request's leading full blocks that are cached and
         lie within its first max_tokens tokens; nothing is taken yet (pass them to allocate). Only
-        for a request that holds no blocks: one with KV already resumes from it."""
+        for a request that holds no blocks: one with KV already resumes from it. A request's
+        `cache_salt` (the same at every call for it) keeps its keys apart from other salts'."""
         if not self.enable_prefix_caching or request_id in self.block_tables:
             return []
         num_blocks = max_tokens // self.block_size
-        return self._leading_hits(self._key(request_id, index, token_slice) for index in range(num_blocks))
+        return self._leading_hits(self._key(request_id, i, token_slice, cache_salt) for i in range(num_blocks))
 
-    def lookup_prefix(self, token_slice: TokenSlice, max_tokens: int) -> list[int]:
+    def lookup_prefix(self, token_slice: TokenSlice, max_tokens: int, cache_salt: str | None = None) -> list[int]:
         """As cached_prefix, for tokens no request of this manager holds yet (a request another
         engine computed, before it is imported): keys computed afresh, nothing remembered."""
         if not self.enable_prefix_caching:
             return []
 
         def chain() -> Iterator[bytes]:
-            key = self._root_key
+            key = root_key(self._model_identity, cache_salt)
             for start in range(0, max_tokens // self.block_size * self.block_size, self.block_size):
                 key = block_key(key, token_slice(start, start + self.block_size))
                 yield key
 
         return self._leading_hits(chain())
 
-    def cache_full_blocks(self, request_id: str, num_computed_tokens: int, token_slice: TokenSlice) -> None:
+    def cache_full_blocks(self, request_id: str, num_computed_tokens: int, token_slice: TokenSlice,
+                          cache_salt: str | None = None) -> None:
         """Key the request's blocks that its first num_computed_tokens tokens fill (their KV is
-        written), so later requests can share them."""
+        written), so later requests (with the same `cache_salt`) can share them."""
         table = self.block_tables.get(request_id)
         if not self.enable_prefix_caching or not table:
             return
         offered = self._num_offered.get(request_id, 0)
         full = min(num_computed_tokens // self.block_size, len(table))
         for index in range(offered, full):
-            self.pool.cache(table[index], self._key(request_id, index, token_slice))
+            self.pool.cache(table[index], self._key(request_id, index, token_slice, cache_salt))
         if full > offered:
             self._num_offered[request_id] = full
 

@@ -59,6 +59,9 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True  # in the output text
     structured: GrammarSpec | None = None  # constrain the output to a JSON schema, regex, choice or grammar
+    # vLLM's: the prefix cache shares blocks only between requests with the same salt (None is a
+    # salt of its own), so one tenant cannot time its way to another's prompts.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +92,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must fit in a signed 64-bit integer (less n - 1), got {self.seed}")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string if given")
         self._check_logit_adjustments()
 
     def _check_logit_adjustments(self) -> None:
@@ -139,6 +144,7 @@ class SamplingParams:
             ("logit_bias", isinstance(self.logit_bias, dict)
              and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items())),
             ("structured", self.structured is None or isinstance(self.structured, GrammarSpec)),
+            ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str)),
         ]
         for name, ok in checks:
             if not ok:

@@ -132,7 +132,7 @@ class Scheduler:
         limit = request.num_tokens - 1
         if request.prompt_logprobs is not None:
             limit = min(limit, len(request.prompt_logprobs) - 1)
-        return self.kv.cached_prefix(request.request_id, request.token_slice, limit)
+        return self.kv.cached_prefix(request.request_id, request.token_slice, limit, request.cache_salt)
 
     def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:
         """How many of the request's pending tokens (after a prefix hit on `cached`) fit the
@@ -238,7 +238,8 @@ class Scheduler:
         """Account for the computed tokens, then retire the requests the engine says are done."""
         for request, n in out.scheduled:
             request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_slice)
+            self.kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_slice,
+                                      request.cache_salt)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         for request, status in finished:

@@ -140,3 +140,26 @@ def test_a_stop_string_ends_the_request_and_frees_its_kv_at_once(http, server):
         time.sleep(0.05)
     generated = metric(page, "conveyor:generation_tokens_total") - before
     assert generated <= reply["usage"]["completion_tokens"] + 3  # not 1500: it ended at the stop string
+
+
+def test_cache_salt_shares_cached_blocks_only_between_requests_with_the_same_salt(http):
+    # A prompt no other test sends, long enough for several full 16-token blocks.
+    prompt = "Salted prefix caching test. " + " ".join(f"item {i} is {i * i}," for i in range(40))
+
+    def cached(**extra) -> tuple[int, str]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        return data["usage"]["prompt_tokens_details"]["cached_tokens"], data["choices"][0]["text"]
+
+    first, text = cached(cache_salt="tenant-a")
+    assert first == 0
+    assert cached(cache_salt="tenant-b") == (0, text), "another salt never hits tenant a's blocks"
+    assert cached() == (0, text), "nor does a request with no salt"
+    hit, again = cached(cache_salt="tenant-a")
+    assert hit >= 16 * 8 and again == text
+    assert cached()[0] >= 16 * 8, "unsalted requests share among themselves"
+    for bad in ("", 7, ["a"]):
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt", reply.text

@@ -110,7 +110,7 @@ def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_mo
         payload = export_request(prefill, request, skip)
         assert payload.first_block == skip and payload.kv.shape[2] == len(request_blocks(prefill, request)) - skip
         if i == 3:  # the decode engine loses what it promised before the KV arrives
-            decode.kv.lookup_prefix = lambda token_slice, max_tokens: []  # type: ignore[method-assign]
+            decode.kv.lookup_prefix = lambda *args: []  # type: ignore[method-assign]
         import_request(decode, payload)
         skipped.append(skip)
         prefill.kv.free(request_id)
@@ -266,6 +266,9 @@ def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that
     # A hit never covers the whole prompt: its last token is computed.
     whole = router.route([a, b], "replica", [], history)
     assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
+    # Another cache_salt shares no block with the unsalted history, as in the workers' caches.
+    salted = router.route([a, b], "replica", [_Req(a, 30)], turn, cache_salt="tenant")
+    assert salted is not None and salted.worker is b and salted.expected_cached_tokens == 0
 
 
 def test_a_new_history_goes_where_fewest_histories_are_live_unless_that_worker_is_far_behind() -> None:

@@ -147,6 +147,20 @@ def test_lookup_of_tokens_no_request_holds_finds_the_same_blocks_and_remembers_n
     assert KVCacheManager(8, 4).lookup_prefix(slicer(tokens), 14) == []
 
 
+def test_a_cache_salt_keeps_its_requests_blocks_apart() -> None:
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    tokens = list(range(13))
+    cached = kv.cached_prefix("a", slicer(tokens), 12, "tenant-a")
+    kv.allocate("a", 13, cached)
+    kv.cache_full_blocks("a", 13, slicer(tokens), "tenant-a")
+    assert kv.cached_prefix("b", slicer(tokens), 12, "tenant-b") == []
+    assert kv.cached_prefix("c", slicer(tokens), 12) == [], "no salt is a salt of its own"
+    assert kv.cached_prefix("d", slicer(tokens), 12, "tenant-a") == kv.block_tables["a"][:3]
+    assert kv.lookup_prefix(slicer(tokens), 12, "tenant-a") == kv.block_tables["a"][:3]
+    assert kv.lookup_prefix(slicer(tokens), 12, "tenant-b") == kv.lookup_prefix(slicer(tokens), 12) == []
+    assert list(iter_block_keys("m", tokens, 4, "s")) != list(iter_block_keys("m", tokens, 4))
+
+
 def test_a_new_table_takes_free_blocks_for_evictable_hits_and_the_blocks_past_them() -> None:
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     tokens = list(range(12))
@@ -221,7 +235,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(2, 16), block_size=st.integers(1, 4))
     def make(self, num_blocks: int, block_size: int) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, cache_salt="m")
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, model_identity="m")
         self.tokens: dict[str, list[int]] = {}  # live requests' whole token sequences
         self.computed: dict[str, int] = {}
         self.content: dict[int, dict[int, tuple[int, ...]]] = {}  # block -> slot -> prefix ending there
