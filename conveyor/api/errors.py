@@ -1,6 +1,7 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.errors import InvalidRequestError
+from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.api")
 
@@ -47,7 +49,8 @@ def unavailable(message: str, code: str = "server_overloaded") -> APIError:
     return APIError(503, message, type="service_unavailable_error", code=code, headers=headers)
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "prompt")
+# SamplingParams' messages start with the field at fault; its fields carry the request's names.
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured"} | {"prompt"}
 
 
 def invalid(exc: InvalidRequestError, chat: bool = False) -> APIError:
@@ -58,6 +61,8 @@ def invalid(exc: InvalidRequestError, chat: bool = False) -> APIError:
     if param is None:
         first = message.split(" ", 1)[0]
         param = first if first in _SAMPLING_FIELDS else None
+    if param == "bad_words_token_ids":
+        param = "bad_words"
     if chat and param == "prompt":
         param = "messages"
     elif chat and param == "logprobs":

@@ -64,8 +64,6 @@ class StreamOptions(_Strict):
 _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search only
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
@@ -108,6 +106,8 @@ class _Sampling(_Strict):
     user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
     # vLLM's: cached prompt blocks are shared only between requests that send the same salt.
     cache_salt: str | None = Field(None, min_length=1)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    bad_words: list[str] | None = None  # vLLM's: words that must not be generated
 
     # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
     response_format: dict[str, Any] | None = None
@@ -162,7 +162,8 @@ class _Sampling(_Strict):
             min_tokens=(self.min_tokens, None), stop_token_ids=(self.stop_token_ids, None),
             include_stop_str_in_output=(self.include_stop_str_in_output, False),
             skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),
-            cache_salt=(self.cache_salt, None),
+            cache_salt=(self.cache_salt, None), allowed_token_ids=(self.allowed_token_ids, None),
+            bad_words=(self.bad_words, []),
         )
         kwargs.update({name: value for name, (value, unset) in optional.items() if value is not None and value != unset})
         if structured is not None:

@@ -104,7 +104,7 @@ class LLMEngine:
         Every per-request value that reaches a tensor is checked or bounded here, before the
         request can share a step with others (a value that overflowed inside the step would fail
         the whole batch)."""
-        params = (params or SamplingParams()).bounded(self.vocab_size)
+        params = self._prepared(params or SamplingParams())
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -138,11 +138,26 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return token_ids
 
+    def _prepared(self, params: SamplingParams) -> SamplingParams:
+        """The request's parameters as the sampler takes them: checked again, bounded to the
+        vocabulary, bad words tokenized."""
+        params = params.bounded(self.vocab_size)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass bad_words_token_ids", param="bad_words")
+            tokenizer = self.tokenizer
+            params = params.with_bad_words_tokenized(lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return params
+
     def _check_token_ids(self, params: SamplingParams) -> None:
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        token_lists = [("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                       ("allowed_token_ids", params.allowed_token_ids or ()),
+                       ("bad_words", [t for ids in params.bad_words_token_ids for t in ids])]
+        for name, ids in token_lists:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"{name}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(f"{name}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                          param=name)
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
@@ -213,8 +228,9 @@ class LLMEngine:
         any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
-        request.sampling_params = request.sampling_params.bounded(self.vocab_size)
+        request.sampling_params = self._prepared(request.sampling_params)
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
+        self._check_token_ids(request.sampling_params)
         rid = request.request_id
         self.kv.allocate(rid, request.num_computed_tokens, cached)
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.structured import GrammarSpec
@@ -17,6 +18,8 @@ _MAX_LOGPROBS = 20
 _MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
 _MAX_REPETITION_PENALTY = 2.0  # vLLM's: (0, 2]
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is in [-100, 100]
+_MAX_BAD_WORDS = 128  # vLLM's limits: bad words per request, and their tokens in all
+_MAX_BAD_WORDS_TOKENS = 1024
 
 
 @dataclass
@@ -26,7 +29,9 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 disables top-k (vLLM uses -1); top_p 1 disables nucleus.
     A seed makes a sampled request reproducible regardless of what it is batched with.
 
-    Logit adjustments, applied in this order before temperature (as vLLM): min_tokens (EOS and
+    Logit adjustments, applied in this order before temperature (as vLLM): allowed_token_ids
+    (every other token is masked out), bad words (a banned sequence's last token is masked out
+    where the output so far ends with the rest of it; a one-token one always), min_tokens (EOS and
     stop_token_ids cannot be sampled until that many tokens are out), logit_bias (token id ->
     bias added to its logit), repetition_penalty (vLLM's: over prompt and output tokens, a
     positive logit is divided by it, a negative one multiplied), then frequency_penalty and
@@ -62,12 +67,19 @@ class SamplingParams:
     # vLLM's: the prefix cache shares blocks only between requests with the same salt (None is a
     # salt of its own), so one tenant cannot time its way to another's prompts.
     cache_salt: str | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: all)
+    # Words that must not be generated: the engine tokenizes each (as it starts a text and after a
+    # space, as vLLM) into bad_words_token_ids, which callers holding token ids may also fill.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._check_types()
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         for name in ("temperature", "top_p"):
@@ -94,6 +106,19 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidRequestError("cache_salt must be a non-empty string if given")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids):
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids")
+        self.bad_words = list(self.bad_words)
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        if len(self.bad_words) > _MAX_BAD_WORDS or any(not w.strip() for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words takes at most {_MAX_BAD_WORDS} non-blank strings")
+        if sum(len(ids) for ids in self.bad_words_token_ids) > _MAX_BAD_WORDS_TOKENS \
+                or any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            raise InvalidRequestError(
+                f"bad words take at most {_MAX_BAD_WORDS_TOKENS} tokens in all, each word at least one",
+                param="bad_words")
         self._check_logit_adjustments()
 
     def _check_logit_adjustments(self) -> None:
@@ -145,6 +170,11 @@ class SamplingParams:
              and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items())),
             ("structured", self.structured is None or isinstance(self.structured, GrammarSpec)),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str)),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                isinstance(self.allowed_token_ids, (list, tuple)) and all(is_int(t) for t in self.allowed_token_ids))),
+            ("bad_words", isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) for w in self.bad_words)),
+            ("bad_words_token_ids", isinstance(self.bad_words_token_ids, (list, tuple)) and all(
+                isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids) for ids in self.bad_words_token_ids)),
         ]
         for name, ok in checks:
             if not ok:
@@ -160,6 +190,20 @@ class SamplingParams:
         vocabulary-dependent values made safe for the sampler's tensors: a top_k above the
         vocabulary keeps every token, so it is clipped to it."""
         return replace(self, top_k=min(self.top_k, vocab_size))
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> "SamplingParams":
+        """A copy whose bad_words_token_ids also hold each bad word's tokens (`encode` adds no
+        special tokens), as vLLM makes them: the word as it starts a text, and after a space where
+        the space joins its first token into another token of the same count (" word" in BPE
+        vocabularies). Applying it again adds nothing."""
+        sequences = list(self.bad_words_token_ids)
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            for ids in (plain, spaced) if spaced[:1] != plain[:1] and len(spaced) == len(plain) else (plain,):
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return replace(self, bad_words_token_ids=sequences)
 
     @property
     def greedy(self) -> bool:

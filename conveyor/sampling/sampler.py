@@ -1,4 +1,5 @@
-"""Vectorised sampling: logit adjustments (min_tokens, logit_bias, penalties), greedy, temperature,
+"""Vectorised sampling: logit adjustments (allowed tokens, bad words, min_tokens, logit_bias,
+penalties), greedy, temperature,
 min-p, top-k, top-p and per-request seeds, in one pass per step over the [rows, vocab] logits.
 
 Each sampled row draws one uniform number and inverts its CDF. The number comes from the
@@ -21,34 +22,60 @@ def _holds_back_stops(request: Request) -> bool:
     return len(request.output_token_ids) < request.sampling_params.min_tokens
 
 
+def _banned_by_bad_words(request: Request) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far."""
+    out = request.output_token_ids
+    banned = []
+    for ids in request.sampling_params.bad_words_token_ids:
+        before = len(ids) - 1
+        if before <= len(out) and (before == 0 or out[-before:] == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
+
+
 def adjusts_logits(request: Request) -> bool:
-    """Whether adjust_logits changes this request's row this step."""
+    """Whether adjust_logits may change this request's row this step."""
     p = request.sampling_params
-    return _holds_back_stops(request) or bool(p.logit_bias) or p.penalized
+    return (_holds_back_stops(request) or bool(p.logit_bias) or p.penalized or p.allowed_token_ids is not None
+            or bool(p.bad_words_token_ids))
+
+
+def _mask(logits: torch.Tensor, cells: dict[int, Sequence[int]]) -> None:
+    """Set logits[row, token] to -inf for each row's tokens (those inside the vocabulary)."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, tokens in cells.items():
+        ids = [t for t in tokens if t < vocab]
+        rows += [row] * len(ids)
+        cols += ids
+    if rows:
+        logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
 
 
 def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
-    """min_tokens, logit_bias, repetition/frequency/presence penalties, before temperature (vLLM's
-    order). Returns `logits` itself when no request adjusts anything, else an adjusted copy, so the
-    caller's logits stay the model's own (logprobs are reported from those)."""
+    """allowed_token_ids, bad words, min_tokens, logit_bias, repetition/frequency/presence
+    penalties, before temperature (vLLM's order). Returns `logits` itself when no request adjusts
+    anything, else an adjusted copy, so the caller's logits stay the model's own (logprobs are
+    reported from those)."""
     params = [r.sampling_params for r in requests]
     if not any(adjusts_logits(r) for r in requests):
         return logits
-    suppress = [i for i, r in enumerate(requests) if _holds_back_stops(r)]
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.penalized]
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if suppress:  # EOS and stop tokens may not end the request before min_tokens
-        rows: list[int] = []
-        cols: list[int] = []
-        for i in suppress:
-            p = params[i]
-            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            ids = [t for t in held if t < vocab]
-            rows += [i] * len(ids)
-            cols += ids
-        logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
+    if allowed:
+        outside = torch.ones(len(allowed), vocab, dtype=torch.bool)
+        for j, i in enumerate(allowed):
+            ids = [t for t in params[i].allowed_token_ids or () if t < vocab]
+            outside[j, torch.tensor(ids, dtype=torch.long)] = False
+        logits[allowed] = logits[allowed].masked_fill(outside, float("-inf"))
+    _mask(logits, {i: _banned_by_bad_words(r) for i, r in enumerate(requests) if params[i].bad_words_token_ids})
+    # EOS and stop tokens may not end the request before min_tokens.
+    _mask(logits, {i: list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+                   for i, (r, p) in enumerate(zip(requests, params)) if _holds_back_stops(r)})
     if biased:
         bias_rows: list[int] = []
         bias_cols: list[int] = []

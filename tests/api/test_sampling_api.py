@@ -163,3 +163,30 @@ def test_cache_salt_shares_cached_blocks_only_between_requests_with_the_same_sal
     for bad in ("", 7, ["a"]):
         reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt", reply.text
+
+
+def test_allowed_token_ids_and_bad_words_constrain_the_real_models_output(http, offline_tokenizer):
+    def complete(**extra) -> dict:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                **extra}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    base = complete()
+    word = base["text"].split()[0].strip(".,")  # the model's first word: " Paris"
+    assert word
+    allowed = sorted(set(offline_tokenizer.encode(" London is a city, and so is Rome.", add_special_tokens=False)))
+    assert base["token_ids"][0] not in allowed
+    for extra in ({}, {"temperature": 1.0, "seed": 11}):
+        got = complete(allowed_token_ids=allowed, **extra)["token_ids"]
+        assert len(got) == 8 and set(got) <= set(allowed), (extra, got)
+    banned = complete(bad_words=[word])
+    sequences = [offline_tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word)]
+    ids = banned["token_ids"]
+    assert not any(ids[i:i + len(s)] == s for s in sequences for i in range(len(ids))), banned
+    assert banned["token_ids"][0] != base["token_ids"][0]
+    for field, value in (("allowed_token_ids", [10**8]), ("allowed_token_ids", []), ("bad_words", [" "]),
+                         ("bad_words", "Paris")):
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text

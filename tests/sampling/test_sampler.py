@@ -97,6 +97,15 @@ def test_top_k_and_top_p_restrict_support():
         dict(logit_bias={-1: 1.0}),
         dict(logit_bias={"5": 1.0}),
         dict(skip_special_tokens="no"),
+        dict(allowed_token_ids=[]),
+        dict(allowed_token_ids=[3, -1]),
+        dict(allowed_token_ids=5),
+        dict(bad_words=["ok", " "]),
+        dict(bad_words=["w"] * 129),
+        dict(bad_words_token_ids=[[]]),
+        dict(bad_words_token_ids=[[1] * 1025]),
+        dict(cache_salt=""),
+        dict(cache_salt=3),
     ],
 )
 def test_bad_sampling_params_raise_typed_error(kwargs):
@@ -121,8 +130,18 @@ def test_logprobs_report_chosen_and_top_alternatives():
 
 # --- logit adjustments: each checked against its definition, computed the slow way -------------
 def reference_adjusted(logits: torch.Tensor, request: Request, eos: tuple[int, ...] = ()) -> torch.Tensor:
-    """vLLM's order, one token at a time: min_tokens, logit_bias, repetition, frequency, presence."""
+    """vLLM's order, one token at a time: allowed_token_ids, bad words, min_tokens, logit_bias,
+    repetition, frequency, presence."""
     p, out = request.sampling_params, logits.clone()
+    if p.allowed_token_ids is not None:
+        for t in range(len(out)):
+            if t not in p.allowed_token_ids:
+                out[t] = float("-inf")
+    output = request.output_token_ids
+    for word in p.bad_words_token_ids:
+        *head, last = word
+        if len(head) <= len(output) and output[len(output) - len(head):] == head:
+            out[last] = float("-inf")
     if len(request.output_token_ids) < p.min_tokens:
         for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
             out[t] = float("-inf")
@@ -166,6 +185,39 @@ def test_penalties_bias_and_min_tokens_follow_their_definitions():
     greedy = [SamplingParams(temperature=0.0, **kw) for kw in ({}, {"logit_bias": {int(logits[1].argmin()): 100.0}})]
     tokens = Sampler()(logits[:2], [made_request(str(i), [1], [], p) for i, p in enumerate(greedy)]).tokens
     assert tokens == [int(logits[0].argmax()), int(logits[1].argmin())]
+
+
+def test_allowed_tokens_and_bad_words_follow_their_definitions():
+    torch.manual_seed(1)
+    vocab = 30
+    logits = torch.randn(5, vocab) * 3
+    words = [[4], [7, 8, 9], [2, 3]]
+    reqs = [
+        made_request("allowed", [1], [2], SamplingParams(allowed_token_ids=[3, 5, 29, 99], logit_bias={6: 100.0})),
+        made_request("bad, prefix matches", [1], [5, 7, 8], SamplingParams(bad_words_token_ids=words)),
+        made_request("bad, prefix does not", [1], [7, 5, 8], SamplingParams(bad_words_token_ids=words)),
+        made_request("bad, longer than the output", [7, 8], [], SamplingParams(bad_words_token_ids=[[7, 8, 9]])),
+        made_request("both", [1], [2], SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=words,
+                                                      min_tokens=2, stop_token_ids=[3])),
+    ]
+    adjusted = adjust_logits(logits, reqs)
+    for i, request in enumerate(reqs):
+        assert torch.equal(adjusted[i], reference_adjusted(logits[i], request)), request.request_id
+    assert set(torch.isfinite(adjusted[0]).nonzero().flatten().tolist()) == {3, 5, 29}, "a bias cannot reopen a token"
+    assert adjusted[1, 9] == adjusted[1, 4] == float("-inf") and adjusted[1, 3] == logits[1, 3]
+    assert adjusted[2, 9] == logits[2, 9] and adjusted[3, 9] == logits[3, 9], "the output is what counts"
+    assert bool(torch.isinf(adjusted[4]).all()), "nothing allowed is left: every token is masked"
+    tokens = Sampler(seed=3)(logits[:2], reqs[:2]).tokens
+    assert tokens[0] in (3, 5, 29) and tokens[1] not in (4, 9)
+
+
+def test_bad_words_tokenize_as_they_start_a_text_and_after_a_space():
+    vocab = {"cat": [10], " cat": [11], "hot dog": [12, 13], " hot dog": [14, 13], "ab": [1, 2], " ab": [3, 4, 5]}
+    params = SamplingParams(bad_words=["cat", " hot dog", "ab"], bad_words_token_ids=[[7]])
+    tokenized = params.with_bad_words_tokenized(vocab.__getitem__)
+    # " ab" takes more tokens than "ab": not a variant of the same word, so left out (as vLLM).
+    assert tokenized.bad_words_token_ids == [[7], [10], [11], [12, 13], [14, 13], [1, 2]]
+    assert tokenized.with_bad_words_tokenized(vocab.__getitem__) == tokenized, "applying it again adds nothing"
 
 
 def test_adjustments_leave_the_callers_logits_and_logprobs_alone():
