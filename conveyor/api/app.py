@@ -127,7 +127,8 @@ def build_app(state: ServerState) -> FastAPI:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
         echo = await asyncio.to_thread(_echo_texts, state, echo_source, prompts) if body.echo else None
-        gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl")
+        gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl",
+                         bool(body.return_tokens_as_token_ids))
         return await _serve(request, state, gen, prompts,
                             CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)
@@ -145,11 +146,12 @@ def build_app(state: ServerState) -> FastAPI:
         grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt), add_special,
-                                         tools)
+                                         tools, bool(body.continue_final_message), body.chat_template_kwargs)
         prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
-        gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl")
+        gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl",
+                         bool(body.return_tokens_as_token_ids))
         name = _name(state, body.model)
         if body.return_token_ids and tools is not None and tools.mode != "none":
             # The tool-call format re-frames the text as calls: no token ids line up with it.
@@ -172,7 +174,8 @@ def build_app(state: ServerState) -> FastAPI:
         if chat:
             messages = [m.as_template_input() for m in body.messages]
             ids = await asyncio.to_thread(_render_chat, state, messages, body.add_generation_prompt,
-                                          body.add_special_tokens)
+                                          body.add_special_tokens, None, body.continue_final_message,
+                                          body.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
@@ -283,19 +286,26 @@ async def _grammar(state: ServerState, asked: tuple | None) -> Any:
 
 
 def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = True, tools: ToolPlan | None = None) -> list[int]:
+                 add_special_tokens: bool = True, tools: ToolPlan | None = None,
+                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     tokenizer = state.tokenizer
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             **({"tools": tools.tools} if tools else {}))
-        if tools is not None and tools.mode == "auto" and \
-                text == tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt):
+        variables = dict(template_kwargs or {})
+        unknown = sorted(set(variables) - tokenizer.template_variables())
+        if unknown:  # a variable the template never reads would be ignored without a word
+            known = ", ".join(sorted(tokenizer.template_variables())) or "none"
+            raise bad_request(f"chat_template_kwargs: the chat template does not read {unknown[:5]} (it reads: "
+                              f"{known})", param="chat_template_kwargs")
+        render = functools.partial(tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, **variables)
+        text = render(**({"tools": tools.tools} if tools else {}))
+        if tools is not None and tools.mode == "auto" and text == render():
             raise bad_request("tool_choice 'auto' needs a chat template that renders the tools, and this model's "
                               "does not: start the server with --chat-template FILE (e.g. examples/"
                               "tool_chat_template_hermes.jinja), or send tool_choice 'required' or a named function",
                               param="tool_choice")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
-        raise bad_request(str(exc), param="messages") from None
+        raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -10,7 +10,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from conveyor.api.detokenizer import token_bytes, token_text
 from conveyor.engine.async_engine import Aborted, Failed
@@ -51,6 +51,10 @@ class Choice:
     _started: bool = False
     token_ids: list[int] = field(default_factory=list)  # every generated token, for return_token_ids
     _token_ids_taken: int = 0
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens named "token_id:N"
+
+    def _token_name(self, token: int) -> str:
+        return f"token_id:{token}" if self.tokens_as_ids else token_text(self.detok.tokenizer, token)
 
     @property
     def finished(self) -> bool:
@@ -78,13 +82,14 @@ class Choice:
             self._started, prefix = True, self.echo
             self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
             if self.echo_ids and self.num_logprobs is not None:
-                entries = _echo_entries(tokenizer, self.echo_ids, self.prompt_logprobs, self.num_logprobs)
+                entries = _echo_entries(tokenizer, self._token_name, self.echo_ids, self.prompt_logprobs,
+                                        self.num_logprobs)
         self.token_ids.extend(out.new_token_ids)
         for i, token in enumerate(out.new_token_ids):
             offset = len(self.echo) + len(self.detok.text)
             self.detok.add([token])
             if self.num_logprobs is not None and step_logprobs and i < len(step_logprobs):
-                entries.append(_entry(tokenizer, token, step_logprobs[i], self.num_logprobs, offset))
+                entries.append(_entry(tokenizer, self._token_name, token, step_logprobs[i], self.num_logprobs, offset))
             if self.detok.stopped:
                 self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
             elif out.finished and i == len(out.new_token_ids) - 1:
@@ -110,17 +115,16 @@ class Choice:
         return delta
 
 
-def _echo_entries(tokenizer: Any, ids: list[int], prompt_logprobs: list[dict[int, float] | None] | None, k: int
-                  ) -> list[TokenLogprob]:
+def _echo_entries(tokenizer: Any, name: Callable[[int], str], ids: list[int],
+                  prompt_logprobs: list[dict[int, float] | None] | None, k: int) -> list[TokenLogprob]:
     """Logprob entries of an echoed prompt (OpenAI: the first token has none), offsets into its text."""
     entries, offset, pending = [], 0, b""
     for position, token in enumerate(ids):
         scored = prompt_logprobs[position] if prompt_logprobs and position < len(prompt_logprobs) else None
         if scored is None:
-            text = token_text(tokenizer, token)
-            entries.append(TokenLogprob(text, token_bytes(tokenizer, token), None, None, offset))
+            entries.append(TokenLogprob(name(token), token_bytes(tokenizer, token), None, None, offset))
         else:
-            entries.append(_entry(tokenizer, token, scored, k, offset))
+            entries.append(_entry(tokenizer, name, token, scored, k, offset))
         pending += entries[-1].token_bytes
         try:  # a character whose bytes span tokens counts once it is whole
             offset, pending = offset + len(pending.decode("utf-8")), b""
@@ -135,21 +139,24 @@ def take_token_ids(choice: Choice) -> list[int]:
     return new
 
 
-def _entry(tokenizer: Any, token: int, logprobs: dict[int, float], k: int, offset: int) -> TokenLogprob:
+def _entry(tokenizer: Any, name: Callable[[int], str], token: int, logprobs: dict[int, float], k: int,
+           offset: int) -> TokenLogprob:
+    """`name`: how a token is named in the response (its text, or "token_id:N")."""
     ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:k]
-    top = [(token_text(tokenizer, t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
+    top = [(name(t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
     chosen = logprobs.get(token, float("-inf"))
-    return TokenLogprob(token_text(tokenizer, token), token_bytes(tokenizer, token), finite(chosen), top, offset)
+    return TokenLogprob(name(token), token_bytes(tokenizer, token), finite(chosen), top, offset)
 
 
 class Generation:
     def __init__(self, engine: EngineClient, tokenizer: Any, params: SamplingParams, num_logprobs: int | None,
-                 prefix: str) -> None:
+                 prefix: str, tokens_as_ids: bool = False) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.params = params
         self.n = getattr(params, "n", 1)
         self.num_logprobs = num_logprobs
+        self.tokens_as_ids = tokens_as_ids
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sink: asyncio.Queue = asyncio.Queue()
@@ -189,7 +196,7 @@ class Generation:
                     p = self.params
                     detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
                                                    getattr(p, "skip_special_tokens", True))
-                    choice = Choice(i * self.n + j, detok, self.num_logprobs)
+                    choice = Choice(i * self.n + j, detok, self.num_logprobs, tokens_as_ids=self.tokens_as_ids)
                     if echo is not None:
                         choice.echo, choice.echo_ids = echo[i], list(prompt)
                     self.choices.append(choice)

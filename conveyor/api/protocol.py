@@ -65,7 +65,6 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search only
     "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "priority": (None, 0),
     "request_id": (None,),
@@ -93,6 +92,8 @@ class _Sampling(_Strict):
     # vLLM's extension: each choice also carries the generated token ids ("token_ids"), so a client can
     # send the next turn of a conversation as token ids that match what the server computed.
     return_token_ids: bool | None = False
+    # vLLM's: logprobs name their tokens "token_id:N", for tokens whose text is not valid UTF-8.
+    return_tokens_as_token_ids: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -244,6 +245,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
+    # vLLM's (as transformers'): the reply continues the last message, which the caller began.
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables the chat template reads
     # Bookkeeping for the caller or hints to OpenAI's own service: they change no output here.
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
@@ -260,8 +264,8 @@ class ChatCompletionRequest(_Sampling):
         "functions": (None, []), "function_call": (None, "none"),
         "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
         "web_search_options": (None,), "store": (None, False),
-        "echo": (None, False), "continue_final_message": (None, False), "documents": (None,),
-        "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,),
+        "echo": (None, False), "documents": (None,),
+        "chat_template": (None,), "mm_processor_kwargs": (None,),
         "media_io_kwargs": (None,), "include_reasoning": (None,),
     }
 
@@ -269,6 +273,7 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        _check_continuation(self)
         return self
 
     @property
@@ -291,12 +296,26 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
-    unsupported = {"continue_final_message": (None, False), "chat_template": (None,),
-                   "chat_template_kwargs": (None, {}), "tools": (None, []), "mm_processor_kwargs": (None,),
+    unsupported = {"chat_template": (None,), "tools": (None, []), "mm_processor_kwargs": (None,),
                    "media_io_kwargs": (None,)}
+
+    @model_validator(mode="after")
+    def _continuation(self) -> "TokenizeChatRequest":
+        _check_continuation(self)
+        return self
+
+
+def _check_continuation(request: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """vLLM's rule: a reply cannot both continue the last message and start a new turn (an
+    add_generation_prompt left at its default gives way)."""
+    if request.continue_final_message and request.add_generation_prompt \
+            and "add_generation_prompt" in request.model_fields_set:
+        raise ValueError("continue_final_message cannot be combined with add_generation_prompt: true")
 
 
 class DetokenizeRequest(_Strict):

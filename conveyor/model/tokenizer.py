@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -113,6 +114,7 @@ class Tokenizer:
             **{k: v for k, v in (special_tokens or {}).items() if v is not None},
         }
         self._compiled: jinja2.Template | None = None
+        self._variables: frozenset[str] | None = None  # template_variables(), once asked
 
     @property
     def backend(self) -> _HFTokenizer:
@@ -143,10 +145,7 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """Render like transformers' `apply_chat_template(..., tokenize=False)`."""
+    def _template(self) -> jinja2.Template:
         if self._compiled is None:
             if not self.chat_template:
                 raise ChatTemplateError("this checkpoint has no chat template; send a plain prompt instead")
@@ -154,11 +153,47 @@ class Tokenizer:
                 self._compiled = _compile_template(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"the checkpoint's chat template does not compile: {e}") from e
-        variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}  # tools=[...] for tool calls
+        return self._compiled
+
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from whoever renders it, beyond those this renderer
+        sets (messages, add_generation_prompt, tools, documents, the special tokens): what a caller's
+        extra variables (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking) may name."""
+        if self._variables is None:
+            self._template()
+            assert self.chat_template is not None
+            env = _template_env()
+            used = jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+            own = {"messages", "add_generation_prompt", "tools", "documents", *self._template_vars, *env.globals}
+            self._variables = frozenset(used - own)
+        return self._variables
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any
+    ) -> str:
+        """Render like transformers' `apply_chat_template(..., tokenize=False)`. With
+        `continue_final_message` the text ends where the last message's content does (no end of
+        turn after it), so the model goes on with that message: a reply's opening given by the
+        caller. Extra keyword arguments become template variables (tools=[...] for tool calls)."""
+        template = self._template()
+        variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}
+        if continue_final_message:
+            add_generation_prompt = False
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            text: str = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate")
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            # The template may strip the content: look for it as given, then stripped.
+            for content in (final, final.strip()) if isinstance(final, str) and final.strip() else ():
+                if content in text:
+                    return text[: text.rindex(content) + len(content)]
+            raise InvalidRequestError("continue_final_message: the final message's content does not appear in the "
+                                      "rendered chat (it must be non-empty text the chat template keeps)",
+                                      param="continue_final_message")
+        return text
 
     def set_chat_template(self, template: str) -> None:
         """Replace the checkpoint's chat template (`conveyor serve --chat-template FILE`)."""
@@ -166,7 +201,7 @@ class Tokenizer:
             compiled = _compile_template(template)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
-        self.chat_template, self._compiled = template, compiled
+        self.chat_template, self._compiled, self._variables = template, compiled, None
 
     @classmethod
     def from_gguf(cls, source: Any) -> Tokenizer:
@@ -329,6 +364,10 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 def _compile_template(source: str) -> jinja2.Template:
+    return _template_env().from_string(source)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
     """A sandboxed environment configured like transformers' chat-template renderer."""
 
     def raise_exception(message: str) -> None:
@@ -344,8 +383,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
         return datetime.now().strftime(fmt)
 
-    extensions = [_GenerationTag, jinja2.ext.loopcontrols]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    return env.from_string(source)
+    return env

@@ -190,3 +190,81 @@ def test_allowed_token_ids_and_bad_words_constrain_the_real_models_output(http, 
                          ("bad_words", "Paris")):
         reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", field: value})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
+def test_continue_final_message_goes_on_with_the_callers_opening(http, offline_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    rendered = http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["tokens"]
+    text = offline_tokenizer.decode(rendered, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")
+    reply = http.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+    assert reply.status_code == 200, reply.text
+    # The same tokens as a plain completion of the rendered text: the reply goes on with the opening.
+    plain = http.post("/v1/completions", json={"model": MODEL, "prompt": rendered, "max_tokens": 6, "temperature": 0})
+    assert reply.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"]
+    assert reply.json()["usage"]["prompt_tokens"] == len(rendered)
+    both = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
+                                                   "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+    empty = http.post("/v1/chat/completions", json={**body, "messages": [*messages[:1], {"role": "assistant"}],
+                                                    "continue_final_message": True})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "continue_final_message", empty.text
+
+
+def test_logprob_tokens_named_by_id_on_request(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True,
+            "return_token_ids": True}
+    named = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    tokens = named["logprobs"]["tokens"]
+    assert tokens[-3:] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert len(tokens) == len(plain["logprobs"]["tokens"]) and all(t.startswith("token_id:") for t in tokens)
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in named["logprobs"]["top_logprobs"][1:] for k in top)
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert all(c["token"].startswith("token_id:") and all(t["token"].startswith("token_id:")
+                                                          for t in c["top_logprobs"]) for c in chat["content"])
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from tests.api.conftest import start_server
+
+    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    srv = start_server("--chat-template", str(template), "--num-threads", "1")
+    yield srv
+    srv.stop()
+
+
+def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(http, thinking_server):
+    import httpx
+
+    messages = [{"role": "user", "content": "Hi"}]
+    with httpx.Client(base_url=thinking_server.base_url, timeout=60.0) as own:
+        plain = own.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+        off = own.post("/tokenize", json={"messages": messages, "return_token_strs": True,
+                                          "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert off["count"] > plain["count"] and "".join(off["token_strs"]).endswith("</think>ĊĊ")
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        reply = own.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == off["count"], reply.text
+        for kwargs in ({"enable_thinking": False, "think_harder": True}, {"messages": []}):
+            bad = own.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
+    # SmolLM2's own template reads no variable of the caller's.
+    refused = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"

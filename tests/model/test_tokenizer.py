@@ -118,6 +118,29 @@ def test_chat_template_matches_transformers(
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.parametrize("opening", ["The capital of France is", " spaced out \n", "4"])
+def test_continuing_the_final_message_matches_transformers(tok: Tokenizer, hf_reference_tokenizer: Any,
+                                                           opening: str) -> None:
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": opening}]
+    expected = hf_reference_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert tok.apply_chat_template(messages, continue_final_message=True) == expected
+    assert expected.rstrip().endswith(opening.strip()) and not expected.rstrip().endswith("<|im_end|>")
+
+
+def test_template_variables_are_those_the_template_reads_beyond_the_renderers_own(tok: Tokenizer) -> None:
+    assert tok.template_variables() == frozenset()  # SmolLM2's reads only messages and add_generation_prompt
+    thinking = _with_template(tok, "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt "
+                                   "and not enable_thinking %}<think></think>{% endif %}{{ bos_token }}"
+                                   "{{ raise_exception('x') if mode == 'bad' else '' }}")
+    assert thinking.template_variables() == {"enable_thinking", "mode"}
+    rendered = thinking.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=False, mode="ok")
+    assert rendered.startswith("Hi<think></think>")
+    with pytest.raises(InvalidRequestError):
+        thinking.apply_chat_template([{"role": "user", "content": "Hi"}], continue_final_message=True, mode="bad")
+    with pytest.raises(InvalidRequestError):  # an empty final message cannot be continued
+        thinking.apply_chat_template([{"role": "user", "content": " "}], continue_final_message=True)
+
+
 def test_gguf_reader_source_equals_metadata_source(tmp_path: Path) -> None:
     """from_gguf takes a gguf.GGUFReader as well as our parsed metadata (tiny vocab: the reader is slow)."""
     from gguf import GGUFReader, GGUFWriter
