@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from conveyor.errors import ConfigError
 
 POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
 DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
@@ -35,10 +36,14 @@ class SchedulerConfig:
     # cap and the token budget under the two above so that P99 TPOT holds the target.
     slo_tpot_ms: float | None = None
     slo_ttft_ms: float | None = None  # monitored only: misses are counted, nobody is dropped
+    # "fcfs", or "priority": requests' `priority` orders the queue and preemption (scheduler/queue.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose 'continuous' or 'static'")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         for name in ("slo_tpot_ms", "slo_ttft_ms"):

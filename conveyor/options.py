@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any, Iterable
 
-from conveyor.config import DTYPES, POLICIES
+from conveyor.config import DTYPES, POLICIES, SCHEDULING_POLICIES
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
@@ -19,13 +19,15 @@ HELP = {
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
     "max_model_len": "longest request, prompt plus output (default: the model's context length)",
     "num_threads": "torch threads (default: one per core; 1 is faster when other processes share the cores)",
+    "scheduling_policy": "order of the waiting queue and of preemption: fcfs, or priority (requests' "
+                         "`priority`, lowest first, then arrival)",
     "max_num_seqs": "most requests in the running batch",
     "max_num_batched_tokens": "token budget of one step",
     "slo_tpot_ms": "hold P99 TPOT under this: a controller lowers the batch cap and token budget "
                    "under --max-num-seqs / --max-num-batched-tokens as load requires",
     "slo_ttft_ms": "TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES}
+CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES}
 
 
 def _scalar_type(annotation: Any) -> type:

@@ -58,11 +58,13 @@ def fake_engine(
     max_model_len: int = 256,
     clock: Callable[[], float] | None = None,
     prefix_caching: bool = True,
+    scheduling_policy: str = "fcfs",
 ) -> LLMEngine:
     """An engine on a fake runner (FakeRunner by default) with a strictly increasing, deterministic
     clock (one tick per reading) unless `clock` is given: the scheduler tests' engine."""
     config = EngineConfig(block_size=block_size, enable_prefix_caching=prefix_caching, scheduler=SchedulerConfig(
-        policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked))
+        policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
+        scheduling_policy=scheduling_policy))
     runner = runner if runner is not None else FakeRunner()
     if clock is None:
         ticks = itertools.count()

@@ -66,7 +66,6 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1, 1.0),  # beam search only
     "logits_processors": (None,),
     "spaces_between_special_tokens": (None, True),
-    "priority": (None, 0),
     "request_id": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
@@ -108,6 +107,7 @@ class _Sampling(_Strict):
     # vLLM's: cached prompt blocks are shared only between requests that send the same salt.
     cache_salt: str | None = Field(None, min_length=1)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower is served sooner
     bad_words: list[str] | None = None  # vLLM's: words that must not be generated
 
     # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
@@ -164,7 +164,7 @@ class _Sampling(_Strict):
             include_stop_str_in_output=(self.include_stop_str_in_output, False),
             skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),
             cache_salt=(self.cache_salt, None), allowed_token_ids=(self.allowed_token_ids, None),
-            bad_words=(self.bad_words, []),
+            bad_words=(self.bad_words, []), priority=(self.priority, 0),
         )
         kwargs.update({name: value for name, (value, unset) in optional.items() if value is not None and value != unset})
         if structured is not None:

@@ -142,6 +142,9 @@ class LLMEngine:
         """The request's parameters as the sampler takes them: checked again, bounded to the
         vocabulary, bad words tokenized."""
         params = params.bounded(self.vocab_size)
+        if params.priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority ({params.priority}) needs priority scheduling, which this engine "
+                                      f"does not run (--scheduling-policy priority)", param="priority")
         if params.bad_words:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass bad_words_token_ids", param="bad_words")

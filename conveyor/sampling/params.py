@@ -68,6 +68,8 @@ class SamplingParams:
     # salt of its own), so one tenant cannot time its way to another's prompts.
     cache_salt: str | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (None: all)
+    # With --scheduling-policy priority: lower is served sooner (vLLM's); 0 otherwise.
+    priority: int = 0
     # Words that must not be generated: the engine tokenizes each (as it starts a text and after a
     # space, as vLLM) into bad_words_token_ids, which callers holding token ids may also fill.
     bad_words: list[str] = field(default_factory=list)
@@ -170,6 +172,7 @@ class SamplingParams:
              and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items())),
             ("structured", self.structured is None or isinstance(self.structured, GrammarSpec)),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str)),
+            ("priority", is_int(self.priority) and INT64_MIN <= self.priority <= INT64_MAX),
             ("allowed_token_ids", self.allowed_token_ids is None or (
                 isinstance(self.allowed_token_ids, (list, tuple)) and all(is_int(t) for t in self.allowed_token_ids))),
             ("bad_words", isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) for w in self.bad_words)),

@@ -5,13 +5,13 @@ the same for all of them: a request needs `num_tokens - num_computed_tokens` mor
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from conveyor.config import SchedulerConfig
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request, RequestStatus
+from conveyor.scheduler.queue import WaitingQueue, priority_key
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         # Prefix cache, in tokens: looked up when a request starts (or restarts) holding no KV, and hit.
@@ -77,7 +77,7 @@ class Scheduler:
     # --- queues -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """Ends a request now and frees its blocks; `status` says why (a stop string found by the
@@ -211,9 +211,15 @@ class Scheduler:
     def _admit_fork(self, child: Request) -> None:
         raise NotImplementedError
 
+    def _service_order(self, admitted: list[Request]) -> list[Request]:
+        """The order in which admitted requests get their tokens each step: admission order, or
+        with priority scheduling the most urgent first (admission order among equals). Preemption
+        goes the other way, so a victim is never one already served this step."""
+        return sorted(admitted, key=priority_key) if self.waiting.by_priority else admitted
+
     def _pick_victim(self, victims: list[Request], out: SchedulerOutput) -> Request | None:
         scheduled = {r.request_id for r, _ in out.scheduled}
-        for candidate in reversed(victims):
+        for candidate in reversed(self._service_order(victims)):
             if candidate.request_id in self.kv.block_tables and candidate.request_id not in scheduled:
                 return candidate
         return None

@@ -1,9 +1,10 @@
 """Iteration-level (continuous) batching, Orca/vLLM style.
 
 Every step: running requests first, in admission order, each gets its pending tokens (1 for a
-decode, a chunk for a prefill) under the token budget; then waiting requests join FCFS while the
-budget, max_num_seqs and free blocks allow. When blocks run out, the most recently admitted
-running request is preempted (its blocks freed, recomputed later from the front of the queue).
+decode, a chunk for a prefill) under the token budget; then waiting requests join in queue order
+(FCFS, or by priority: scheduler/queue.py) while the budget, max_num_seqs and free blocks allow.
+When blocks run out, the most recently admitted running request (or the least urgent) is preempted
+(its blocks freed, recomputed later when the queue comes back to it).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class ContinuousScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        for request in list(self.running):
+        for request in list(self._service_order(self.running)):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -60,7 +61,7 @@ class ContinuousScheduler(Scheduler):
     def _on_preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
 
     def _on_finish(self, request: Request) -> None:
         if request in self.running:

@@ -37,7 +37,7 @@ class StaticScheduler(Scheduler):
             self._form_batch()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        for request in self.batch:
+        for request in self._service_order(self.batch):
             if budget == 0:
                 break
             if request.is_finished or request in out.preempted:

@@ -239,21 +239,24 @@ THINKING_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
+def custom_server(tmp_path_factory):
+    """A second server on the default model: a chat template that reads a variable, priority
+    scheduling, and one request running at a time (so the queue's order shows)."""
     from tests.api.conftest import start_server
 
     template = tmp_path_factory.mktemp("template") / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
-    srv = start_server("--chat-template", str(template), "--num-threads", "1")
+    srv = start_server("--chat-template", str(template), "--scheduling-policy", "priority", "--max-num-seqs", "1",
+                       "--num-threads", "1")
     yield srv
     srv.stop()
 
 
-def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(http, thinking_server):
+def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(http, custom_server):
     import httpx
 
     messages = [{"role": "user", "content": "Hi"}]
-    with httpx.Client(base_url=thinking_server.base_url, timeout=60.0) as own:
+    with httpx.Client(base_url=custom_server.base_url, timeout=60.0) as own:
         plain = own.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
         off = own.post("/tokenize", json={"messages": messages, "return_token_strs": True,
                                           "chat_template_kwargs": {"enable_thinking": False}}).json()
@@ -268,3 +271,42 @@ def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(ht
     # SmolLM2's own template reads no variable of the caller's.
     refused = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_priority_scheduling_serves_the_urgent_request_before_those_queued_earlier(http, custom_server):
+    import concurrent.futures
+
+    import httpx
+
+    finished: list[str] = []
+
+    def complete(name: str, max_tokens: int, priority: int) -> None:
+        body = {"model": MODEL, "prompt": f"{name}: once upon a time", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "priority": priority}
+        with httpx.Client(base_url=custom_server.base_url, timeout=120.0) as own:
+            reply = own.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        finished.append(name)
+
+    def wait_for(running: int, waiting: int) -> None:
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=custom_server.base_url, timeout=10.0) as own:
+            while time.monotonic() < deadline:
+                page = own.get("/metrics").text
+                if (metric(page, "conveyor:num_requests_running"), metric(page, "conveyor:num_requests_waiting")) \
+                        == (running, waiting):
+                    return
+                time.sleep(0.02)
+        raise AssertionError(f"the server never had {running} running and {waiting} waiting")
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(complete, "first", 256, 0)]  # it holds the one running seat a while
+        wait_for(1, 0)
+        jobs += [pool.submit(complete, name, 4, priority) for name, priority in (("low", 5), ("later", 5))]
+        wait_for(1, 2)
+        jobs.append(pool.submit(complete, "urgent", 4, -10))
+        for job in jobs:
+            job.result()
+    assert finished[:2] == ["first", "urgent"] and sorted(finished[2:]) == ["later", "low"], finished
+    refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text

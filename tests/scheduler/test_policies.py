@@ -28,9 +28,10 @@ class Harness:
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.requests: dict[str, Request] = {}
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int, first_token: int = 7) -> Request:
+    def add(self, rid: str, prompt_len: int, max_tokens: int, first_token: int = 7, priority: int = 0) -> Request:
         prompt = [(first_token + i) % 1000 for i in range(prompt_len)]
-        self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=rid)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority)
+        self.engine.add_request(prompt, params, request_id=rid)
         self.requests[rid] = self.engine.scheduler.requests[rid]
         return self.requests[rid]
 
@@ -442,3 +443,44 @@ def test_abort_timestamp() -> None:
     h.step()
     h.engine.abort_request("A")
     assert r.times.arrival <= r.times.first_scheduled <= r.times.first_token <= r.times.finished
+
+
+# --- priority scheduling ------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_priority_admits_the_most_urgent_waiting_request_first(policy: str) -> None:
+    h = Harness(policy, max_num_seqs=1, scheduling_policy="priority")
+    h.add("first", 4, 3)
+    h.step()  # it runs alone; the rest queue behind it
+    for rid, priority in (("low", 5), ("urgent", -1), ("normal", 0), ("low too", 5), ("urgent too", -1)):
+        h.add(rid, 4, 2, priority=priority)
+    assert h.waiting_ids() == ["urgent", "urgent too", "normal", "low", "low too"]
+    h.run()
+    order = sorted(h.finished_at, key=h.finished_at.__getitem__)
+    assert order == ["first", "urgent", "urgent too", "normal", "low", "low too"]
+
+
+def test_priority_preempts_the_least_urgent_and_serves_the_most_urgent_first() -> None:
+    # Three requests grow into a pool that holds two: the least urgent is preempted, whatever the
+    # order they were admitted in, and the most urgent gets its tokens first each step.
+    h = Harness(block_size=2, num_blocks=6, max_num_seqs=3, scheduling_policy="priority")
+    h.add("low", 2, 6, priority=3)
+    h.add("high", 2, 6, first_token=20, priority=-3)
+    h.add("mid", 2, 6, first_token=40, priority=0)
+    h.step()
+    assert [rid for rid, _ in h.trace[0]] == ["high", "mid", "low"]
+    h.run()
+    preempted = [rid for step in h.preempted for rid in step]
+    assert preempted and set(preempted) <= {"low", "mid"} and preempted[0] == "low"
+    assert h.finished_at["high"] <= min(h.finished_at["mid"], h.finished_at["low"])
+    for rid, first in (("low", 7), ("high", 20), ("mid", 40)):
+        assert h.requests[rid].output_token_ids == solo_tokens(2, 6, first)
+
+
+def test_a_priority_needs_priority_scheduling() -> None:
+    from conveyor.errors import InvalidRequestError
+
+    h = Harness()
+    with pytest.raises(InvalidRequestError) as refused:
+        h.add("x", 4, 2, priority=1)
+    assert refused.value.param == "priority" and not h.engine.has_unfinished_requests
+    h.add("zero", 4, 2, priority=0)  # the default priority is every request's under FCFS

@@ -9,6 +9,7 @@ copy-on-write, prefix hits and block ownership are all right.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections import defaultdict
@@ -29,6 +30,7 @@ from conveyor.request import Request, RequestStatus
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import ContinuousScheduler, make_scheduler
+from conveyor.scheduler.queue import priority_key
 from tests.fakes import FakeRunner, fake_engine
 
 VOCAB = 1000
@@ -187,6 +189,17 @@ def check_requests(engine: LLMEngine, cfg: SchedulerConfig, accepted: dict[str, 
             assert (r.status is RequestStatus.RUNNING) == any(m is r for m in mem)
 
 
+def service_order(s, admitted: list[Request]) -> list[Request]:  # noqa: ANN001
+    """Who gets tokens first: admission order, or by priority the lowest key (admission order among
+    equal keys)."""
+    return sorted(admitted, key=priority_key) if s.waiting.by_priority else list(admitted)
+
+
+def victim_order(s, admitted: list[Request]) -> list[Request]:  # noqa: ANN001
+    """Who is preempted first: service order, backwards."""
+    return list(reversed(service_order(s, admitted)))
+
+
 def check_decision(  # noqa: ANN001
     engine, runner, cfg, before_waiting, before_members, before_all_finished, before_holding, n_steps_before,
     before_seats,
@@ -207,30 +220,36 @@ def check_decision(  # noqa: ANN001
         # Whole pending tokens or nothing: every scheduled request caught up and sampled a token.
         for r in scheduled:
             assert r.num_computed_tokens == r.num_tokens - 1
-    # Victims come from the tail: a member after a victim that held blocks was preempted too.
+    # Victims come from the end of the victim order (the newest admitted, or the least urgent): a
+    # member that comes before a victim in it and held blocks was preempted too.
+    worst_first = victim_order(s, sched_members)
     for p in out.preempted:
-        after = sched_members[[id(m) for m in sched_members].index(id(p)) + 1 :]
-        for m in after:
+        before_it = worst_first[: [id(m) for m in worst_first].index(id(p))]
+        for m in before_it:
             if m.request_id in before_holding:
-                assert any(q is m for q in out.preempted), "preempted an older request before a newer one"
+                assert any(q is m for q in out.preempted), "preempted a request before a less urgent one"
+    if s.waiting.by_priority:
+        keys = [priority_key(r) for r in s.waiting]
+        assert keys == sorted(keys), "the waiting queue is in priority order"
     if isinstance(s, ContinuousScheduler):
         run_ids = {id(r) for r in before_members}
         k = sum(1 for r in scheduled if id(r) in run_ids)
         old, new = scheduled[:k], scheduled[k:]
         assert all(id(r) in run_ids for r in old), "running requests are served before waiting ones"
-        order = [id(r) for r in before_members]
+        order = [id(r) for r in service_order(s, before_members)]
         assert [order.index(id(r)) for r in old] == sorted(order.index(id(r)) for r in old)
         assert [id(r) for r in new] == [id(r) for r in before_waiting[: len(new)]], "admission is FCFS"
         if out.preempted:
             assert not new, "no admission in a step that preempts"
-            # Exactly the most recently admitted, newest first, and they go back to the queue's front
-            # in admission order.
+            # Exactly the first of the victim order, in that order; under FCFS they go back to the
+            # queue's front in admission order (by priority, the order check above covers them).
             k = len(out.preempted)
-            assert [id(p) for p in out.preempted] == [id(r) for r in reversed(before_members)][:k]
+            assert [id(p) for p in out.preempted] == [id(r) for r in victim_order(s, before_members)][:k]
             for p in out.preempted:
                 assert p.num_computed_tokens == 0 and p.request_id not in engine.kv.block_tables
                 assert p.status is RequestStatus.WAITING
-            assert [id(r) for r in list(s.waiting)[:k]] == [id(r) for r in before_members[-k:]]
+            if not s.waiting.by_priority:
+                assert [id(r) for r in list(s.waiting)[:k]] == [id(r) for r in before_members[-k:]]
         skipped = [r for r in before_members if r not in scheduled and r not in out.preempted]
         budget_left = cfg.max_num_batched_tokens - out.num_tokens
         if skipped:
@@ -269,6 +288,7 @@ class Arrival:
     prompt: list[int]
     max_tokens: int
     n: int = 1
+    priority: int = 0
 
 
 @dataclass
@@ -284,6 +304,7 @@ class Scenario:
     prefix_caching: bool = True
     aborts: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, pick)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (step, pick)
+    scheduling_policy: str = "fcfs"
 
 
 @st.composite
@@ -327,12 +348,15 @@ def scenarios(draw, pressure: bool = False) -> Scenario:  # noqa: ANN001
         else:
             prompt = tail
         n = draw(st.sampled_from([1, 1, 2, 3]))
-        arrivals.append(Arrival(step, prompt, total - prompt_len, n))
+        arrivals.append(Arrival(step, prompt, total - prompt_len, n, draw(st.integers(-2, 2))))
     kinds = st.sampled_from(["waiting", "running", "finished", "unknown"])
     aborts = draw(st.lists(st.tuples(st.integers(0, 20), kinds, st.integers(0, 1000)), max_size=4))
     duplicates = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 1000)), max_size=1))
+    scheduling_policy = draw(st.sampled_from(["fcfs", "priority"]))
+    if scheduling_policy == "fcfs":
+        arrivals = [dataclasses.replace(a, priority=0) for a in arrivals]
     return Scenario(policy, chunked, block_size, num_blocks, max_num_seqs, budget, max_model_len, arrivals,
-                    prefix_caching, aborts, duplicates)
+                    prefix_caching, aborts, duplicates, scheduling_policy)
 
 
 def note_events(*names: str) -> None:
@@ -358,6 +382,7 @@ def run_scenario(sc: Scenario) -> None:
     engine, runner = make_engine(
         sc.policy, block_size=sc.block_size, num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
         budget=sc.budget, chunked=sc.chunked, max_model_len=sc.max_model_len, prefix_caching=sc.prefix_caching,
+        scheduling_policy=sc.scheduling_policy,
     )
     cfg = engine.config.scheduler
     accepted: dict[str, Request] = {}  # by the id the caller knows: the first sample of each request
@@ -385,7 +410,7 @@ def run_scenario(sc: Scenario) -> None:
     while step <= last_event or engine.has_unfinished_requests:
         assert step < 20_000, "the engine stopped making progress"
         for a in by_step[step]:
-            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, n=a.n)
+            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, n=a.n, priority=a.priority)
             before = engine_state(engine)
             if fits(sc, a):
                 rid = engine.add_request(a.prompt, params)
@@ -476,7 +501,7 @@ def run_scenario(sc: Scenario) -> None:
         step += 1
 
     note_events(
-        f"policy={sc.policy} chunked={sc.chunked}",
+        f"policy={sc.policy} chunked={sc.chunked} scheduling={sc.scheduling_policy}",
         f"preempted={'yes' if engine.scheduler.num_preemptions else 'no'}",
         f"rejected={'yes' if len(accepted) < len(sc.arrivals) else 'no'}",
         f"aborted={'yes' if aborted else 'no'}",
@@ -486,10 +511,12 @@ def run_scenario(sc: Scenario) -> None:
     )
 
     # FCFS over the whole run: first admissions (continuous) or batch membership (static) follow the
-    # order in which requests were added; only preempted requests may jump the queue.
-    add_index = {rid: i for i, rid in enumerate(accepted)}
-    order = [add_index[rid] for rid in first_admitted if rid in add_index]
-    assert order == sorted(order), "requests were admitted out of arrival order"
+    # order in which requests were added; only preempted requests may jump the queue. (By priority,
+    # each step's admissions are the head of a queue kept in priority order: checked per step.)
+    if sc.scheduling_policy == "fcfs":
+        add_index = {rid: i for i, rid in enumerate(accepted)}
+        order = [add_index[rid] for rid in first_admitted if rid in add_index]
+        assert order == sorted(order), "requests were admitted out of arrival order"
 
     # --- the end state ----------------------------------------------------------------------------
     kv, s = engine.kv, engine.scheduler
