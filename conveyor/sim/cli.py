@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 
@@ -155,8 +156,10 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     hw.add_argument("--num-kv-blocks", type=int, default=None)
     hw.add_argument("--max-model-len", type=int, default=None)
     eng = sim.add_argument_group("engine (the real scheduler's knobs)")
-    # A GPU's batch cap: 256 (vLLM's default), not the CPU engine's
-    add_config_args(eng, SchedulerConfig, defaults={"max_num_seqs": 256},
+    # A GPU's batch cap: 256 (vLLM's default), not the CPU engine's. No scheduling policy: the
+    # workloads carry no priorities, so priority order would be arrival order.
+    knobs = [f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "scheduling_policy"]
+    add_config_args(eng, SchedulerConfig, only=knobs, defaults={"max_num_seqs": 256},
                     helps={"slo_ttft_ms": "TTFT target: misses are counted, not dropped"})
     add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching"))
     dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
