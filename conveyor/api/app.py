@@ -128,7 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
         echo = await asyncio.to_thread(_echo_texts, state, echo_source, prompts) if body.echo else None
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl",
-                         bool(body.return_tokens_as_token_ids))
+                         bool(body.return_tokens_as_token_ids), body.request_id)
         return await _serve(request, state, gen, prompts,
                             CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)
@@ -151,7 +151,7 @@ def build_app(state: ServerState) -> FastAPI:
         requested = body.max_completion_tokens or body.max_tokens
         params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl",
-                         bool(body.return_tokens_as_token_ids))
+                         bool(body.return_tokens_as_token_ids), body.request_id)
         name = _name(state, body.model)
         if body.return_token_ids and tools is not None and tools.mode != "none":
             # The tool-call format re-frames the text as calls: no token ids line up with it.

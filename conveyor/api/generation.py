@@ -150,14 +150,16 @@ def _entry(tokenizer: Any, name: Callable[[int], str], token: int, logprobs: dic
 
 class Generation:
     def __init__(self, engine: EngineClient, tokenizer: Any, params: SamplingParams, num_logprobs: int | None,
-                 prefix: str, tokens_as_ids: bool = False) -> None:
+                 prefix: str, tokens_as_ids: bool = False, request_id: str | None = None) -> None:
+        """`request_id`: the caller's (vLLM's field), else a random one; the response's id is
+        `{prefix}-{request_id}` and the engine's requests are named after it."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.params = params
         self.n = getattr(params, "n", 1)
         self.num_logprobs = num_logprobs
         self.tokens_as_ids = tokens_as_ids
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sink: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []

@@ -66,7 +66,6 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1, 1.0),  # beam search only
     "logits_processors": (None,),
     "spaces_between_special_tokens": (None, True),
-    "request_id": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "guided_decoding_backend": (None,),
@@ -108,6 +107,8 @@ class _Sampling(_Strict):
     cache_salt: str | None = Field(None, min_length=1)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower is served sooner
+    # vLLM's: the response's id is made from it (a request in flight with the same id is a 400).
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     bad_words: list[str] | None = None  # vLLM's: words that must not be generated
 
     # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.

@@ -122,7 +122,7 @@ class RayEngineClient:
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
         if request_id in self._tracked:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if params.prompt_logprobs is not None:  # the workers' output messages do not carry them
             raise InvalidRequestError("prompt_logprobs (and echo with logprobs) are not supported with Ray workers")
         bound = self.max_waiting_requests

@@ -109,7 +109,7 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._unfinished_samples:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         self._check_token_ids(params)

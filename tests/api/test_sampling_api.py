@@ -310,3 +310,19 @@ def test_priority_scheduling_serves_the_urgent_request_before_those_queued_earli
     assert finished[:2] == ["first", "urgent"] and sorted(finished[2:]) == ["later", "low"], finished
     refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+
+
+def test_request_id_names_the_response_and_cannot_be_in_flight_twice(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert http.post("/v1/completions", json={**body, "request_id": "job-7"}).json()["id"] == "cmpl-job-7"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "job-7"}
+    assert http.post("/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-job-7"
+    long = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True, "request_id": "job-8"}
+    with http.stream("POST", "/v1/completions", json=long) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream, which aborts the request
+        assert next(lines).startswith("data: ")  # it is running
+        twin = http.post("/v1/completions", json={**body, "request_id": "job-8"})
+        assert twin.status_code == 400 and twin.json()["error"]["param"] == "request_id", twin.text
+    for bad in ("", "has space", 7):
+        reply = http.post("/v1/completions", json={**body, "request_id": bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "request_id", reply.text
