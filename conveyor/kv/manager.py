@@ -40,13 +40,19 @@ def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def chain_keys(root: bytes, token_slice: TokenSlice, num_blocks: int, block_size: int) -> Iterator[bytes]:
+    """The keys of a sequence's first num_blocks full blocks, first block first."""
+    key = root
+    for start in range(0, num_blocks * block_size, block_size):
+        key = block_key(key, token_slice(start, start + block_size))
+        yield key
+
+
 def iter_block_keys(model_identity: str, token_ids: Sequence[int], block_size: int,
                     cache_salt: str | None = None) -> Iterator[bytes]:
     """The keys of the full blocks of a token sequence, first block first."""
-    key = root_key(model_identity, cache_salt)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        key = block_key(key, token_ids[start : start + block_size])
-        yield key
+    return chain_keys(root_key(model_identity, cache_salt), lambda start, end: token_ids[start:end],
+                      len(token_ids) // block_size, block_size)
 
 
 @dataclass(frozen=True)
@@ -128,14 +134,8 @@ class KVCacheManager:
         engine computed, before it is imported): keys computed afresh, nothing remembered."""
         if not self.enable_prefix_caching:
             return []
-
-        def chain() -> Iterator[bytes]:
-            key = root_key(self._model_identity, cache_salt)
-            for start in range(0, max_tokens // self.block_size * self.block_size, self.block_size):
-                key = block_key(key, token_slice(start, start + self.block_size))
-                yield key
-
-        return self._leading_hits(chain())
+        root = root_key(self._model_identity, cache_salt)
+        return self._leading_hits(chain_keys(root, token_slice, max_tokens // self.block_size, self.block_size))
 
     def cache_full_blocks(self, request_id: str, num_computed_tokens: int, token_slice: TokenSlice,
                           cache_salt: str | None = None) -> None:
