@@ -43,3 +43,26 @@ def test_a_young_lock_that_never_goes_away_is_removed_once_stale(lock: Path) -> 
     lock.touch()
     assert wait_for_build_lock("conveyor_test_ext", stale_after=0.3, poll=0.05) is True
     assert not lock.exists()
+
+
+def test_a_kernel_build_is_named_by_its_sources_content_not_their_checkout(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.model import kernels
+
+    checkouts = []
+    for name in ("one", "two"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "k.cpp").write_text('#include "simd.h"\nint f() { return 1; }\n')
+        (folder / "simd.h").write_text("// vectors\n")
+        checkouts.append(folder)
+    tags = []
+    for folder in checkouts:
+        monkeypatch.setattr(kernels, "_SOURCE_DIR", folder)
+        tags.append(kernels._source_tag("k"))
+    assert tags[0] == tags[1], "two checkouts of the same sources share one build"
+    staged = kernels._staged_source("k", tmp_path / "build" / "src")
+    assert staged.read_text() == (checkouts[1] / "k.cpp").read_text()
+    assert (staged.parent / "simd.h").read_text() == "// vectors\n", "headers travel with the source"
+    (checkouts[1] / "simd.h").write_text("// other vectors\n")
+    assert kernels._source_tag("k") != tags[0], "a header's change is a new build"

@@ -46,12 +46,33 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def _headers_tag() -> str:
-    """torch's builder rebuilds when a source changes but does not look at the headers it includes."""
+def _kernel_files(name: str) -> list[Path]:
+    """The kernel's source and every header it may include."""
+    return [_SOURCE_DIR / f"{name}.cpp", *sorted(_SOURCE_DIR.glob("*.h"))]
+
+
+def _source_tag(name: str) -> str:
+    """Short hash of the kernel's source and headers (torch's builder looks at neither the headers
+    nor, across processes, the content: it rebuilds when the source's path changes)."""
     digest = hashlib.sha1()
-    for header in sorted(_SOURCE_DIR.glob("*.h")):
-        digest.update(header.read_bytes())
-    return digest.hexdigest()[:8]
+    for file in _kernel_files(name):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def _staged_source(name: str, folder: Path) -> Path:
+    """The kernel's files copied into `folder` (inside the build directory, which is named by their
+    content), so that every checkout with the same sources (a CI clone, the dev tree, a worktree)
+    shares one build instead of each rebuilding the others' out of the cache. Written once; a file
+    lands whole (os.replace), so processes staging at once agree."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in _kernel_files(name):
+        target = folder / file.name
+        if not target.is_file():
+            partial = folder / f".{file.name}.{os.getpid()}.partial"
+            partial.write_bytes(file.read_bytes())
+            os.replace(partial, target)
+    return folder / f"{name}.cpp"
 
 
 # A build killed half-way (Ctrl-C during a server's first start) leaves torch's lock file behind,
@@ -97,7 +118,7 @@ def _why_build(extension_name: str, source: Path) -> str | None:
         if not library.is_file():
             return "first start only"
         if str(source) not in (directory / "build.ninja").read_text():
-            return "built before from another checkout"
+            return "built before by another version of conveyor"
         if source.stat().st_mtime > library.stat().st_mtime:
             return "its source changed"
         return None
@@ -107,11 +128,11 @@ def _why_build(extension_name: str, source: Path) -> str | None:
 
 @functools.cache
 def _load(name: str) -> object | None:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_headers_tag()}"
+    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_source_tag(name)}"
     wait_for_build_lock(extension_name)
-    source = _SOURCE_DIR / f"{name}.cpp"
+    source = _staged_source(name, Path(_get_build_directory(extension_name, verbose=False)) / "src")
     if (reason := _why_build(extension_name, source)) is not None:
         logger.info("building C++ kernels, %s: %s (cached for later starts)", reason, name)
     try:
