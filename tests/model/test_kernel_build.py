@@ -59,10 +59,10 @@ def test_a_kernel_build_is_named_by_its_sources_content_not_their_checkout(tmp_p
     tags = []
     for folder in checkouts:
         monkeypatch.setattr(kernels, "_SOURCE_DIR", folder)
-        tags.append(kernels._source_tag("k"))
+        tags.append(kernels._build_tag("k"))
     assert tags[0] == tags[1], "two checkouts of the same sources share one build"
     staged = kernels._staged_source("k", tmp_path / "build" / "src")
     assert staged.read_text() == (checkouts[1] / "k.cpp").read_text()
     assert (staged.parent / "simd.h").read_text() == "// vectors\n", "headers travel with the source"
     (checkouts[1] / "simd.h").write_text("// other vectors\n")
-    assert kernels._source_tag("k") != tags[0], "a header's change is a new build"
+    assert kernels._build_tag("k") != tags[0], "a header's change is a new build"

@@ -51,10 +51,12 @@ def _kernel_files(name: str) -> list[Path]:
     return [_SOURCE_DIR / f"{name}.cpp", *sorted(_SOURCE_DIR.glob("*.h"))]
 
 
-def _source_tag(name: str) -> str:
-    """Short hash of the kernel's source and headers (torch's builder looks at neither the headers
-    nor, across processes, the content: it rebuilds when the source's path changes)."""
-    digest = hashlib.sha1()
+def _build_tag(name: str) -> str:
+    """Short hash of what a build depends on beyond the CPU: the kernel's source and headers (torch's
+    builder looks at neither the headers nor, across processes, the content: it rebuilds when the
+    source's path changes) and where torch lies (its include paths are in the compile command, so a
+    build made in another virtual environment would be rebuilt, and would then rebuild this one's)."""
+    digest = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode() + b"\0")
     for file in _kernel_files(name):
         digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
@@ -62,9 +64,9 @@ def _source_tag(name: str) -> str:
 
 def _staged_source(name: str, folder: Path) -> Path:
     """The kernel's files copied into `folder` (inside the build directory, which is named by their
-    content), so that every checkout with the same sources (a CI clone, the dev tree, a worktree)
-    shares one build instead of each rebuilding the others' out of the cache. Written once; a file
-    lands whole (os.replace), so processes staging at once agree."""
+    content), so that checkouts of the same sources using one torch (the dev tree and a worktree, or
+    a clone) share one build instead of each rebuilding the others' out of the cache. Written once;
+    a file lands whole (os.replace), so processes staging at once agree."""
     folder.mkdir(parents=True, exist_ok=True)
     for file in _kernel_files(name):
         target = folder / file.name
@@ -130,7 +132,7 @@ def _why_build(extension_name: str, source: Path) -> str | None:
 def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_source_tag(name)}"
+    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_build_tag(name)}"
     wait_for_build_lock(extension_name)
     source = _staged_source(name, Path(_get_build_directory(extension_name, verbose=False)) / "src")
     if (reason := _why_build(extension_name, source)) is not None:
