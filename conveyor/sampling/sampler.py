@@ -10,7 +10,7 @@ the rows that ask for it.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, MutableMapping, Sequence
 
 import torch
 
@@ -53,11 +53,25 @@ def _mask(logits: torch.Tensor, cells: dict[int, Sequence[int]]) -> None:
         logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
 
 
-def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+def _outside(request: Request, vocab: int, masks: MutableMapping[Request, torch.Tensor] | None) -> torch.Tensor:
+    """[vocab] bool, True where a token is not in the request's allowed_token_ids: made once per
+    request when `masks` keeps it (a long list must not cost every step of everyone's batch)."""
+    mask = masks.get(request) if masks is not None else None
+    if mask is None or mask.shape[0] != vocab:
+        ids = [t for t in request.sampling_params.allowed_token_ids or () if t < vocab]
+        mask = torch.ones(vocab, dtype=torch.bool)
+        mask[torch.tensor(ids, dtype=torch.long)] = False
+        if masks is not None:
+            masks[request] = mask
+    return mask
+
+
+def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = (),
+                  allowed_masks: MutableMapping[Request, torch.Tensor] | None = None) -> torch.Tensor:
     """allowed_token_ids, bad words, min_tokens, logit_bias, repetition/frequency/presence
     penalties, before temperature (vLLM's order). Returns `logits` itself when no request adjusts
     anything, else an adjusted copy, so the caller's logits stay the model's own (logprobs are
-    reported from those)."""
+    reported from those). `allowed_masks` keeps each request's allowed-token mask between steps."""
     params = [r.sampling_params for r in requests]
     if not any(adjusts_logits(r) for r in requests):
         return logits
@@ -67,10 +81,7 @@ def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_i
     logits = logits.clone()
     vocab = logits.shape[-1]
     if allowed:
-        outside = torch.ones(len(allowed), vocab, dtype=torch.bool)
-        for j, i in enumerate(allowed):
-            ids = [t for t in params[i].allowed_token_ids or () if t < vocab]
-            outside[j, torch.tensor(ids, dtype=torch.long)] = False
+        outside = torch.stack([_outside(requests[i], vocab, allowed_masks) for i in allowed])
         logits[allowed] = logits[allowed].masked_fill(outside, float("-inf"))
     _mask(logits, {i: _banned_by_bad_words(r) for i, r in enumerate(requests) if params[i].bad_words_token_ids})
     # EOS and stop tokens may not end the request before min_tokens.
@@ -134,6 +145,7 @@ class Sampler:
         self._argmax = argmax
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
+        self._allowed_masks: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
 
     @staticmethod
@@ -145,7 +157,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: fp32 [len(requests), vocab]."""
-        tokens = self._sample(adjust_logits(logits, requests, self.eos_token_ids), requests)
+        tokens = self._sample(adjust_logits(logits, requests, self.eos_token_ids, self._allowed_masks), requests)
         wanted = [r.sampling_params.logprobs for r in requests]
         if all(k is None for k in wanted):
             return SamplerOutput(tokens)

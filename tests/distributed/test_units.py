@@ -68,6 +68,19 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingP
     return parked
 
 
+def _drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[list[int]]]:
+    """Step until every request is done (bounded: a stalled engine would step without end); each
+    request's tokens, as reference_outputs gives them."""
+    got = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests:
+            break
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [list(out.token_ids)]
+    return got
+
+
 def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_model) -> None:
     config = tiny_config(tiny_model)
     prompts = make_prompts(8)
@@ -83,12 +96,7 @@ def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_
         import_request(decode, payload)
         prefill.kv.free(request_id)
     assert prefill.kv.pool.num_used == 0
-    got = {}
-    while decode.has_unfinished_requests:
-        for out in decode.step():
-            if out.finished:
-                got[out.request_id] = [list(out.token_ids)]
-    assert got == expected
+    assert _drain(decode) == expected
     assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
 
 
@@ -119,12 +127,7 @@ def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_mo
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
     assert [decode.kv.pool.ref_count(b) for b in tables[0][:3]] == [3, 3, 3]
     assert decode.scheduler.requests["r3"].num_computed_tokens == 0  # the gap: recomputed here
-    got = {}
-    while decode.has_unfinished_requests:
-        for out in decode.step():
-            if out.finished:
-                got[out.request_id] = [list(out.token_ids)]
-    assert got == expected
+    assert _drain(decode) == expected
     assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
 
 
@@ -141,14 +144,7 @@ def test_imports_that_fill_the_pool_do_not_stall_the_decode_engine(tiny_model) -
         import_request(decode, export_request(prefill, request))
     assert decode.kv.num_free_blocks == 0
     assert import_headroom(decode) == -4  # a worker would not have taken the last ones yet
-    got = {}
-    for _ in range(500):  # a stalled engine steps without end: bound it
-        if not decode.has_unfinished_requests:
-            break
-        for out in decode.step():
-            if out.finished:
-                got[out.request_id] = [list(out.token_ids)]
-    assert got == expected
+    assert _drain(decode, max_steps=500) == expected
     assert decode.scheduler.num_preemptions > 0
     assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
 

@@ -207,8 +207,12 @@ def test_allowed_tokens_and_bad_words_follow_their_definitions():
     assert adjusted[1, 9] == adjusted[1, 4] == float("-inf") and adjusted[1, 3] == logits[1, 3]
     assert adjusted[2, 9] == logits[2, 9] and adjusted[3, 9] == logits[3, 9], "the output is what counts"
     assert bool(torch.isinf(adjusted[4]).all()), "nothing allowed is left: every token is masked"
-    tokens = Sampler(seed=3)(logits[:2], reqs[:2]).tokens
+    sampler = Sampler(seed=3)
+    tokens = sampler(logits[:2], reqs[:2]).tokens
     assert tokens[0] in (3, 5, 29) and tokens[1] not in (4, 9)
+    mask = sampler._allowed_masks[reqs[0]]
+    assert sampler(logits[:1] * 2, reqs[:1]).tokens[0] in (3, 5, 29)
+    assert sampler._allowed_masks[reqs[0]] is mask, "the allowed-token mask is made once per request"
 
 
 def test_bad_words_tokenize_as_they_start_a_text_and_after_a_space():
