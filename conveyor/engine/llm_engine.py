@@ -235,10 +235,11 @@ class LLMEngine:
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
         self._check_token_ids(request.sampling_params)
         rid = request.request_id
-        self.kv.allocate(rid, request.num_computed_tokens, cached)
+        if request.num_computed_tokens or cached:  # else it starts from scratch: a table comes when it runs
+            self.kv.allocate(rid, request.num_computed_tokens, cached)
         try:
             if write_kv is not None:
-                write_kv(self.kv.block_tables[rid][len(cached):])
+                write_kv(self.kv.block_tables.get(rid, [])[len(cached):])
             self._start_grammar(request)  # replays the output it already has
         except BaseException:
             self.kv.free(rid)  # before keying: a block whose write failed must never be a hit

@@ -127,6 +127,7 @@ def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_mo
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
     assert [decode.kv.pool.ref_count(b) for b in tables[0][:3]] == [3, 3, 3]
     assert decode.scheduler.requests["r3"].num_computed_tokens == 0  # the gap: recomputed here
+    assert "r3" not in decode.kv.block_tables, "holding nothing, it waits as a new request does"
     assert _drain(decode) == expected
     assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
 
