@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from conveyor.distributed.messages import (
     HandoverReady,
+    KVImported,
     PollResult,
     RequestError,
     TokenEvent,
@@ -202,7 +203,7 @@ class RayEngineClient:
         except Exception as exc:
             self._fail(t, exc)
 
-    async def _handover(self, t: TrackedRequest, source: WorkerHandle, ready: HandoverReady) -> None:
+    async def _handover(self, t: TrackedRequest, source: WorkerHandle) -> None:
         """Export from the prefill worker straight into a decode worker (the front end only passes
         the object ref), then let the prefill worker free its blocks."""
         if t.aborted:  # the abort reached the prefill worker, which freed the blocks (release: idempotent)
@@ -210,24 +211,20 @@ class RayEngineClient:
             return
         t.busy = True
         try:
-            error, skipped = await self._move_kv(t, source)
+            error = await self._move_kv(t, source)
         finally:  # cancelled (detach) or not: the parked blocks must not outlive the handover
             t.busy = False
             source.tell("release", t.request_id)
         if error is not None:
             self._fail(t, error if isinstance(error, ConveyorError) else WorkerDiedError(f"KV handover failed: {error}"))
             return
-        block_bytes = ready.num_bytes // max(1, ready.num_blocks)
-        self.cluster.kv_transfers += 1
-        self.cluster.kv_transfer_bytes += (ready.num_blocks - skipped) * block_bytes
-        self.cluster.kv_transfer_cached_bytes += skipped * block_bytes
         if t.aborted:
             t.worker.tell("abort", t.request_id)
 
-    async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> tuple[BaseException | None, int]:
+    async def _move_kv(self, t: TrackedRequest, source: WorkerHandle) -> BaseException | None:
         """Import the request's KV into a live decode worker (a second one if the first died),
-        leaving out the leading blocks that worker's prefix cache holds. Returns the error, if any,
-        and how many blocks were left out."""
+        leaving out the leading blocks that worker's prefix cache holds. The worker reports the
+        import (KVImported) in its outbox, where the transfer is counted."""
         import ray
 
         tried: WorkerHandle | None = None
@@ -235,21 +232,21 @@ class RayEngineClient:
         for _ in range(MAX_ATTEMPTS):
             target = pick(self.workers, "decode", self._tracked.values(), exclude=tried)
             if target is None:
-                return WorkerDiedError("no live decode worker to take the request over"), 0
+                return WorkerDiedError("no live decode worker to take the request over")
             t.worker, tried = target, target
             try:
-                skipped = await target.actor.cached_prefix_blocks.remote(t.prompt, t.params.cache_salt)
-                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id, skipped))
-                return None, skipped
+                cached = await target.actor.cached_prefix_blocks.remote(t.prompt, t.params.cache_salt)
+                await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id, cached))
+                return None
             except ray.exceptions.RayError as exc:
                 if not source.alive or not await self._responds(source):
                     self._worker_died(source)
-                    return exc, 0  # the KV is gone with it
+                    return exc  # the KV is gone with it
                 if await self._responds(target):
-                    return exc, 0  # not a death: the import itself failed
+                    return exc  # not a death: the import itself failed
                 self._worker_died(target)
                 error = exc
-        return error, 0
+        return error
 
     async def _responds(self, worker: WorkerHandle) -> bool:
         try:
@@ -299,6 +296,11 @@ class RayEngineClient:
         for seq, event in enumerate(result.events, first_seq):
             if seq <= seen:
                 continue  # already handled (the worker had not heard our acknowledgement)
+            if isinstance(event, KVImported):  # whatever became of the request since, the KV moved
+                self.cluster.kv_transfers += 1
+                self.cluster.kv_transfer_bytes += event.num_bytes
+                self.cluster.kv_transfer_cached_bytes += event.num_cached_bytes
+                continue
             t = self._tracked.get(event.request_id)
             if t is None or t.worker is not worker:  # aborted, failed, or a stale event of a dead attempt
                 if isinstance(event, HandoverReady):  # nobody will take it over: free the parked blocks
@@ -307,7 +309,7 @@ class RayEngineClient:
             if isinstance(event, TokenEvent):
                 outputs.append(self._deliver(t, event))
             elif isinstance(event, HandoverReady):
-                self._spawn(self._handover(t, worker, event))
+                self._spawn(self._handover(t, worker))
             elif isinstance(event, RequestError):
                 self._fail(t, ConveyorError(event.message))
         stats = step_stats(worker.name, result.load.steps, self._slo_misses)

@@ -43,8 +43,16 @@ class HandoverReady:
     """A prefill worker computed the prompt and the first token; its KV blocks wait for a taker."""
 
     request_id: str
-    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KVImported:
+    """A decode worker took a request's KV over (before any token of it from there): bytes that
+    came, and bytes left out because its prefix cache held those blocks."""
+
+    request_id: str
     num_bytes: int
+    num_cached_bytes: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ class WorkerLoadReport:
 
 @dataclass
 class PollResult:
-    events: list[Any]  # TokenEvent | HandoverReady | RequestError, in the order they happened
+    events: list[Any]  # TokenEvent | HandoverReady | KVImported | RequestError, in the order they happened
     load: WorkerLoadReport
     last_seq: int  # the number of the last event: the next poll passes it as `after`
 

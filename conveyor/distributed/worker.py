@@ -25,6 +25,7 @@ from conveyor.config import EngineConfig
 from conveyor.distributed.handover import cached_prefix_blocks, export_request, import_request, request_blocks
 from conveyor.distributed.messages import (
     HandoverReady,
+    KVImported,
     KVPayload,
     PollResult,
     RequestError,
@@ -244,6 +245,11 @@ class EngineWorker(EngineLoop[_Command]):
         except Exception as exc:
             pending.done.set_exception(exc)
         else:
+            payload = pending.payload
+            # In the outbox before any token of the request: the front end counts the handover
+            # before it can see the request end.
+            self._iteration_events.append(KVImported(payload.request_id, int(payload.kv.nbytes),
+                                                     payload.first_block * self.info.kv_block_bytes))
             pending.done.set_result(None)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -264,9 +270,8 @@ class EngineWorker(EngineLoop[_Command]):
             request = self.engine.detach_request(out.request_id)
             if request is None:
                 continue
-            blocks = request_blocks(self.engine, request)
-            self._parked[out.request_id] = (request, blocks)
-            events.append(HandoverReady(out.request_id, len(blocks), len(blocks) * self.info.kv_block_bytes))
+            self._parked[out.request_id] = (request, request_blocks(self.engine, request))
+            events.append(HandoverReady(out.request_id))
 
     def _fail_all(self, error: BaseException) -> None:
         for request in list(self.engine.scheduler.requests.values()):

@@ -54,7 +54,7 @@ def _tracked(request_id: str, worker: WorkerHandle, role: str = "prefill") -> Tr
 def test_handover_ready_of_an_untracked_request_releases_its_blocks() -> None:
     prefill = WorkerHandle("prefill-0", "prefill", _FakeActor())
     client = RayEngineClient([prefill, WorkerHandle("decode-0", "decode", _FakeActor())], tokenizer=None)
-    client._handle(prefill, PollResult([HandoverReady("gone", 2, 100)], WorkerLoadReport(), 1), 0)
+    client._handle(prefill, PollResult([HandoverReady("gone")], WorkerLoadReport(), 1), 0)
     assert prefill.actor.told("release") == [("gone",)]
 
 
@@ -81,7 +81,7 @@ def test_cancelled_handover_still_releases_the_prefill_blocks() -> None:
         t = _tracked("r", prefill)
         t.streamed = True
         client._tracked["r"] = t
-        task = asyncio.ensure_future(client._handover(t, prefill, HandoverReady("r", 2, 100)))
+        task = asyncio.ensure_future(client._handover(t, prefill))
         while not decode.actor.told("import_kv"):
             await asyncio.sleep(0)
         task.cancel()
