@@ -296,17 +296,16 @@ class RayEngineClient:
         for seq, event in enumerate(result.events, first_seq):
             if seq <= seen:
                 continue  # already handled (the worker had not heard our acknowledgement)
-            if isinstance(event, KVImported):  # whatever became of the request since, the KV moved
-                self.cluster.kv_transfers += 1
-                self.cluster.kv_transfer_bytes += event.num_bytes
-                self.cluster.kv_transfer_cached_bytes += event.num_cached_bytes
-                continue
             t = self._tracked.get(event.request_id)
             if t is None or t.worker is not worker:  # aborted, failed, or a stale event of a dead attempt
                 if isinstance(event, HandoverReady):  # nobody will take it over: free the parked blocks
                     worker.tell("release", event.request_id)
                 continue
-            if isinstance(event, TokenEvent):
+            if isinstance(event, KVImported):  # it comes before any token of the request from there
+                self.cluster.kv_transfers += 1
+                self.cluster.kv_transfer_bytes += event.num_bytes
+                self.cluster.kv_transfer_cached_bytes += event.num_cached_bytes
+            elif isinstance(event, TokenEvent):
                 outputs.append(self._deliver(t, event))
             elif isinstance(event, HandoverReady):
                 self._spawn(self._handover(t, worker))
