@@ -20,6 +20,10 @@ _MAX_REPETITION_PENALTY = 2.0  # vLLM's: (0, 2]
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is in [-100, 100]
 _MAX_BAD_WORDS = 128  # vLLM's limits: bad words per request, and their tokens in all
 _MAX_BAD_WORDS_TOKENS = 1024
+# The engine thread tokenizes bad words and checks allowed ids at admission, where every running
+# request waits on it: bound that work before it gets there.
+_MAX_BAD_WORDS_CHARS = 64 * _MAX_BAD_WORDS_TOKENS
+_MAX_ALLOWED_TOKEN_IDS = 2**18  # the largest vocabulary served (Gemma 3's 262,144)
 
 
 @dataclass
@@ -110,12 +114,15 @@ class SamplingParams:
             raise InvalidRequestError("cache_salt must be a non-empty string if given")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids):
-                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids")
+            if not 0 < len(self.allowed_token_ids) <= _MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+                raise InvalidRequestError(
+                    f"allowed_token_ids must be a non-empty list of at most {_MAX_ALLOWED_TOKEN_IDS} token ids")
         self.bad_words = list(self.bad_words)
         self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
-        if len(self.bad_words) > _MAX_BAD_WORDS or any(not w.strip() for w in self.bad_words):
-            raise InvalidRequestError(f"bad_words takes at most {_MAX_BAD_WORDS} non-blank strings")
+        if len(self.bad_words) > _MAX_BAD_WORDS or any(not w.strip() for w in self.bad_words) \
+                or sum(len(w) for w in self.bad_words) > _MAX_BAD_WORDS_CHARS:
+            raise InvalidRequestError(f"bad_words takes at most {_MAX_BAD_WORDS} non-blank strings of "
+                                      f"{_MAX_BAD_WORDS_CHARS} characters in all")
         if sum(len(ids) for ids in self.bad_words_token_ids) > _MAX_BAD_WORDS_TOKENS \
                 or any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
             raise InvalidRequestError(

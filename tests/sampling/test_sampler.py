@@ -102,6 +102,8 @@ def test_top_k_and_top_p_restrict_support():
         dict(allowed_token_ids=5),
         dict(bad_words=["ok", " "]),
         dict(bad_words=["w"] * 129),
+        dict(bad_words=["w" * 70_000]),
+        dict(allowed_token_ids=[1] * (2**18 + 1)),
         dict(bad_words_token_ids=[[]]),
         dict(bad_words_token_ids=[[1] * 1025]),
         dict(cache_salt=""),
