@@ -23,9 +23,10 @@ def smollm_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_checkpoint(smollm_gguf_path: Path) -> Any:
+    """The default model with every weight dequantized to fp32 (what the references compare)."""
     from conveyor.model.loader import load_checkpoint
 
-    return load_checkpoint(str(smollm_gguf_path), dtype=torch.float32)
+    return load_checkpoint(str(smollm_gguf_path), dtype=torch.float32, keep_blocks=False)
 
 
 @pytest.fixture(scope="session")

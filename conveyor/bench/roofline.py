@@ -52,20 +52,25 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
 def model_costs(engine: LLMEngine) -> tuple[int, int]:
     """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
     projection streams its packed form: a GGUF's blocks are 4-7x smaller than fp32."""
-    from conveyor.model.linear import Linear, PackedWeight
+    from conveyor.model.linear import Embedding, Linear
 
     model = engine.runner.model  # type: ignore[attr-defined]
 
-    def streamed(weight: torch.Tensor, packed: PackedWeight | None) -> int:
-        return packed.nbytes if packed is not None else weight.numel() * weight.element_size()
+    def streamed(m: Linear | Embedding) -> int:
+        if m.packed is not None:
+            return m.packed.nbytes
+        assert m.weight is not None
+        return m.weight.numel() * m.weight.element_size()
 
     projections = [m for m in model.modules() if isinstance(m, Linear)]
+    if model.lm_head is None:  # tied: the embedding's weight is the vocabulary projection's
+        projections.append(model.head)
     # Vectors (norms, biases) are read whole; the embedding only by the rows looked up, so it
     # counts once, as the vocabulary projection (tied or not).
     vectors = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
-    weight_bytes = vectors + sum(streamed(m.weight, m.packed) for m in projections)
-    weight_bytes += streamed(model.head_weight, model.head_packed)
-    matmul_params = sum(m.weight.numel() for m in projections) + model.head_weight.numel()
+    weight_bytes = vectors + sum(streamed(m) for m in projections)
+    matmul_params = sum(m.num_embeddings * m.embedding_dim if isinstance(m, Embedding) else m.in_features * m.out_features
+                        for m in projections)
     return weight_bytes, 2 * matmul_params
 
 

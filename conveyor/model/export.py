@@ -9,11 +9,12 @@ not quantisations. Needs neither transformers nor a network.
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
@@ -115,6 +116,36 @@ def generation_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[st
     }
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor: the header is laid out from `shapes` (name ->
+    shape and dtype, in the order `tensors` yields them), then each tensor's bytes follow as it
+    comes, so no more than one tensor is held at a time."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    expected = iter(shapes.items())
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, tensor in tensors:
+            want_name, (shape, dtype) = next(expected)
+            if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} where the header has "
+                                 f"{want_name} {shape} {dtype}")
+            f.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
+    if next(expected, None) is not None:
+        raise ValueError("fewer tensors than the header lists")
+
+
 def export_hf_folder(
     config: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -123,15 +154,21 @@ def export_hf_folder(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Writes the five files of an HF checkpoint into `out_dir` (created; existing files overwritten)."""
-    folder = Path(out_dir)
+    shapes = {name: (tuple(t.shape), dtype if t.is_floating_point() else t.dtype) for name, t in weights.items()}
+    tensors = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights.items())
+    return _write_folder(config, shapes, tensors, tokenizer, Path(out_dir), dtype)
+
+
+def _write_folder(config: ModelConfig, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: Tokenizer, folder: Path,
+                  dtype: torch.dtype) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
-               for name, t in weights.items()}
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # transformers re-ties it; vLLM reads tie_word_embeddings
-    elif "lm_head.weight" not in tensors:
+    if config.tie_word_embeddings:  # transformers re-ties it; vLLM reads tie_word_embeddings
+        shapes = {n: s for n, s in shapes.items() if n != "lm_head.weight"}
+        tensors = ((n, t) for n, t in tensors if n != "lm_head.weight")
+    elif "lm_head.weight" not in shapes:
         raise ModelLoadError("untied checkpoint without lm_head.weight")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(folder / "model.safetensors", shapes, tensors, {"format": "pt"})
 
     def dump(name: str, obj: dict[str, Any]) -> None:
         (folder / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -144,8 +181,21 @@ def export_hf_folder(
 
 
 def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Loads `model` (a name, .gguf or HF folder; None = the default GGUF) and exports it to `out_dir`."""
-    from conveyor.model.loader import load_checkpoint
+    """Exports `model` (a name, .gguf or HF folder; None = the default GGUF) to `out_dir`. A GGUF is
+    dequantized one matrix at a time as it is written: memory holds one tensor, not the model."""
+    from conveyor.model.gguf_loader import gguf_config, hf_name, iter_dequantized, read_gguf
+    from conveyor.model.loader import load_checkpoint, resolve_model_path
 
-    ckpt = load_checkpoint(model, dtype)
-    return export_hf_folder(ckpt.config, ckpt.weights, ckpt.tokenizer, out_dir, dtype)
+    path = resolve_model_path(model)
+    if not path.is_file():
+        ckpt = load_checkpoint(str(path), dtype)
+        dense = {n: w for n, w in ckpt.weights.items() if isinstance(w, torch.Tensor)}
+        return export_hf_folder(ckpt.config, dense, ckpt.tokenizer, out_dir, dtype)
+    gf = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf(gf.metadata)
+    config = gguf_config(gf, tokenizer)
+    arch = gf.metadata["general.architecture"]
+    shapes = {hf_name(t.name, arch): (t.shape, dtype) for t in gf.tensors.values()}
+    gf.buffer.close()
+    tensors = ((name, w.to(dtype)) for name, w in iter_dequantized(path))
+    return _write_folder(config, shapes, tensors, tokenizer, Path(out_dir), dtype)

@@ -1,11 +1,11 @@
-"""GGUF checkpoints -> (ModelConfig, HF-named fp weights, Tokenizer, HF-named quantised blocks).
+"""GGUF checkpoints -> (ModelConfig, HF-named weights, Tokenizer): blocks packed, the rest dense.
 
 The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds numpy views for
 each of the vocabulary strings, which takes seconds; this parse is far quicker (docs/PERF.md).
 Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
 to `gguf.quants.dequantize` and faster), the rest fall back to `gguf.quants.dequantize`.
 Matrices in the block types the matmul kernel reads (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) are
-also kept as their raw blocks, which it streams.
+kept only as their blocks, which it streams.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
+from conveyor.model.linear import WeightSource, pack_blocks
 from conveyor.model.quantized import BLOCK_SIZES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
@@ -251,18 +252,32 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
+def _release(gf: GGUFFile, t: GGUFTensor) -> None:
+    """Drops the file pages of a tensor already taken (packed or dequantized), so that a load
+    holds at most one tensor's pages at a time beside what it built, not the whole file."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    # A private mapping never written: the pages are only dropped, and re-read from the file if touched.
+    gf.buffer.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+
+
 def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
-    """The tensor's raw blocks, one row per output feature, where the kernel can read them."""
+    """The tensor's blocks as they lie in the file, one row per output feature, where the kernel
+    can read them."""
     if t.qtype.name not in BLOCK_SIZES or len(t.shape) != 2:
         return None
     raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
-    return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1).clone())  # clone: off the file mapping
+    return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1))
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantizedWeight]]:
-    """The blocks are kept for fp32 only: the kernel expands them to fp32."""
+    path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True
+) -> tuple[ModelConfig, dict[str, WeightSource], Tokenizer]:
+    """HF-named weights, read through the file's memory map one tensor at a time: with `keep_blocks`
+    and fp32, a matrix in blocks the kernel reads is packed from the file's bytes into its panels
+    (its only copy: conveyor.model.linear); every other tensor is dequantized to `dtype`. Each
+    tensor's file pages are dropped once it is taken, so a load peaks near what the model holds."""
     gf = read_gguf(path)
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
@@ -271,23 +286,42 @@ def load_gguf(
     tokenizer = Tokenizer.from_gguf(gf.metadata)
     config = gguf_config(gf, tokenizer)
     arch = gf.metadata["general.architecture"]
-    permute = arch == "llama"
-    weights: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantizedWeight] = {}
+    weights: dict[str, WeightSource] = {}
     with _one_thread():
         for t in gf.tensors.values():
             name = hf_name(t.name, arch)
-            w = dequantize(gf, t)
-            if config.norm_weight_offset and t.name.endswith("norm.weight"):
-                # llama.cpp stored offset + weight; keep HF's value (as transformers' GGUF load does).
-                w = w - config.norm_weight_offset
-            blocks = _blocks(gf, t) if dtype == torch.float32 else None
-            if permute and (".attn_q." in t.name or ".attn_k." in t.name):
-                heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-                w = _unpermute(w, heads)
-                if blocks is not None:  # a row is one output feature's blocks: permute rows alike
-                    blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
-            weights[name] = w if dtype == torch.float32 else w.to(dtype)
+            heads = _permuted_heads(t, arch, config)
+            blocks = _blocks(gf, t) if keep_blocks and dtype == torch.float32 else None
+            packed = None
             if blocks is not None:
-                quantized[name] = blocks
-    return config, weights, tokenizer, quantized
+                if heads is not None:  # a row is one output feature's blocks: permute rows alike
+                    blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
+                packed = pack_blocks(blocks)
+            weights[name] = packed if packed is not None else _dense(gf, t, config, heads).to(dtype)
+            _release(gf, t)
+    return config, weights, tokenizer
+
+
+def _dense(gf: GGUFFile, t: GGUFTensor, config: ModelConfig, heads: int | None) -> torch.Tensor:
+    """The tensor in fp32 with HF's conventions: norms without llama.cpp's offset (as
+    transformers' GGUF load keeps them), q/k rows in HF's RoPE order (`heads`: theirs, for llama)."""
+    w = dequantize(gf, t)
+    if config.norm_weight_offset and t.name.endswith("norm.weight"):
+        w = w - config.norm_weight_offset
+    return _unpermute(w, heads) if heads is not None else w
+
+
+def _permuted_heads(t: GGUFTensor, arch: str, config: ModelConfig) -> int | None:
+    if arch != "llama" or not (".attn_q." in t.name or ".attn_k." in t.name):
+        return None
+    return config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+
+
+def iter_dequantized(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor as an HF-named fp32 tensor, one at a time (export writes each as it comes)."""
+    gf = read_gguf(path)
+    config = gguf_config(gf, Tokenizer.from_gguf(gf.metadata))
+    arch = gf.metadata["general.architecture"]
+    for t in gf.tensors.values():
+        yield hf_name(t.name, arch), _dense(gf, t, config, _permuted_heads(t, arch, config))
+        _release(gf, t)

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
@@ -103,8 +102,11 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> di
         raise ModelLoadError(f"{folder}: no *.safetensors files (pytorch_model.bin is not supported)")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            weights.update(load_file(str(f)))
+        try:  # one tensor at a time, converted as it comes: never the whole file in two dtypes
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    t = handle.get_tensor(name)
+                    weights[name] = t.to(dtype) if t.is_floating_point() else t
         except (OSError, SafetensorError) as e:
             raise ModelLoadError(f"cannot read weights {f}: {e}") from e
     if config.tie_word_embeddings:
@@ -114,7 +116,7 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> di
     missing = [n for n in required if n not in weights]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {missing}")
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    return weights
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -1,17 +1,18 @@
-"""Linear layers whose fp32 weights are laid out once, at load, for the few rows of a decode step.
+"""Linear layers and the token embedding, each weight held once, in the form that serves it.
 
-A decode step multiplies 1-64 rows by every weight matrix, streaming the weights from memory.
-At those rows `F.linear` (MKL) on the plain [out, in] weight and oneDNN on its own blocked layout
-fall well short of the machine's bandwidth and FMA peak; conveyor's panel kernel
-(kernels/panel_gemm.cpp) reads each weight once as one stream and gets close to both (figures in
-docs/PERF.md). It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain
-path runs. Where the kernel can't be built, weights are packed for oneDNN instead.
-CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging); results then differ only in fp32
-rounding.
+A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) lives
+only as those blocks, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a product
+expands them to fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more
+rows), with results bit-identical to dequantize-then-multiply; the embedding looks up rows by
+expanding just their panels; a tied output head multiplies by the embedding's own blocks.
 
-A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
-packed from those blocks instead (kernels/quant_gemm.cpp): the same panels at 0.56-1.06 bytes a
-weight, expanded to fp32 in registers, with results bit-identical to the fp32 panels. The fp32 weight stays for the rest.
+A dense fp32 weight (an HF folder, a GGUF F32/F16 tensor) lives as fp32 panels
+(kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be
+built, as oneDNN's blocked layout. A bf16 weight stays a plain bf16 tensor (torch's oneDNN).
+
+Whether to pack is decided when a weight is loaded (CONVEYOR_PACKED_LINEAR=0 or CONVEYOR_KERNELS=0
+keep plain dense weights: A/B runs, debugging); a weight held only packed then always runs on its
+kernel.
 """
 from __future__ import annotations
 
@@ -24,11 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import KERNEL_QTYPE, QuantizedParts, QuantizedWeight
+from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 
-# From these rows up MKL on the plain weight is as fast or faster (measured: docs/PERF.md, "the
-# panel kernel").
-PLAIN_FROM_ROWS = {"panels": 4096, "onednn": 512, "parts": 4096, **{qtype: 4096 for qtype in KERNEL_QTYPE}}
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
 
@@ -37,57 +35,121 @@ _ONEDNN_ROWS_HINT = 32
 class PackedWeight:
     data: torch.Tensor
     out_features: int
-    # "panels": conveyor's kernel; "onednn": oneDNN's blocked layout; a KERNEL_QTYPE key: GGUF blocks
-    # in panels; "parts": row ranges in different block types, each in `parts` (data is empty)
+    # "panels": conveyor's fp32 panels; "onednn": oneDNN's blocked layout; a KERNEL_QTYPE key: GGUF
+    # blocks in panels; "parts": row ranges in different block types, each in `parts` (data is empty)
     layout: str
     parts: tuple[PackedWeight, ...] = ()
+    # Every weight finite (the screened argmax's bound needs it); known for Q8_0 blocks from their scales.
+    finite: bool = True
 
     @property
     def nbytes(self) -> int:
         """The bytes a product streams."""
         return sum(p.nbytes for p in self.parts) if self.parts else self.data.numel() * self.data.element_size()
 
+    @property
+    def in_features(self) -> int:
+        if self.parts:
+            return self.parts[0].in_features
+        if self.layout == "panels":
+            return self.data.shape[1]
+        if self.layout == "onednn":
+            raise ValueError("oneDNN's blocked layout does not say its shape")
+        return self.data.shape[1] * _unit_k(self.layout)
+
+    @staticmethod
+    def cat(parts: list[PackedWeight]) -> PackedWeight:
+        """The row-wise concatenation (fused q/k/v, gate/up). Runs of one layout whose rows fill
+        whole panels join into one weight (its panels one after another, no new layout); where
+        layouts differ, or a part ends inside a panel, the parts run side by side."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("the parts of a fused weight must have the same in_features")
+        flat = [q for p in parts for q in (p.parts or (p,))]
+        if any(p.layout == "onednn" for p in flat):
+            raise ValueError("oneDNN-packed weights do not concatenate")
+        merged: list[PackedWeight] = []
+        for p in flat:
+            last = merged[-1] if merged else None
+            if last is not None and last.layout == p.layout and last.out_features % PANEL == 0:
+                merged[-1] = PackedWeight(torch.cat([last.data, p.data]), last.out_features + p.out_features, p.layout,
+                                          finite=last.finite and p.finite)
+            else:
+                merged.append(p)
+        if len(merged) == 1:
+            return merged[0]
+        return PackedWeight(torch.empty(0, dtype=torch.uint8), sum(p.out_features for p in merged), "parts",
+                            tuple(merged), all(p.finite for p in merged))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, in fp32 [len(ids), in_features] (an embedding lookup)."""
+        ids = ids.reshape(-1).to(torch.long)
+        if self.layout == "panels":  # [panels, K, 16]: row i is panel i // 16's column i % 16
+            return self.data[ids // PANEL, :, ids % PANEL]
+        if self.layout in KERNEL_QTYPE:
+            return _quant_kernel().dequantize_rows(self.data, self.out_features, ids, KERNEL_QTYPE[self.layout])  # type: ignore[attr-defined]
+        raise ValueError(f"rows of a {self.layout!r} weight are not looked up")
+
+
+PANEL = 16  # output columns a panel holds (kernels/panel_tile.h's kPanel)
+_UNIT_K = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+
+def _unit_k(layout: str) -> int:
+    return _UNIT_K.get(layout, 32)
+
 
 def packing_enabled() -> bool:
     return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
 
 
-def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | QuantizedParts | None = None) -> PackedWeight | None:
-    """The weight laid out for the decode-sized matmul, or None where packing does not apply
-    (non-fp32 weights, neither the kernel nor oneDNN available, or packing turned off).
-    `quantized`: the same weight as the checkpoint's blocks, packed as such where the kernel builds."""
+def _quant_kernel() -> object:
+    """quant_gemm for a weight held only in blocks: it runs there whatever CONVEYOR_KERNELS says now."""
+    kernel = quant_gemm(force=True)
+    if kernel is None:
+        raise RuntimeError("a weight held in GGUF blocks needs the quant_gemm kernel, which failed to build")
+    return kernel
+
+
+def pack_blocks(quantized: QuantizedWeight) -> PackedWeight | None:
+    """The checkpoint's blocks in panels, or None where they stay dense (the kernel can't be built,
+    or packing is turned off: the caller then dequantizes)."""
+    kernel = quant_gemm() if packing_enabled() else None
+    if kernel is None:
+        return None
+    data = kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
+    return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype, finite=quantized.finite())
+
+
+def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, rows_read: bool = False) -> PackedWeight | None:
+    """The weight laid out for the kernels, or None where packing does not apply (non-fp32
+    weights, neither kernel nor oneDNN available, or packing turned off). `quantized`: the same
+    weight as the checkpoint's blocks, packed as such where the block kernel builds. `rows_read`:
+    rows will be looked up too, which oneDNN's layout does not allow."""
     if weight.dtype != torch.float32 or not packing_enabled():
         return None
-    weight = weight.detach()
-    quant_kernel = quant_gemm() if quantized is not None else None
-    if quant_kernel is not None and isinstance(quantized, QuantizedParts):
-        if quantized.out_features != weight.shape[0] or quantized.in_features != weight.shape[1]:
-            raise ValueError(f"blocks of {quantized.out_features} x {quantized.in_features} weights do not match "
-                             f"the fp32 shape {tuple(weight.shape)}")
-        parts = tuple(_pack_blocks(quant_kernel, p) for p in quantized.parts)
-        return PackedWeight(torch.empty(0, dtype=torch.uint8), weight.shape[0], "parts", parts)
-    if quant_kernel is not None and isinstance(quantized, QuantizedWeight):
+    if quantized is not None:
         if quantized.blocks.shape[0] != weight.shape[0] or quantized.in_features != weight.shape[1]:
             raise ValueError(f"{quantized.qtype} blocks of a {tuple(quantized.blocks.shape)} weight do not match "
                              f"its fp32 shape {tuple(weight.shape)}")
-        return _pack_blocks(quant_kernel, quantized)
+        if (packed := pack_blocks(quantized)) is not None:
+            return packed
+    weight = weight.detach()
     kernel = panel_gemm()
     if kernel is not None:
-        return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels")  # type: ignore[attr-defined]
-    if not torch.backends.mkldnn.is_available():
+        return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels",  # type: ignore[attr-defined]
+                            finite=bool(torch.isfinite(weight).all()))
+    if rows_read or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT), weight.shape[0], "onednn")
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT), weight.shape[0], "onednn",
+                            finite=bool(torch.isfinite(weight).all()))
     except (AttributeError, RuntimeError):  # a torch without the op: the plain path still works
         return None
 
 
-def _pack_blocks(quant_kernel: object, quantized: QuantizedWeight) -> PackedWeight:
-    data = quant_kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
-    return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype)
-
-
-Matmul = Callable[[torch.Tensor, torch.Tensor, PackedWeight | None, torch.Tensor | None], torch.Tensor]
+Matmul = Callable[[torch.Tensor, torch.Tensor | None, PackedWeight | None, torch.Tensor | None], torch.Tensor]
 
 
 def matmul_path() -> Matmul:
@@ -95,35 +157,42 @@ def matmul_path() -> Matmul:
     resolves it once per forward pass, not on each of a step's ~120 products."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
 
-    def product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
+    def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (packing and packed is not None and x.dtype == torch.float32 and x.dim() == 2
-                and x.shape[0] < PLAIN_FROM_ROWS[packed.layout]):
-            y = packed_product(x, packed, bias, kernel, quant_kernel)
-            if y is not None:
+        if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
+            if weight is None:  # held only packed: its kernel, whatever the switches say now
+                y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel())
+                assert y is not None
                 return y
+            if packing:
+                y = packed_product(x, packed, bias, kernel, quant_kernel)
+                if y is not None:
+                    return y
+        if weight is None:
+            raise ValueError(f"a packed weight takes 2-D fp32 input, not {x.dtype} of {x.dim()} dimensions")
         return F.linear(x, weight, bias)
     return product
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     return matmul_path()(x, weight, packed, bias)
 
 
 def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None,
                    quant_kernel: object | None = None) -> torch.Tensor | None:
-    """None when the panel kernel (`kernel`, from panel_gemm(); `quant_kernel` from quant_gemm())
-    was turned off after packing (CONVEYOR_KERNELS=0 in an A/B run)."""
+    """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
+    quant_gemm()) is turned off."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
-        if quant_kernel is None:
-            return None
         outputs, start = [], 0
         for part in packed.parts:  # each column's sum is its own: the parts' products side by side are the whole's
             part_bias = None if bias is None else bias[start : start + part.out_features]
-            outputs.append(quant_kernel.quantized_matmul(x, part.data, part.out_features, part_bias,  # type: ignore[attr-defined]
-                                                         KERNEL_QTYPE[part.layout]))
+            y = packed_product(x, part, part_bias, kernel, quant_kernel)
+            if y is None:
+                return None
+            outputs.append(y)
             start += part.out_features
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
@@ -143,15 +212,13 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     """argmax(x @ W^T, -1) of a Q8_0-packed W without the full fp32 product (quant_gemm.cpp's
     q8_0_argmax: an int8 pass bounds every logit, the few columns that can be the maximum are
     computed exactly): the same indices as the full product's argmax. None where it does not apply
-    (another layout, no AVX-512 VNNI/VBMI build, kernels or packing off, CONVEYOR_SCREENED_ARGMAX=0,
-    non-finite x, or so many rows that the full product would run F.linear instead of the blocks)."""
-    if packed is None or packed.layout != "Q8_0" or not packing_enabled() or x.dtype != torch.float32 or x.dim() != 2:
-        return None
-    if x.shape[0] >= PLAIN_FROM_ROWS[packed.layout]:
+    (another layout, weights not all finite, no AVX-512 VNNI/VBMI build, CONVEYOR_SCREENED_ARGMAX=0,
+    non-finite x)."""
+    if packed is None or packed.layout != "Q8_0" or not packed.finite or x.dtype != torch.float32 or x.dim() != 2:
         return None
     if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
-    kernel = quant_gemm()
+    kernel = _quant_kernel()
     screen = getattr(kernel, "q8_0_argmax", None)
     if screen is None or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
         return None
@@ -164,16 +231,69 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
     return tokens
 
 
-class Linear(nn.Linear):
-    """nn.Linear that, once `pack()` is called after loading, runs on its packed weight (from the
-    checkpoint's blocks where `quantized` holds them). The plain weight stays (tied embeddings,
-    prefill, export, the CONVEYOR_PACKED_LINEAR=0 path)."""
+WeightSource = torch.Tensor | QuantizedWeight | PackedWeight
 
-    packed: PackedWeight | None = None
-    quantized: QuantizedWeight | QuantizedParts | None = None  # the checkpoint's blocks, set by the loader before pack()
 
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight, self.quantized)
+def held_once(weight: WeightSource, dtype: torch.dtype, rows_read: bool = False) -> tuple[torch.Tensor | None, PackedWeight | None]:
+    """(plain, packed) for a loaded weight, exactly one of them set: blocks already packed stay
+    so; raw blocks are packed (or dequantized where the kernel is missing); a dense fp32 weight is
+    packed where a kernel or oneDNN takes it; anything else stays a plain tensor in `dtype`."""
+    if isinstance(weight, PackedWeight):
+        return None, weight
+    if isinstance(weight, QuantizedWeight):
+        packed = pack_blocks(weight) if dtype == torch.float32 else None
+        if packed is not None:
+            return None, packed
+        weight = weight.dequantize()
+    weight = weight.to(dtype).contiguous()
+    packed = pack_weight(weight, rows_read=rows_read)
+    return (None, packed) if packed is not None else (weight, None)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) on a weight held once (`held_once`): packed for a kernel, or plain."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32) -> None:
+        plain, packed = held_once(weight, dtype)
+        if plain is not None:
+            shape = tuple(plain.shape)
+        else:
+            assert packed is not None
+            shape = (packed.out_features, self.in_features if packed.layout == "onednn" else packed.in_features)
+        if shape != (self.out_features, self.in_features):
+            raise ValueError(f"a {shape} weight for a {self.out_features} x {self.in_features} projection")
+        self.weight, self.packed = plain, packed
 
     def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
         return (matmul or matmul_path())(x, self.weight, self.packed, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding on a weight held once: rows dequantized from blocks or read from panels
+    (the same weight a tied output head multiplies by), or a plain table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
+
+    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32) -> None:
+        self.weight, self.packed = held_once(weight, dtype, rows_read=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.weight is None else self.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        assert self.packed is not None
+        return self.packed.rows(ids).view(*ids.shape, self.embedding_dim)

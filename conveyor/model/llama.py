@@ -13,9 +13,8 @@ from torch import nn
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
-from conveyor.model.linear import Linear, Matmul, PackedWeight, matmul_path, pack_weight, screened_argmax
+from conveyor.model.linear import Embedding, Linear, Matmul, PackedWeight, WeightSource, matmul_path, screened_argmax
 from conveyor.model.ops import LayerOps, layer_ops
-from conveyor.model.quantized import QuantizedWeight
 from conveyor.model.rope import rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -71,13 +70,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head_packed: PackedWeight | None = None
-        self.head_quantized: QuantizedWeight | None = None
-        self._head_finite = False
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.dtype = torch.float32
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 
@@ -94,17 +91,21 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int | None = None,
-        quantized: dict[str, QuantizedWeight] | None = None,
+        cls, cfg: ModelConfig, weights: dict[str, WeightSource], dtype: torch.dtype, max_positions: int | None = None,
+        consume: bool = False,
     ) -> "LlamaModel":
-        """`quantized`: HF names -> the checkpoint's blocks, which the matmuls then stream."""
-        # Build on the meta device so no time goes into random init of weights we overwrite.
+        """`weights`: HF names -> dense tensors, raw blocks or packed blocks (conveyor.model.linear):
+        each is held once, in the form that serves it. `consume`: the caller hands the dict over and
+        each weight leaves it as it is taken, so no weight is held twice (unfused and fused) while
+        the model is built."""
+        # Build on the meta device so no time goes into random init of weights we overwrite; the
+        # projections and the embedding hold nothing until loaded.
         with torch.device("meta"):
             model = cls(cfg, max_positions)
         model = model.to_empty(device="cpu").to(dtype)
+        model.dtype = dtype
         model._build_rope()
-        model.load_weights(weights, quantized)
-        model.pack_weights()
+        model.load_weights(weights if consume else dict(weights))
         return model.eval()
 
     @torch.inference_mode()
@@ -130,7 +131,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """The final-normed hidden states of the rows that sample a token: what the vocabulary
         projection takes."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids).to(self.dtype)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as HF's Gemma does
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)
         cos = self.rope_cos[positions].to(x.dtype)
@@ -147,7 +148,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = matmul_path()(h, self.head_weight, self.head_packed, None).float()
+        head = self.head
+        logits = matmul_path()(h, head.weight, head.packed, None).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
@@ -157,33 +159,34 @@ class LlamaModel(nn.Module):
         """argmax(self.logits(h), -1) without the full vocabulary projection where the head's
         blocks allow it (conveyor.model.linear.screened_argmax), else None. A logit cap is monotone
         but can round distinct logits to one value, which moves a tie's first index: not there."""
-        if self.cfg.final_logit_softcapping is not None or not self._head_finite:
+        if self.cfg.final_logit_softcapping is not None:
             return None
-        return screened_argmax(h, self.head_packed)
+        return screened_argmax(h, self.head.packed)
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+    def head(self) -> Linear | Embedding:
+        """What the vocabulary projection multiplies by: the embedding's own weight when tied."""
+        return self.embed if self.lm_head is None else self.lm_head
 
-    def pack_weights(self) -> None:
-        """Lays every projection out for the fast fp32 matmul (see conveyor.model.linear); call
-        after the weights are final."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        self.head_packed = pack_weight(self.head_weight, self.head_quantized)
-        # The screened argmax's bound needs finite weights (inf or NaN logits take the full product).
-        self._head_finite = bool(torch.isfinite(self.head_weight).all())
-
-    def load_weights(self, weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight] | None = None) -> None:
-        """Takes HF-named tensors; fuses q/k/v and gate/up as this module stores them. `quantized`
-        blocks are fused alike and kept for pack_weights."""
+    def load_weights(self, weights: dict[str, WeightSource]) -> None:
+        """Takes HF-named weights (see from_weights), emptying `weights`; fuses q/k/v and gate/up as
+        this module stores them."""
         own = dict(self.named_parameters())
-        blocks = quantized or {}
         modules = dict(self.named_modules())
+        dtype = self.dtype
 
-        def put_blocks(linear: str, names: list[str]) -> None:
-            modules[linear].quantized = QuantizedWeight.cat([blocks.get(n) for n in names])
+        def take(name: str) -> WeightSource:
+            return weights.pop(name)
+
+        def dense(name: str) -> torch.Tensor:
+            w = take(name)
+            if not isinstance(w, torch.Tensor):
+                raise ValueError(f"{name} must be a dense tensor")
+            return w
+
+        def put_linear(linear: str, names: list[str]) -> None:
+            parts = [take(n) for n in names]
+            modules[linear].load(fuse(parts) if len(parts) > 1 else parts[0], dtype)
 
         def put(name: str, tensor: torch.Tensor) -> None:
             own[name].data = tensor.to(own[name].dtype).contiguous()
@@ -193,32 +196,52 @@ class LlamaModel(nn.Module):
             offset = self.cfg.norm_weight_offset
             put(name, tensor.float() + offset if offset else tensor)
 
-        put("embed.weight", weights["model.embed_tokens.weight"])
-        put_norm("norm", weights["model.norm.weight"])
+        self.embed.load(take("model.embed_tokens.weight"), dtype)
+        put_norm("norm", dense("model.norm.weight"))
         if self.lm_head is not None:
-            put("lm_head.weight", weights["lm_head.weight"])
-        self.head_quantized = blocks.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+            self.lm_head.load(take("lm_head.weight"), dtype)
         for i in range(self.cfg.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            put(dst + "qkv.weight", torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
-            put_blocks(dst + "qkv", [f"{attn}{p}_proj.weight" for p in "qkv"])
+            put_linear(dst + "qkv", [f"{attn}{p}_proj.weight" for p in "qkv"])
             if self.cfg.attention_bias:
-                put(dst + "qkv.bias", torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))
-            put(dst + "o_proj.weight", weights[attn + "o_proj.weight"])
-            put_blocks(dst + "o_proj", [attn + "o_proj.weight"])
+                put(dst + "qkv.bias", torch.cat([dense(f"{attn}{p}_proj.bias") for p in "qkv"]))
+            put_linear(dst + "o_proj", [attn + "o_proj.weight"])
             mlp = src + "mlp."
-            put(dst + "gate_up.weight", torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
-            put_blocks(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-            put(dst + "down.weight", weights[mlp + "down_proj.weight"])
-            put_blocks(dst + "down", [mlp + "down_proj.weight"])
-            put_norm(dst + "input_norm", weights[src + "input_layernorm.weight"])
+            put_linear(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            put_linear(dst + "down", [mlp + "down_proj.weight"])
+            put_norm(dst + "input_norm", dense(src + "input_layernorm.weight"))
             if self.cfg.sandwich_norms:  # HF's post_attention_layernorm is then the attention output's norm
-                put_norm(dst + "attn_out_norm", weights[src + "post_attention_layernorm.weight"])
-                put_norm(dst + "post_attention_norm", weights[src + "pre_feedforward_layernorm.weight"])
-                put_norm(dst + "mlp_out_norm", weights[src + "post_feedforward_layernorm.weight"])
+                put_norm(dst + "attn_out_norm", dense(src + "post_attention_layernorm.weight"))
+                put_norm(dst + "post_attention_norm", dense(src + "pre_feedforward_layernorm.weight"))
+                put_norm(dst + "mlp_out_norm", dense(src + "post_feedforward_layernorm.weight"))
             else:
-                put_norm(dst + "post_attention_norm", weights[src + "post_attention_layernorm.weight"])
+                put_norm(dst + "post_attention_norm", dense(src + "post_attention_layernorm.weight"))
             if self.cfg.qk_norm:
-                put_norm(dst + "q_norm", weights[attn + "q_norm.weight"])
-                put_norm(dst + "k_norm", weights[attn + "k_norm.weight"])
+                put_norm(dst + "q_norm", dense(attn + "q_norm.weight"))
+                put_norm(dst + "k_norm", dense(attn + "k_norm.weight"))
+
+
+def fuse(parts: list[WeightSource]) -> WeightSource:
+    """Row-wise concatenation of a fused projection's weights (q/k/v, gate/up): packed blocks join
+    as packed (conveyor.model.linear.PackedWeight.cat); where any part is dense, all are made dense."""
+    packed = [p for p in parts if isinstance(p, PackedWeight)]
+    if len(packed) == len(parts):
+        return PackedWeight.cat(packed)
+
+    def dense(p: WeightSource) -> torch.Tensor:
+        if isinstance(p, PackedWeight):
+            return p.rows(torch.arange(p.out_features))
+        return p if isinstance(p, torch.Tensor) else p.dequantize()
+    tensors = [dense(p) for p in parts]
+    return torch.cat([t.to(tensors[0].dtype) for t in tensors])
+
+
+def model_bytes(model: nn.Module) -> int:
+    """What the model's weights hold: packed weights, plain tensors and parameters, each once."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            total += module.packed.nbytes if module.packed is not None else 0
+            total += module.weight.numel() * module.weight.element_size() if module.weight is not None else 0
+    return total

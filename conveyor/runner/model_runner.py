@@ -1,6 +1,7 @@
 """ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,8 +12,9 @@ from conveyor.errors import ConfigError
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
-from conveyor.model.llama import KVCache, LlamaModel
-from conveyor.model.loader import load_checkpoint
+from conveyor.model.llama import KVCache, LlamaModel, model_bytes
+from conveyor.model.loader import checkpoint_bytes, load_checkpoint, resolve_model_path
+from conveyor.model.memory import available_memory, keep_large_allocations_returnable, return_freed_memory
 from conveyor.model.ops import layer_ops
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
@@ -24,6 +26,7 @@ from conveyor.sampling.structured import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -42,15 +45,40 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
+# What a serving process holds beyond its weights and KV pool: torch and the server's libraries, the
+# tokenizer, a step's activations and logits (measured: docs/PERF.md, "Memory").
+RUNTIME_MARGIN_BYTES = 512 * 2**20
+
+
+def check_fits(what: str, needed: int, hint: str) -> None:
+    """Refuses, before allocating, `needed` bytes (plus the runtime margin) that the machine lacks."""
+    available, source = available_memory()
+    if needed + RUNTIME_MARGIN_BYTES > available:
+        gib = 2**30
+        raise ConfigError(
+            f"{what} needs {needed / gib:.2f} GiB (+ {RUNTIME_MARGIN_BYTES / gib:.2f} GiB for the runtime), but only "
+            f"{available / gib:.2f} GiB is available ({source}); {hint}")
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
-    checkpoint = load_checkpoint(config.model, DTYPES[config.dtype])
+    dtype, keep_blocks = DTYPES[config.dtype], not config.dequantize_weights
+    path = resolve_model_path(config.model)
+    weight_bytes = checkpoint_bytes(path, dtype, keep_blocks)
+    # The KV pool is allocated after the weights; where its size is given in bytes, both are checked now.
+    kv_bytes = 0 if config.num_kv_blocks else parse_memory(config.kv_cache_memory)
+    check_fits(f"{path.name}'s weights ({weight_bytes / 2**30:.2f} GiB) with a {kv_bytes / 2**30:.2f} GiB KV cache",
+               weight_bytes + kv_bytes, "lower the KV cache with --kv-cache-memory, or serve a smaller model")
+    keep_large_allocations_returnable()
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(str(path), dtype, keep_blocks=keep_blocks)
     cfg = checkpoint.config
     if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
         raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
-    quantized = {} if config.dequantize_weights else checkpoint.quantized
-    model = LlamaModel.from_weights(cfg, checkpoint.weights, DTYPES[config.dtype], quantized=quantized)
+    model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, consume=True)
+    return_freed_memory()
+    logger.info("loaded %s in %.1f s: weights %.0f MiB", path.name, time.perf_counter() - started, model_bytes(model) / 2**20)
     return LoadedModel(model, checkpoint.tokenizer)
 
 
@@ -95,6 +123,11 @@ class ModelRunner:
         )
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
+        block_bytes = kv_block_bytes(cfg, config.block_size, dtype)
+        check_fits(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens)", num_blocks * block_bytes,
+                   "lower it with --kv-cache-memory (or --num-kv-blocks)")
+        logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, config.block_size,
+                    num_blocks * block_bytes / 2**20)
         return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()

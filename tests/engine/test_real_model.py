@@ -98,7 +98,7 @@ def test_gguf_blocks_give_the_dense_fp32_results_bit_for_bit(make_engine, defaul
     from conveyor.runner.model_runner import LoadedModel
 
     model = default_model.model
-    assert model.layers[0].qkv.packed.layout == "Q4_1" and model.head_packed.layout == "Q8_0"
+    assert model.layers[0].qkv.packed.layout == "Q4_1" and model.head.packed.layout == "Q8_0"
     dense_model = LlamaModel.from_weights(model.cfg, default_checkpoint.weights, torch.float32)
     assert dense_model.layers[0].qkv.packed.layout == "panels"
     dense = LLMEngine.from_config(EngineConfig(), LoadedModel(dense_model, default_model.tokenizer))

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from conveyor.model import linear as linear_module
 from conveyor.model.kernels import panel_gemm
-from conveyor.model.linear import PLAIN_FROM_ROWS, Linear, linear, pack_weight
+from conveyor.model.linear import Embedding, Linear, PackedWeight, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(pack_weight(torch.ones(4, 4)) is None, reason="neither the panel kernel nor oneDNN")
 
@@ -66,11 +66,11 @@ def test_packed_path_is_taken_for_fp32_batches_unless_turned_off(monkeypatch: py
     assert len(calls) == 1
     linear(torch.randn(3, 32, dtype=torch.bfloat16), weight.bfloat16(), packed)  # dtype mismatch: plain path
     assert len(calls) == 1
-    linear(torch.randn(PLAIN_FROM_ROWS[packed.layout], 32), weight, packed)  # MKL's size: the plain weight
-    assert len(calls) == 1
+    linear(torch.randn(4096, 32), None, packed)  # held only packed: the kernel at any number of rows
+    assert len(calls) == 2
     monkeypatch.setenv("CONVEYOR_PACKED_LINEAR", "0")
     linear(torch.randn(1, 32), weight, packed)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_kernels_turned_off_after_packing_fall_back_to_plain(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,6 +78,8 @@ def test_kernels_turned_off_after_packing_fall_back_to_plain(monkeypatch: pytest
     packed = pack_weight(weight)
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
     torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight))
+    # A weight held only packed still runs: the switch decides at load whether to pack.
+    torch.testing.assert_close(linear(x, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 def test_onednn_layout_where_the_kernel_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,10 +98,36 @@ def test_no_packing_for_bf16_or_when_turned_off(monkeypatch: pytest.MonkeyPatch)
     assert pack_weight(torch.randn(8, 8)) is None
 
 
-def test_linear_module_packs_after_loading() -> None:
+def test_linear_module_holds_its_weight_once() -> None:
     layer = Linear(16, 24, bias=True)
-    x = torch.randn(8, 16)
-    plain = layer(x)
-    layer.pack()
-    assert layer.packed is not None
-    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    weight, x = torch.randn(24, 16), torch.randn(8, 16)
+    layer.load(weight)
+    assert layer.packed is not None and layer.weight is None
+    torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.load(weight.bfloat16(), torch.bfloat16)  # bf16 stays a plain bf16 tensor, no fp32 copy
+    assert layer.packed is None and layer.weight is not None and layer.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="projection"):
+        layer.load(torch.randn(16, 16))
+
+
+@pytest.mark.skipif(panel_gemm() is None, reason="panel kernel not built here")
+def test_embedding_rows_come_from_the_panels_a_tied_head_multiplies_by() -> None:
+    weight, ids = torch.randn(1000, 64), torch.tensor([[0, 999, 17], [16, 15, 500]])
+    embed = Embedding(1000, 64)
+    embed.load(weight)
+    assert embed.weight is None and embed.packed is not None and embed.packed.layout == "panels"
+    assert torch.equal(embed(ids), F.embedding(ids, weight))
+
+
+@pytest.mark.skipif(panel_gemm() is None, reason="panel kernel not built here")
+def test_packed_weights_concatenate_by_panels_or_side_by_side() -> None:
+    a, b, c = torch.randn(32, 48), torch.randn(16, 48), torch.randn(8, 48)
+    pa, pb, pc = (pack_weight(w) for w in (a, b, c))
+    assert pa is not None and pb is not None and pc is not None
+    x = torch.randn(5, 48)
+    whole = PackedWeight.cat([pa, pb, pc])  # each part starts on a panel's edge: one weight
+    assert whole.layout == "panels" and whole.out_features == 56
+    torch.testing.assert_close(linear(x, None, whole), F.linear(x, torch.cat([a, b, c])), rtol=1e-5, atol=1e-4)
+    split = PackedWeight.cat([pa, pc, pb])  # 32 + 8 ends inside a panel: b runs beside it
+    assert split.layout == "parts" and [p.out_features for p in split.parts] == [40, 16]
+    torch.testing.assert_close(linear(x, None, split), F.linear(x, torch.cat([a, c, b])), rtol=1e-5, atol=1e-4)

@@ -10,14 +10,8 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.linear import Linear, linear, pack_weight
-from conveyor.model.quantized import (
-    BLOCK_SIZES,
-    KERNEL_QTYPE,
-    KERNEL_TYPES,
-    QuantizedParts,
-    QuantizedWeight,
-)
+from conveyor.model.linear import Linear, PackedWeight, linear, pack_blocks, pack_weight
+from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
@@ -122,24 +116,47 @@ def test_large_k_products_in_fused_tiles_give_the_fp32_products_bit_for_bit(qtyp
         assert torch.equal(linear(x, weight, packed, bias), linear(x, weight, dense, bias)), rows
 
 
-def test_shipped_blocks_match_the_loaded_weights(default_checkpoint) -> None:
-    """Q4_1 projections (q/k rows un-permuted like the fp32 weights) and the Q8_0 embedding."""
-    quantized = default_checkpoint.quantized
-    assert {q.qtype for q in quantized.values()} == {"Q4_1", "Q8_0"}
-    assert quantized["model.embed_tokens.weight"].qtype == "Q8_0"
+def packed(q: QuantizedWeight) -> PackedWeight:
+    p = pack_blocks(q)
+    assert p is not None and p.layout == q.qtype
+    return p
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_rows_looked_up_from_the_panels_are_gguf_s_values(qtype: str) -> None:
+    """The embedding's lookup on blocks: any rows, in any order, repeated, across panels and in the
+    last partial one, equal to the dequantized rows bit for bit."""
+    q = random_blocks(qtype, 37, in_features(qtype), seed=3, wild=True)
+    weight = reference_fp32(q)
+    ids = torch.tensor([36, 0, 15, 16, 36, 5, 31, 32, 0])
+    assert torch.equal(packed(q).rows(ids), weight[ids])
+    assert torch.equal(packed(q).rows(torch.arange(37)), weight)
+    with pytest.raises(RuntimeError, match="out of range"):
+        packed(q).rows(torch.tensor([37]))
+
+
+def test_shipped_blocks_match_the_loaded_weights(default_checkpoint, smollm_gguf_path) -> None:
+    """The default model held in its blocks (Q4_1 projections, q/k rows un-permuted like the fp32
+    weights, and the Q8_0 embedding): every weight the dequantized checkpoint's, every product the
+    fp32 panels' bit for bit."""
+    from conveyor.model.loader import load_checkpoint
+
+    held = load_checkpoint(str(smollm_gguf_path), keep_blocks=True).weights
+    layouts = {w.layout for w in held.values() if isinstance(w, PackedWeight)}
+    assert layouts == {"Q4_1", "Q8_0"} and held["model.embed_tokens.weight"].layout == "Q8_0"
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
              "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"]
     for name in names:
-        weight, q = default_checkpoint.weights[name], quantized[name]
-        assert torch.equal(reference_fp32(q), weight), name
-        packed, dense = pack_weight(weight, q), pack_weight(weight)
-        for rows in (1, 4, 9, 17):
+        weight, blocks = default_checkpoint.weights[name], held[name]
+        assert torch.equal(blocks.rows(torch.arange(weight.shape[0])), weight), name
+        dense = pack_weight(weight)
+        for rows in (1, 4, 9, 17, 300):
             x = torch.randn(rows, weight.shape[1])
-            assert torch.equal(linear(x, weight, packed), linear(x, weight, dense)), (name, rows)
+            assert torch.equal(linear(x, None, blocks), linear(x, None, dense)), (name, rows)
 
 
 def test_gemma3_q4_k_m_tensors_of_each_type(gemma3_gguf_path) -> None:
-    """The Q4_K_M file's Q4_K, Q6_K, Q5_0 and Q8_0 tensors, as the loader dequantises and keeps them."""
+    """The Q4_K_M file's Q4_K, Q6_K, Q5_0 and Q8_0 tensors, as the loader dequantises and packs them."""
     from conveyor.model.gguf_loader import _blocks, dequantize, read_gguf
 
     gf = read_gguf(gemma3_gguf_path)
@@ -154,62 +171,58 @@ def test_gemma3_q4_k_m_tensors_of_each_type(gemma3_gguf_path) -> None:
             weight, q = dequantize(gf, t), _blocks(gf, t)
             assert q is not None and q.qtype == qtype
             assert torch.equal(reference_fp32(q), weight), name
-            packed, dense = pack_weight(weight, q), pack_weight(weight)
-            assert packed is not None and packed.layout == qtype
+            blocks, dense = packed(q), pack_weight(weight)
             # The panels stream the file's bytes (the K-quants' 6-bit scales as bytes: +2.8%).
-            assert packed.data.numel() <= 1.03 * t.nbytes, (name, packed.data.numel(), t.nbytes)
+            assert blocks.data.numel() <= 1.03 * t.nbytes, (name, blocks.data.numel(), t.nbytes)
             bias = torch.randn(weight.shape[0])
-            for rows in (1, 5, 8, 13, 32):
+            for rows in (1, 5, 8, 13, 32, 300):
                 x = torch.randn(rows, weight.shape[1])
-                assert torch.equal(linear(x, weight, packed, bias), linear(x, weight, dense, bias)), (name, rows)
+                assert torch.equal(linear(x, None, blocks, bias), linear(x, None, dense, bias)), (name, rows)
     # Layer 0's q / k are Q5_0 and its v Q8_0: fused, they run as two parts.
     names = [f"blk.0.attn_{p}.weight" for p in "qkv"]
-    fused = QuantizedWeight.cat([_blocks(gf, gf.tensors[n]) for n in names])
-    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    fused = PackedWeight.cat([packed(_blocks(gf, gf.tensors[n])) for n in names])
+    assert fused.layout == "parts" and [p.layout for p in fused.parts] == ["Q5_0", "Q8_0"]
     weight = torch.cat([dequantize(gf, gf.tensors[n]) for n in names])
-    packed, dense = pack_weight(weight, fused), pack_weight(weight)
+    dense = pack_weight(weight)
     for rows in (1, 8, 32):
         x = torch.randn(rows, weight.shape[1])
-        assert torch.equal(linear(x, weight, packed), linear(x, weight, dense)), rows
+        assert torch.equal(linear(x, None, fused), linear(x, None, dense)), rows
 
 
 def test_fused_projection_blocks_concatenate_rows() -> None:
     parts = [random_blocks("Q4_K", n, 256, seed) for seed, n in enumerate((32, 16, 16))]
-    fused = QuantizedWeight.cat(parts)
-    assert fused is not None and fused.blocks.shape == (64, 144) and fused.in_features == 256
+    fused = PackedWeight.cat([packed(p) for p in parts])
+    assert fused.layout == "Q4_K" and fused.out_features == 64 and fused.in_features == 256
     layer = Linear(256, 64, bias=False)
-    layer.weight.data = torch.cat([reference_fp32(p) for p in parts])
-    layer.quantized = fused
-    layer.pack()
+    layer.load(fused)
+    weight = torch.cat([reference_fp32(p) for p in parts])
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    assert layer.packed is not None and layer.packed.layout == "Q4_K"
+    assert layer.packed is fused and layer.weight is None
     # The fused blocks give the fused fp32 weight's products bit for bit; MKL sums in another order.
-    assert torch.equal(layer(x), linear(x, layer.weight, pack_weight(layer.weight)))
-    bound = 1e-5 * float((x.abs() @ layer.weight.detach().abs().T).max())  # fp32 rounding of a length-k sum
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=bound)
-    assert QuantizedWeight.cat([parts[0], None]) is None
+    assert torch.equal(layer(x), linear(x, weight, pack_weight(weight)))
+    bound = 1e-5 * float((x.abs() @ weight.abs().T).max())  # fp32 rounding of a length-k sum
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=bound)
 
 
 def test_fused_parts_of_different_types_run_side_by_side() -> None:
     """A Q4_K_M file's q/k (Q5_0) beside its v (Q8_0): the parts run as they are, bit for bit the
     fp32 panels' products; runs of one type merge into one part."""
     parts = [random_blocks("Q5_0", 32, 256, 0), random_blocks("Q5_0", 16, 256, 1), random_blocks("Q8_0", 24, 256, 2)]
-    fused = QuantizedWeight.cat(parts)
-    assert isinstance(fused, QuantizedParts) and [p.qtype for p in fused.parts] == ["Q5_0", "Q8_0"]
+    fused = PackedWeight.cat([packed(p) for p in parts])
+    assert fused.layout == "parts" and [p.layout for p in fused.parts] == ["Q5_0", "Q8_0"]
     assert fused.out_features == 72 and fused.in_features == 256
     weight = torch.cat([reference_fp32(p) for p in parts])
-    packed, dense = pack_weight(weight, fused), pack_weight(weight)
-    assert packed is not None and packed.layout == "parts"
-    assert packed.nbytes == sum(p.data.numel() for p in packed.parts) < dense.nbytes / 4
+    dense = pack_weight(weight)
+    assert dense is not None and fused.nbytes == sum(p.data.numel() for p in fused.parts) < dense.nbytes / 4
     bias = torch.randn(72)
     for rows in (1, 4, 8, 13, 32):
         x = torch.randn(rows, 256)
         for b in (None, bias):
-            assert torch.equal(linear(x, weight, packed, b), linear(x, weight, dense, b)), rows
+            assert torch.equal(linear(x, None, fused, b), linear(x, None, dense, b)), rows
     with pytest.raises(ValueError, match="do not match"):
-        pack_weight(weight[:64], fused)
+        pack_weight(weight[:64], parts[0])
     with pytest.raises(ValueError, match="in_features"):
-        QuantizedWeight.cat([parts[0], random_blocks("Q8_0", 16, 64)])
+        PackedWeight.cat([packed(parts[0]), packed(random_blocks("Q8_0", 16, 64))])
 
 
 def test_bad_blocks_are_rejected() -> None:
@@ -240,9 +253,17 @@ def test_bad_blocks_are_rejected() -> None:
     assert kernel.quantized_matmul(torch.randn(0, 64), packed, 32, None, q4_1).shape == (0, 32)
 
 
-def test_kernels_off_after_packing_fall_back_to_the_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_off_after_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch decides at load: a weight given beside its blocks takes the plain path, a weight
+    held only in its blocks still runs on them; a load with the switch off keeps dense weights."""
     q = random_blocks("Q6_K", 16, 256)
     weight, x = reference_fp32(q), torch.randn(2, 256)
-    packed = pack_weight(weight, q)
+    blocks = packed(q)
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
-    torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight))
+    torch.testing.assert_close(linear(x, weight, blocks), F.linear(x, weight))
+    torch.testing.assert_close(linear(x, None, blocks), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert pack_blocks(q) is None
+    layer = Linear(256, 16)
+    layer.load(q)  # dequantized (gguf's values), then a plain weight or oneDNN's layout: plain torch ops
+    assert layer.packed is None or layer.packed.layout == "onednn"
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)

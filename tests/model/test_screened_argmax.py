@@ -89,9 +89,9 @@ def test_non_finite_input_another_layout_or_switched_off_is_not_screened(monkeyp
     assert screened_argmax(x, packed) is None
     q4 = random_blocks("Q4_1", N, K, seed=4)
     assert screened_argmax(torch.randn(1, K), pack_weight(reference_fp32(q4), q4)) is None
-    from conveyor.model.linear import PLAIN_FROM_ROWS
-
-    # where the full product itself leaves the blocks for F.linear, the screen does not claim its argmax
-    assert screened_argmax(torch.randn(PLAIN_FROM_ROWS["Q8_0"], K), packed) is None
+    blocks = random_blocks("Q8_0", N, K, seed=5).blocks.clone()
+    blocks[17, :2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # one block's fp16 scale is inf
+    assert screened_argmax(torch.randn(1, K), pack_weight(reference_fp32(QuantizedWeight("Q8_0", blocks)),
+                                                          QuantizedWeight("Q8_0", blocks))) is None
     monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
     assert screened_argmax(torch.randn(1, K), packed) is None

@@ -184,16 +184,18 @@ def fused_ops() -> object | None:
     return _load("fused_ops") if kernels_enabled() else None
 
 
-def panel_gemm() -> object | None:
+def panel_gemm(force: bool = False) -> object | None:
     """The module of the skinny fp32 matmul (panel_gemm.cpp: pack_panels, panel_matmul; x86 with
-    AVX2 and FMA), or None when unavailable or disabled."""
-    return _load("panel_gemm") if kernels_enabled() else None
+    AVX2 and FMA), or None when unavailable or disabled (`force`: whatever CONVEYOR_KERNELS says,
+    for a weight already held only in its panels)."""
+    return _load("panel_gemm") if force or kernels_enabled() else None
 
 
-def quant_gemm() -> object | None:
-    """The module of the matmul on GGUF blocks (quant_gemm.cpp: pack_quantized,
-    quantized_matmul; x86 with AVX2, FMA and F16C), or None when unavailable or disabled."""
-    return _load("quant_gemm") if kernels_enabled() else None
+def quant_gemm(force: bool = False) -> object | None:
+    """The module of the matmul on GGUF blocks (quant_gemm.cpp: pack_quantized, quantized_matmul,
+    dequantize_rows; x86 with AVX2, FMA and F16C), or None when unavailable or disabled (`force`:
+    as panel_gemm's)."""
+    return _load("quant_gemm") if force or kernels_enabled() else None
 
 
 def build_kernels(dtype: torch.dtype) -> None:

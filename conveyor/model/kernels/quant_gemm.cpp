@@ -745,6 +745,27 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
   return y;
 }
 
+// Rows `ids` of the weight as fp32 [n, K] (an embedding lookup on the blocks): each row is its
+// panel's column, so the panel is expanded (as the L2-buffer path does) and the column copied out;
+// a thread keeps its last panel, so runs of ids in one panel (a full dequantisation) expand it once.
+template <class U>
+void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t n, float* out) {
+  const int64_t k_dim = units * U::kUnitK;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> expanded(k_dim * kPanel);
+    int64_t current = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t panel = ids[i] / kPanel, column = ids[i] % kPanel;
+      if (panel != current) {
+        expand_panel<U>(w + panel * units * U::kBytes, units, expanded.data());
+        current = panel;
+      }
+      float* row = out + i * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) row[k] = expanded[k * kPanel + column];
+    }
+  });
+}
+
 #if defined(CONVEYOR_SCREENED_ARGMAX)
 // Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as torch.argmax
 // on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or whose
@@ -815,10 +836,38 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
 }
 #endif
 
+torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features, const torch::Tensor& ids, int64_t qtype) {
+  TORCH_CHECK(known(qtype), "dequantize_rows: qtype ", qtype, " is not a GGML block type this kernel reads");
+  const auto type = static_cast<QType>(qtype);
+  const Format f = format_of(type);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "dequantize_rows: ids must be 1-D int64");
+  const auto idx = ids.contiguous();
+  const int64_t n = idx.size(0), units = packed.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < out_features, "dequantize_rows: row ", ip[i], " out of range [0, ", out_features, ")");
+  auto out = torch::empty({n, units * f.unit_k}, torch::kFloat32);
+  if (n == 0) return out;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (type) {
+#define CONVEYOR_QTYPE(T)                                                                  \
+  case QType::k##T: rows_of_panels<T##Unit>(wp, units, ip, n, op); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+#undef CONVEYOR_QTYPE
+  }
+  return out;
+}
+
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
         "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) -> quantised panels",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, "rows ids of a weight packed by pack_quantized, as fp32 [n, K]",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_matmul", &quantized_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_quantized",
         py::call_guard<py::gil_scoped_release>());
