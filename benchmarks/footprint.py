@@ -1,0 +1,127 @@
+"""Memory and start-up of a serving process, conveyor's next to llama-server's, on the same GGUF file
+with the same context capacity: resident memory while serving (VmRSS after a few requests), the
+peak (VmHWM, loading included), and seconds from the command to a ready /health.
+
+    .venv/bin/python benchmarks/footprint.py --model qwen2.5-coder-0.5b
+    .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
+
+Both servers get room for SLOTS x CTX tokens: llama-server `-c SLOTS*CTX --parallel SLOTS` (its f16
+KV cache), conveyor `--num-kv-blocks SLOTS*CTX/16 --max-num-seqs SLOTS` (fp32 KV). The servers run
+one after the other, each alone on the machine. llama-server comes from benchmarks/peers/llama_cpp.sh
+(`--setup-only` builds it); without it only conveyor is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / "benchmarks/peers/.llama-cpp/build/bin/llama-server"
+
+
+def status(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("server not ready")
+
+
+def measure(cmd: list[str], port: int, log: Path) -> dict[str, float]:
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(port, proc, 600)
+        ready = time.monotonic() - started
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        prompt = "def quicksort(items):\n    " * 40  # a few hundred tokens of prefill, then decode
+        for _ in range(3):
+            post(port, {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0})
+        mem = status(proc.pid)
+        return {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30,
+                "peak_gib": mem["VmHWM"] / 2**30}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a conveyor model name or a .gguf path")
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--ctx-per-slot", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out-dir", default="out/footprint")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from conveyor.model.loader import resolve_model_path
+
+    gguf = resolve_model_path(args.model)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens = args.slots * args.ctx_per_slot
+    servers = {
+        "conveyor": [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(gguf), "--port", "8131",
+                     "--num-kv-blocks", str(tokens // 16), "--max-num-seqs", str(args.slots),
+                     "--num-threads", str(args.threads)],
+    }
+    if LLAMA_SERVER.is_file():
+        servers["llama.cpp"] = [str(LLAMA_SERVER), "-m", str(gguf), "--port", "8132", "--host", "127.0.0.1",
+                                "-t", str(args.threads), "-tb", str(args.threads), "--parallel", str(args.slots),
+                                "-c", str(tokens), "--cont-batching"]
+    ports = {"conveyor": 8131, "llama.cpp": 8132}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    for _ in range(args.repeats):
+        for name, cmd in servers.items():
+            results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log"))
+    print(f"{gguf.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
+          f"medians of {args.repeats}")
+    print(f"{'server':<10} {'resident GiB':>13} {'peak GiB':>9} {'ready s':>8}")
+    medians = {}
+    for name, runs in results.items():
+        medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        m = medians[name]
+        print(f"{name:<10} {m['rss_gib']:>13.3f} {m['peak_gib']:>9.3f} {m['ready_s']:>8.1f}")
+    if "llama.cpp" in medians:
+        c, ll = medians["conveyor"], medians["llama.cpp"]
+        print(f"conveyor / llama.cpp: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
+              f"of llama.cpp's resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x")
+    (out_dir / "footprint.json").write_text(json.dumps({"model": str(gguf), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
