@@ -8,7 +8,7 @@ the KV of the rest in, and queues the request at the count it reached, so the sc
 (computed vs known tokens) resumes it as a decode. Should the importer have evicted some of the
 blocks it said it held before the KV arrives, the request is queued at the end of what it still
 holds and the gap is recomputed there: slower, never wrong. When it may enter is
-conveyor/engine/imports.py's rule. Runs on the engine's own thread on both sides (the KV manager
+conveyor/engine/kv_imports.py's rule. Runs on the engine's own thread on both sides (the KV manager
 is not thread-safe), but for cached_prefix_blocks, an estimate that the import checks again.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
 
 
 def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | None = None) -> Request:
-    """Allocate, write, queue; when the import queue (conveyor/engine/imports.py) lets it in.
+    """Allocate, write, queue; when the import queue (conveyor/engine/kv_imports.py) lets it in.
     `cached`: the engine's cached leading blocks of the request (looked up here if None)."""
     runner = kv_transfer(engine.runner)
     expected = blocks_needed(engine, payload)

@@ -33,7 +33,7 @@ from conveyor.distributed.messages import (
     WorkerInfo,
     WorkerLoadReport,
 )
-from conveyor.engine.imports import ImportQueue
+from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 from conveyor.config import EngineConfig
 from conveyor.control import SloController
-from conveyor.engine.codec import TextCodec
+from conveyor.engine.tokenizer_protocol import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError, RequestFailedError

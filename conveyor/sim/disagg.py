@@ -34,7 +34,7 @@ from conveyor.bench.offline import IterationSample, OfflineResult, record_from_t
 from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
-from conveyor.engine.imports import ImportQueue
+from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError

@@ -17,7 +17,7 @@ from conveyor.distributed.handover import (
 )
 from conveyor.distributed.messages import WorkerInfo
 from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
-from conveyor.engine.imports import import_headroom
+from conveyor.engine.kv_imports import import_headroom
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
