@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from conveyor.kv.keys import SequenceKey, TokenSlice
@@ -113,9 +114,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    @property
+    @functools.cached_property
     def sequence_key(self) -> SequenceKey:
-        """What the prefix cache is asked with about this request."""
+        """What the prefix cache is asked with about this request. Built once (the scheduler asks at
+        every step): its id never changes, nor do its parameters' key ingredients (the engine's
+        checks bound other fields), and its token slice reads the tokens as they grow."""
         return sequence_key(self.sampling_params, self.token_slice, self.request_id)
 
     def token_at(self, position: int) -> int:
