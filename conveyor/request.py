@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
+from conveyor.kv.keys import SequenceKey, TokenSlice
 from conveyor.sampling.params import SamplingParams
+
+
+def sequence_key(params: SamplingParams, token_slice: TokenSlice, request_id: str = "") -> SequenceKey:
+    """What the prefix cache keys a sequence's KV blocks by: the one place that says which of a
+    request's fields keep its blocks apart from others' (a new one joins here and in
+    conveyor/kv/keys.py). `request_id` names the sequence to the KV manager; a lookup of tokens
+    no request holds yet (an import, the router's estimate) needs none."""
+    return SequenceKey(request_id, token_slice, params.cache_salt)
 
 
 class RequestStatus(enum.Enum):
@@ -104,10 +114,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    @property
-    def cache_salt(self) -> str | None:
-        """Its prefix-cache isolation: it shares cached blocks only with requests of the same salt."""
-        return self.sampling_params.cache_salt
+    @functools.cached_property
+    def sequence_key(self) -> SequenceKey:
+        """What the prefix cache is asked with about this request. Built once (the scheduler asks at
+        every step): its id never changes, nor do its parameters' key ingredients (the engine's
+        checks bound other fields), and its token slice reads the tokens as they grow."""
+        return sequence_key(self.sampling_params, self.token_slice, self.request_id)
 
     def token_at(self, position: int) -> int:
         n_prompt = len(self.prompt_token_ids)

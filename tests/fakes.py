@@ -7,7 +7,6 @@ from typing import Callable
 
 from conveyor.config import EngineConfig, SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.kv.manager import KVCacheManager
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
@@ -16,14 +15,15 @@ from conveyor.scheduler import SchedulerOutput
 class FakeRunner:
     def __init__(self, vocab_size: int = 1000) -> None:
         self.vocab_size = vocab_size
+        self.block_size = EngineConfig().block_size  # the engine's: fake_engine sets it
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
         self.steps.append(out)
         tokens = []
         for request in out.sampling_requests():
-            table = kv.block_tables[request.request_id]
-            assert len(table) * kv.block_size >= request.num_tokens, "no slot for a scheduled token"
+            table = out.block_tables[request.request_id]
+            assert len(table) * self.block_size >= request.num_tokens, "no slot for a scheduled token"
             # A pure function of the sequence so far: the same request gives the same tokens
             # whatever it is batched with and however often it is preempted.
             tokens.append((sum(request.prompt_token_ids) * 31 + request.num_tokens * 7) % self.vocab_size)
@@ -39,11 +39,11 @@ class FailingRunner(FakeRunner):
         self.poison = poison
         self.calls = 0
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
         self.calls += 1
         if any(r.prompt_token_ids[0] in self.poison for r, _ in out.scheduled):
             raise RuntimeError("poisoned batch")
-        return super().execute(out, kv, stats)
+        return super().execute(out, stats)
 
 
 def fake_engine(
@@ -66,6 +66,7 @@ def fake_engine(
         policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
         scheduling_policy=scheduling_policy))
     runner = runner if runner is not None else FakeRunner()
+    runner.block_size = block_size
     if clock is None:
         ticks = itertools.count()
         clock = lambda: float(next(ticks))  # noqa: E731

@@ -95,8 +95,9 @@ def run_server(
         # Built on the thread that will step it: one thread does all the torch work (async_engine.py).
         local = AsyncEngine.build(lambda: LLMEngine.from_config(config).warm_up(), max_waiting_requests=max_waiting_requests)
         engine = local.engine
+        kv = engine.scheduler.kv
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
-                 engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len, ", ".join(served_model_names))
+                 kv.num_blocks, kv.block_size, engine.max_model_len, ", ".join(served_model_names))
         engine_client = local
     if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
         engine_client.tokenizer.set_chat_template(chat_template)

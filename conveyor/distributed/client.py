@@ -175,8 +175,7 @@ class RayEngineClient:
         t.busy = True
         try:
             while not t.aborted:  # an abort (or a detach) ends the retries: nobody waits for it
-                route = self.router.route(self.workers, t.role, self._tracked.values(), t.prompt,
-                                          t.params.cache_salt)
+                route = self.router.route(self.workers, t.role, self._tracked.values(), t.prompt, t.params)
                 if route is None:
                     raise EngineStoppedError(f"no live {t.role} worker")
                 worker = route.worker
@@ -235,7 +234,7 @@ class RayEngineClient:
                 return WorkerDiedError("no live decode worker to take the request over")
             t.worker, tried = target, target
             try:
-                cached = await target.actor.cached_prefix_blocks.remote(t.prompt, t.params.cache_salt)
+                cached = await target.actor.cached_prefix_blocks.remote(t.prompt, t.params)
                 await target.actor.import_kv.remote(source.actor.export_kv.remote(t.request_id, cached))
                 return None
             except ray.exceptions.RayError as exc:
@@ -327,7 +326,7 @@ class RayEngineClient:
             self._tracked.pop(t.request_id, None)
             if t.worker is not None and t.worker.role == t.role:  # its whole history is in that worker's cache
                 for tokens in t.tokens.values():
-                    self.router.record(t.worker, t.prompt + tokens, t.params.cache_salt)
+                    self.router.record(t.worker, t.prompt + tokens, t.params)
         return out
 
     def _report(self, report: StepReport) -> None:

@@ -8,8 +8,10 @@ the KV of the rest in, and queues the request at the count it reached, so the sc
 (computed vs known tokens) resumes it as a decode. Should the importer have evicted some of the
 blocks it said it held before the KV arrives, the request is queued at the end of what it still
 holds and the gap is recomputed there: slower, never wrong. When it may enter is
-conveyor/engine/imports.py's rule. Runs on the engine's own thread on both sides (the KV manager
-is not thread-safe), but for cached_prefix_blocks, an estimate that the import checks again.
+conveyor/engine/kv_imports.py's rule. Every change to either engine's blocks goes through its
+scheduler (detach_request, import_prefilled, release_handover). Runs on the engine's own thread on
+both sides (the KV manager is not thread-safe), but for cached_prefix_blocks, an estimate that the
+import checks again.
 """
 from __future__ import annotations
 
@@ -21,22 +23,23 @@ import torch
 from conveyor.distributed.messages import KVPayload
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
-from conveyor.kv.manager import blocks_for
-from conveyor.request import Request, RequestStatus
+from conveyor.kv import blocks_for
+from conveyor.request import Request, RequestStatus, sequence_key
 from conveyor.runner.transfer import kv_transfer
+from conveyor.sampling.params import SamplingParams
 
 
 def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
-    """The blocks that hold the request's computed tokens."""
-    table = engine.kv.block_tables.get(request.request_id, [])
-    return table[: blocks_for(request.num_computed_tokens, engine.kv.block_size)]
+    """The blocks that hold the (detached) request's computed tokens."""
+    return engine.scheduler.handover_blocks(request)
 
 
-def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-    """How many leading full blocks of `token_ids` the engine's prefix cache holds now: an export
-    to this engine may leave them out. Safe off the engine's thread (dict reads only); the import
-    looks again."""
-    return len(engine.kv.lookup_prefix(lambda start, end: token_ids[start:end], len(token_ids), cache_salt))
+def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int], params: SamplingParams) -> int:
+    """How many leading full blocks of `token_ids` (a request with `params`) the engine's prefix
+    cache holds now: an export to this engine may leave them out. Safe off the engine's thread
+    (dict reads only); the import looks again."""
+    key = sequence_key(params, lambda start, end: token_ids[start:end])
+    return len(engine.scheduler.cached_import_prefix(key, len(token_ids)))
 
 
 def export_request(engine: LLMEngine, request: Request, first_block: int = 0) -> KVPayload:
@@ -61,30 +64,29 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
 
 
 def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
-    return blocks_for(payload.num_computed_tokens, engine.kv.block_size)
+    return blocks_for(payload.num_computed_tokens, engine.scheduler.kv.block_size)
 
 
 def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | None = None) -> Request:
-    """Allocate, write, queue; when the import queue (conveyor/engine/imports.py) lets it in.
+    """Allocate, write, queue; when the import queue (conveyor/engine/kv_imports.py) lets it in.
     `cached`: the engine's cached leading blocks of the request (looked up here if None)."""
     runner = kv_transfer(engine.runner)
     expected = blocks_needed(engine, payload)
-    first = payload.first_block
-    if not 0 <= first <= expected or payload.kv.shape[2] != expected - first \
-            or payload.kv.shape[3] != engine.kv.block_size:
+    first, block_size = payload.first_block, engine.scheduler.kv.block_size
+    if not 0 <= first <= expected or payload.kv.shape[2] != expected - first or payload.kv.shape[3] != block_size:
         raise InvalidRequestError(
             f"KV of {payload.request_id!r} has {payload.kv.shape[2]} blocks of {payload.kv.shape[3]} tokens "
-            f"from block {first}; this engine needs {expected} blocks of {engine.kv.block_size}"
+            f"from block {first}; this engine needs {expected} blocks of {block_size}"
         )
     request = Request(payload.request_id, payload.prompt_token_ids, payload.params, engine.clock())
     request.output_token_ids = list(payload.output_token_ids)
     request.num_computed_tokens = payload.num_computed_tokens
     request.status = RequestStatus.WAITING
     if cached is None:
-        cached = engine.kv.lookup_prefix(request.token_slice, request.num_computed_tokens, request.cache_salt)
+        cached = engine.scheduler.cached_import_prefix(request.sequence_key, request.num_computed_tokens)
     cached = cached[:expected]
     if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
-        request.num_computed_tokens = len(cached) * engine.kv.block_size
+        request.num_computed_tokens = len(cached) * block_size
 
     def write_kv(blocks: list[int]) -> None:
         if not blocks:

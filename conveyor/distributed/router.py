@@ -35,12 +35,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from conveyor.kv.manager import iter_block_keys
+from conveyor.request import sequence_key
+from conveyor.sampling.params import SamplingParams
 
 log = logging.getLogger("conveyor.distributed")
 
 ROUTING_POLICIES = ("cache-aware", "least-load")  # the first is the default
 ROUTER_KEYS = "router"  # the chain's root: keys only need to agree with each other, not with a worker's own
+_DEFAULT_PARAMS = SamplingParams()  # a prompt routed without its request's parameters
 RECENT_S = 30.0  # how long a history counts as live on its worker after its last request (time constant)
 FORGOTTEN_AFTER_S = 10 * RECENT_S  # a history idle that long weighs < 1e-4: dropped
 
@@ -183,16 +185,17 @@ class Router:
         return index
 
     def route(self, workers: Iterable[WorkerHandle], role: str, requests: Iterable[Assignment],
-              prompt: Sequence[int], cache_salt: str | None = None) -> Route | None:
-        """Where a new request of `role` goes; None if no worker of that role is alive. A request's
-        `cache_salt` keys its blocks apart, as the workers' caches do."""
+              prompt: Sequence[int], params: SamplingParams | None = None) -> Route | None:
+        """Where a new request of `role` goes; None if no worker of that role is alive. The
+        request's `params` key its blocks (conveyor/request.py's sequence_key), as the workers'
+        caches do."""
         candidates = _candidates(workers, role, None)
         if not candidates:
             return None
         loads = _loads(candidates, requests)
         if self.policy == "least-load" or any(w.info is None for w in candidates):  # (info: once started)
             return Route(min(candidates, key=lambda w: loads[id(w)]), 0)
-        keys = self._keys(candidates[0], prompt, cache_salt)
+        keys = self._keys(candidates[0], prompt, params)
         # Never all of the prompt: the worker computes at least its last token (as its scheduler does).
         hits = {id(w): min(self._index(w).match(keys) * w.info.block_size, len(prompt) - 1) for w in candidates}
         now = self._clock()
@@ -228,10 +231,10 @@ class Router:
         for histories in self._histories.values():
             histories.forget_idle(now)
 
-    def record(self, worker: WorkerHandle, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
+    def record(self, worker: WorkerHandle, token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
         """A request's prompt and output as the worker computed them: what its cache now holds."""
         if self.policy == "cache-aware" and worker.info is not None:
-            self._index(worker).add(self._keys(worker, token_ids, cache_salt))
+            self._index(worker).add(self._keys(worker, token_ids, params))
 
     def forget(self, worker: WorkerHandle) -> None:
         """A dead worker's cache is gone with it."""
@@ -239,5 +242,7 @@ class Router:
         self._histories.pop(worker.name, None)
 
     @staticmethod
-    def _keys(worker: WorkerHandle, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        return list(iter_block_keys(ROUTER_KEYS, token_ids, worker.info.block_size, cache_salt))
+    def _keys(worker: WorkerHandle, token_ids: Sequence[int], params: SamplingParams | None) -> list[bytes]:
+        key = sequence_key(params or _DEFAULT_PARAMS, lambda start, end: token_ids[start:end])
+        block_size = worker.info.block_size
+        return list(key.block_keys(ROUTER_KEYS, len(token_ids) // block_size, block_size))

@@ -33,12 +33,13 @@ from conveyor.distributed.messages import (
     WorkerInfo,
     WorkerLoadReport,
 )
-from conveyor.engine.imports import ImportQueue
+from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import WorkerDiedError
-from conveyor.request import Request
+from conveyor.kv import SequenceKey
+from conveyor.request import Request, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
 
@@ -67,8 +68,8 @@ class _PendingImport:
         return self.payload.num_computed_tokens
 
     @property
-    def cache_salt(self) -> str | None:
-        return self.payload.params.cache_salt
+    def sequence_key(self) -> SequenceKey:
+        return sequence_key(self.payload.params, self.token_slice, self.request_id)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         prompt = self.payload.prompt_token_ids
@@ -84,9 +85,10 @@ class EngineWorker(EngineLoop[_Command]):
                                                   lambda _: self._wait_then_run())
         self._park_on(thread)
         one_block = kv_transfer(self.engine.runner).read_kv_blocks([0])  # every layer's K and V of a block
+        kv = self.engine.scheduler.kv
         self.info = WorkerInfo(
-            name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=self.engine.kv.num_blocks,
-            block_size=self.engine.kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
+            name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=kv.num_blocks,
+            block_size=kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
             kv_block_bytes=one_block.numel() * one_block.element_size(),
         )
         self._outbox_lock = threading.Lock()
@@ -131,12 +133,12 @@ class EngineWorker(EngineLoop[_Command]):
         request, _ = self._parked[request_id]
         return await asyncio.to_thread(export_request, self.engine, request, first_block)
 
-    async def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading full blocks of `token_ids` this worker's prefix cache holds (an import
-        of them may leave those out). Read here, not on the loop thread: an answer now, not after
-        the step in flight; import_kv checks again."""
+    async def cached_prefix_blocks(self, token_ids: list[int], params: SamplingParams) -> int:
+        """How many leading full blocks of `token_ids` (a request with `params`) this worker's
+        prefix cache holds (an import of them may leave those out). Read here, not on the loop
+        thread: an answer now, not after the step in flight; import_kv checks again."""
         self._check_alive()
-        return cached_prefix_blocks(self.engine, token_ids, cache_salt)
+        return cached_prefix_blocks(self.engine, token_ids, params)
 
     async def import_kv(self, payload: KVPayload) -> None:
         """Returns once the request is in this engine (it may wait for free blocks)."""
@@ -228,10 +230,10 @@ class EngineWorker(EngineLoop[_Command]):
 
     def _do_release(self, request_id: str) -> None:
         if self._parked.pop(request_id, None) is not None:
-            self.engine.kv.free(request_id)
+            self.engine.scheduler.release_handover(request_id)
 
     def _do_accounting(self) -> dict[str, int]:
-        kv = self.engine.kv
+        kv = self.engine.scheduler.kv
         owned = sum(len(t) for t in kv.block_tables.values())
         return {"used_blocks": kv.pool.num_used, "owned_blocks": owned, "num_owners": len(kv.block_tables),
                 "parked": len(self._parked), "unfinished": len(self.engine.scheduler.requests)}
@@ -282,7 +284,7 @@ class EngineWorker(EngineLoop[_Command]):
     def _end_iteration(self, stepped: bool) -> None:
         scheduler, stats = self.engine.scheduler, self.engine.last_step
         load = WorkerLoadReport(scheduler.num_running, scheduler.num_waiting, len(self._parked),
-                                self.engine.kv.usage().usage, scheduler.num_preemptions)
+                                scheduler.kv.usage().usage, scheduler.num_preemptions)
         with self._outbox_lock:
             self._events.extend(self._iteration_events)
             if stepped and stats.num_requests:

@@ -137,7 +137,8 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
 
     @property
     def capacity(self) -> int:
-        return min(self.engine.max_model_len, self.engine.kv.num_blocks * self.engine.kv.block_size)
+        kv = self.engine.scheduler.kv
+        return min(self.engine.max_model_len, kv.num_blocks * kv.block_size)
 
     # --- requests (event loop side) -------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -244,7 +245,7 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     def _end_iteration(self, stepped: bool) -> None:
         report, scheduler = self._report, self.engine.scheduler
         report.num_running, report.num_waiting = scheduler.num_running, scheduler.num_waiting
-        report.num_preemptions, report.kv_usage = scheduler.num_preemptions, self.engine.kv.usage().usage
+        report.num_preemptions, report.kv_usage = scheduler.num_preemptions, scheduler.kv.usage().usage
         with self._lock:
             self._count_waiting()
         call_on_loop(self._loop, self._deliver, report, self._resolved, self._events)

@@ -12,16 +12,16 @@ from typing import Callable, Protocol, Sequence
 
 from conveyor.config import EngineConfig
 from conveyor.control import SloController
-from conveyor.engine.codec import TextCodec
+from conveyor.engine.tokenizer_protocol import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
 from conveyor.errors import InvalidRequestError, RequestFailedError
-from conveyor.kv.manager import KVCacheManager, blocks_for
+from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler import SchedulerOutput, make_scheduler
+from conveyor.scheduler import SchedulerOutput, build_scheduler
 from conveyor.structured.matchers import GrammarMatchers
 
 log = logging.getLogger("conveyor.engine")
@@ -31,8 +31,9 @@ class Runner(Protocol):
     """Optionally also `save_rng_state(out) -> state` and `restore_rng_state(state)`, so that a step
     re-run after a failure (LLMEngine._execute_isolating) draws the same random numbers."""
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
-        """Compute the scheduled tokens; return one sampled token per `out.sampling_requests()`.
+    def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
+        """Compute the scheduled tokens (their KV blocks: `out.block_tables`, after `out.block_copies`);
+        return one sampled token per `out.sampling_requests()`.
         A runner with `supports_token_masks` also takes `token_masks=` (structured outputs) and
         applies them to those rows before sampling; only such a runner gets constrained requests."""
         ...
@@ -56,12 +57,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.clock = clock
-        # Keys chain from the model's identity: a key never matches KV another model computed.
-        self.kv = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            model_identity=f"{config.model}|{config.dtype}",
-        )
-        self.scheduler = make_scheduler(config.scheduler, self.kv)
+        self.scheduler = build_scheduler(config, num_kv_blocks)  # it owns the KV manager
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.grammars = GrammarMatchers(tokenizer, vocab_size)  # structured outputs (conveyor/structured)
         self.last_step = StepStats()
@@ -165,17 +161,17 @@ class LLMEngine:
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
-        blamed = "max_tokens" if num_prompt < min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) \
-            else "prompt"
+        kv = self.scheduler.kv
+        blamed = "max_tokens" if num_prompt < min(self.max_model_len, kv.num_blocks * kv.block_size) else "prompt"
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum model length {self.max_model_len}", param=blamed
             )
-        if blocks_for(total, self.kv.block_size) > self.kv.num_blocks:
+        if blocks_for(total, kv.block_size) > kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) cannot fit the whole KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)", param=blamed
+                f"({kv.num_blocks} blocks of {kv.block_size} tokens)", param=blamed
             )
         sched = self.config.scheduler
         if params.n > sched.max_num_seqs:
@@ -215,7 +211,7 @@ class LLMEngine:
     # --- KV handover (prefill/decode disaggregation, conveyor/distributed) ----------------------
     def detach_request(self, request_id: str) -> Request | None:
         """Stop scheduling a (single-sample) request but keep its KV blocks: the caller frees them
-        with `kv.free` once another engine holds a copy."""
+        with `scheduler.release_handover` once another engine holds a copy."""
         request = self.scheduler.detach_request(request_id)
         if request is not None:
             self._unfinished_samples.pop(request.group_id, None)
@@ -223,30 +219,21 @@ class LLMEngine:
 
     def add_prefilled_request(self, request: Request, cached: Sequence[int] = (),
                               write_kv: Callable[[list[int]], None] | None = None) -> None:
-        """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere, with
-        blocks for them: `cached` (kv.lookup_prefix: leading blocks of it that this engine's prefix
-        cache holds) head its table as they are, and `write_kv(blocks)` writes the KV of the blocks
-        after them (the simulator's runner holds no data and passes None). Those blocks are then
-        keyed like computed ones, so the next import of the same prefix finds them. It resumes like
-        any request, from that count."""
+        """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere
+        (Scheduler.import_prefilled: `cached` from scheduler.cached_import_prefix head its table,
+        `write_kv(blocks)` writes the rest). It resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         request.sampling_params = self._prepared(request.sampling_params)
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
         self._check_token_ids(request.sampling_params)
-        rid = request.request_id
-        if request.num_computed_tokens or cached:  # else it starts from scratch: a table comes when it runs
-            self.kv.allocate(rid, request.num_computed_tokens, cached)
+        self._start_grammar(request)  # replays the output it already has
         try:
-            if write_kv is not None:
-                write_kv(self.kv.block_tables.get(rid, [])[len(cached):])
-            self._start_grammar(request)  # replays the output it already has
+            self.scheduler.import_prefilled(request, cached, write_kv)
         except BaseException:
-            self.kv.free(rid)  # before keying: a block whose write failed must never be a hit
+            self.grammars.forget(request)
             raise
-        self.kv.cache_full_blocks(rid, request.num_computed_tokens, request.token_slice, request.cache_salt)
-        self.scheduler.add_request(request)
-        self._unfinished_samples[rid] = 1
+        self._unfinished_samples[request.request_id] = 1
 
     def _start_grammar(self, request: Request) -> None:
         if request.sampling_params.structured is None:
@@ -329,8 +316,8 @@ class LLMEngine:
         """One call of the runner, with the grammar masks of the step's constrained requests."""
         masks = self.grammars.masks(out.sampling_requests())
         if masks is None:
-            return self.runner.execute(out, self.kv, stats)
-        return self.runner.execute(out, self.kv, stats, token_masks=masks)  # type: ignore[call-arg]
+            return self.runner.execute(out, stats)
+        return self.runner.execute(out, stats, token_masks=masks)  # type: ignore[call-arg]
 
     def _execute_isolating(self, out: SchedulerOutput,
                            stats: StepStats) -> tuple[SamplerOutput, SchedulerOutput, list[RequestOutput]]:
@@ -432,4 +419,5 @@ def _only(out: SchedulerOutput, group_ids: set[str]) -> SchedulerOutput:
         preempted=out.preempted,
         forks=[(parent, child) for parent, child in out.forks if parent.group_id in group_ids],
         block_copies=out.block_copies,
+        block_tables=out.block_tables,
     )

@@ -2,57 +2,26 @@
 
 Pure Python, speaks in token counts, token ids and block ids; the runner turns tables into tensors.
 
-Prefix caching: a full block's key hashes its parent block's key and its token ids, the chain
-seeded with the model's identity, so equal keys mean equal KV (same model, same tokens at the same
-positions). Once computed, a request's full blocks are keyed in the pool; a later request whose
-leading blocks have the same keys takes those blocks instead of computing them.
+Prefix caching: a full block's key (conveyor/kv/keys.py) says what KV it holds. Once computed, a
+request's full blocks are keyed in the pool; a later request whose leading blocks have the same
+keys takes those blocks instead of computing them. The cache is asked with one SequenceKey per
+sequence (its request id, tokens and salt), built by conveyor/request.py's `sequence_key`.
+
+Only the scheduler changes this state (tests/test_layering.py checks): it is the one owner of a
+request's blocks, handovers and imports included.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 from conveyor.errors import OutOfBlocksError
 from conveyor.kv.block_pool import BlockPool
-
-# (start, end) -> the request's token ids in [start, end); Request.token_slice.
-TokenSlice = Callable[[int, int], Sequence[int]]
+from conveyor.kv.keys import SequenceKey, block_key
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def root_key(model_identity: str, cache_salt: str | None = None) -> bytes:
-    """The parent key of a sequence's first block: the model's identity, and the request's
-    `cache_salt` if it has one (vLLM's: only requests with the same salt share cached blocks, so a
-    tenant cannot learn from a hit's speed what another tenant's prompts were)."""
-    key = hashlib.blake2b(model_identity.encode(), digest_size=16).digest()
-    if cache_salt is not None:
-        key = hashlib.blake2b(key + b"salt:" + cache_salt.encode(), digest_size=16).digest()
-    return key
-
-
-def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    # 128 bits: a collision (two contents taken for one) is never expected in a cache's lifetime.
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-def chain_keys(root: bytes, token_slice: TokenSlice, num_blocks: int, block_size: int) -> Iterator[bytes]:
-    """The keys of a sequence's first num_blocks full blocks, first block first."""
-    key = root
-    for start in range(0, num_blocks * block_size, block_size):
-        key = block_key(key, token_slice(start, start + block_size))
-        yield key
-
-
-def iter_block_keys(model_identity: str, token_ids: Sequence[int], block_size: int,
-                    cache_salt: str | None = None) -> Iterator[bytes]:
-    """The keys of the full blocks of a token sequence, first block first."""
-    return chain_keys(root_key(model_identity, cache_salt), lambda start, end: token_ids[start:end],
-                      len(token_ids) // block_size, block_size)
 
 
 @dataclass(frozen=True)
@@ -100,13 +69,13 @@ class KVCacheManager:
         return self.pool.num_free
 
     # --- prefix cache ---------------------------------------------------------------------------
-    def _key(self, request_id: str, index: int, token_slice: TokenSlice, cache_salt: str | None) -> bytes:
-        keys = self._keys.setdefault(request_id, [])
+    def _key(self, key: SequenceKey, index: int) -> bytes:
+        keys = self._keys.setdefault(key.request_id, [])
         bs = self.block_size
         while len(keys) <= index:
             i = len(keys)
-            parent = keys[-1] if keys else root_key(self._model_identity, cache_salt)
-            keys.append(block_key(parent, token_slice(i * bs, (i + 1) * bs)))
+            parent = keys[-1] if keys else key.root(self._model_identity)
+            keys.append(block_key(parent, key.token_slice(i * bs, (i + 1) * bs)))
         return keys[index]
 
     def _leading_hits(self, keys: Iterable[bytes]) -> list[int]:
@@ -118,38 +87,36 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def cached_prefix(self, request_id: str, token_slice: TokenSlice, max_tokens: int,
-                      cache_salt: str | None = None) -> list[int]:
+    def cached_prefix(self, key: SequenceKey, max_tokens: int) -> list[int]:
         """The blocks of the longest run of the request's leading full blocks that are cached and
         lie within its first max_tokens tokens; nothing is taken yet (pass them to allocate). Only
-        for a request that holds no blocks: one with KV already resumes from it. A request's
-        `cache_salt` (the same at every call for it) keeps its keys apart from other salts'."""
-        if not self.enable_prefix_caching or request_id in self.block_tables:
+        for a request that holds no blocks: one with KV already resumes from it. The key's
+        ingredients (its salt) are the same at every call for a request."""
+        if not self.enable_prefix_caching or key.request_id in self.block_tables:
             return []
         num_blocks = max_tokens // self.block_size
-        return self._leading_hits(self._key(request_id, i, token_slice, cache_salt) for i in range(num_blocks))
+        return self._leading_hits(self._key(key, i) for i in range(num_blocks))
 
-    def lookup_prefix(self, token_slice: TokenSlice, max_tokens: int, cache_salt: str | None = None) -> list[int]:
+    def lookup_prefix(self, key: SequenceKey, max_tokens: int) -> list[int]:
         """As cached_prefix, for tokens no request of this manager holds yet (a request another
         engine computed, before it is imported): keys computed afresh, nothing remembered."""
         if not self.enable_prefix_caching:
             return []
-        root = root_key(self._model_identity, cache_salt)
-        return self._leading_hits(chain_keys(root, token_slice, max_tokens // self.block_size, self.block_size))
+        return self._leading_hits(key.block_keys(self._model_identity, max_tokens // self.block_size,
+                                                 self.block_size))
 
-    def cache_full_blocks(self, request_id: str, num_computed_tokens: int, token_slice: TokenSlice,
-                          cache_salt: str | None = None) -> None:
+    def cache_full_blocks(self, key: SequenceKey, num_computed_tokens: int) -> None:
         """Key the request's blocks that its first num_computed_tokens tokens fill (their KV is
-        written), so later requests (with the same `cache_salt`) can share them."""
-        table = self.block_tables.get(request_id)
+        written), so later requests (with the same key ingredients) can share them."""
+        table = self.block_tables.get(key.request_id)
         if not self.enable_prefix_caching or not table:
             return
-        offered = self._num_offered.get(request_id, 0)
+        offered = self._num_offered.get(key.request_id, 0)
         full = min(num_computed_tokens // self.block_size, len(table))
         for index in range(offered, full):
-            self.pool.cache(table[index], self._key(request_id, index, token_slice, cache_salt))
+            self.pool.cache(table[index], self._key(key, index))
         if full > offered:
-            self._num_offered[request_id] = full
+            self._num_offered[key.request_id] = full
 
     # --- allocation -----------------------------------------------------------------------------
     def _needs(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> tuple[int, bool]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.kv.manager import KVCacheManager, blocks_for
+from conveyor.kv import blocks_for
 from conveyor.model.attention import AttentionMetadata, PrefillChunk
 from conveyor.request import Request
 from conveyor.scheduler import SchedulerOutput
@@ -32,8 +32,10 @@ class ModelInputs:
         return len(self.logits_indices) - sum(n for _, _, n in self.prompt_logprob_rows)
 
 
-def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
-    bs = kv.block_size
+def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
+    """The step's rows; each request's KV slots from its table in `out.block_tables` (blocks of
+    block_size tokens)."""
+    bs = block_size
     decodes = [(r, n) for r, n in out.scheduled if n == 1]
     prefills = [(r, n) for r, n in out.scheduled if n > 1]
     input_ids: list[int] = []
@@ -46,7 +48,7 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
     context_lens: list[int] = []
     for request, _ in decodes:
         pos = request.num_computed_tokens
-        table = kv.block_tables[request.request_id]
+        table = out.block_tables[request.request_id]
         last_row[request.request_id] = first_row[request.request_id] = len(input_ids)
         input_ids.append(request.token_at(pos))
         positions.append(pos)
@@ -57,7 +59,7 @@ def build_inputs(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
     chunks: list[PrefillChunk] = []
     for request, n in prefills:
         start = request.num_computed_tokens
-        table = kv.block_tables[request.request_id]
+        table = out.block_tables[request.request_id]
         chunks.append(PrefillChunk(len(input_ids), n, start, torch.tensor(table[: blocks_for(start + n, bs)])))
         first_row[request.request_id] = len(input_ids)
         input_ids.extend(request.token_slice(start, start + n))

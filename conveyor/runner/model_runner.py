@@ -9,7 +9,6 @@ import torch
 
 from conveyor.config import EngineConfig, parse_memory
 from conveyor.errors import ConfigError
-from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.llama import KVCache, LlamaModel, model_bytes
@@ -98,6 +97,7 @@ class ModelRunner:
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
@@ -131,11 +131,10 @@ class ModelRunner:
         return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats,
-                token_masks: TokenMasks | None = None) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         self._copy_blocks(out.block_copies)
-        inputs = build_inputs(out, kv)
+        inputs = build_inputs(out, self.block_size)
         t1 = time.perf_counter()
         h = self.model.sampling_hidden(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
                                        inputs.logits_indices)

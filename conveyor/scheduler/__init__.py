@@ -1,5 +1,5 @@
-"""Scheduling policies over Request state (pure Python, no torch)."""
-from conveyor.config import SchedulerConfig
+"""Scheduling policies over Request state (pure Python, no torch). A scheduler owns its KV manager."""
+from conveyor.config import EngineConfig, SchedulerConfig
 from conveyor.kv.manager import KVCacheManager
 from conveyor.scheduler.base import Scheduler, SchedulerOutput
 from conveyor.scheduler.continuous import ContinuousScheduler
@@ -12,4 +12,13 @@ def make_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
     return POLICIES[config.policy](config, kv)
 
 
-__all__ = ["ContinuousScheduler", "POLICIES", "Scheduler", "SchedulerOutput", "StaticScheduler", "make_scheduler"]
+def build_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:
+    """An engine's scheduler with its KV manager of num_kv_blocks blocks."""
+    # Keys chain from the model's identity: a key never matches KV another model computed.
+    kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                        model_identity=f"{config.model}|{config.dtype}")
+    return make_scheduler(config.scheduler, kv)
+
+
+__all__ = ["ContinuousScheduler", "POLICIES", "Scheduler", "SchedulerOutput", "StaticScheduler", "build_scheduler",
+           "make_scheduler"]

@@ -2,13 +2,18 @@
 
 A policy only decides which requests get tokens this step and how many; the rule that drives it is
 the same for all of them: a request needs `num_tokens - num_computed_tokens` more tokens computed.
+
+The scheduler is the one owner of the KV manager: whatever changes a request's blocks (a step's
+allocations, preemption, finishing, a KV handover to another engine, an import from one) happens
+here, and the runner reads the step's block tables in the decision, never the manager.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from conveyor.config import SchedulerConfig
+from conveyor.kv.keys import SequenceKey
 from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.scheduler.queue import WaitingQueue, priority_key
@@ -24,6 +29,10 @@ class SchedulerOutput:
     # blocks and samples its first token from its parent's logits row.
     forks: list[tuple[Request, Request]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
+    # Request id -> its KV blocks, for every scheduled request and forked child: where the runner
+    # writes and reads their tokens' KV. The KV manager's own lists, not copies: read-only, and
+    # valid until the next schedule().
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +55,7 @@ class Scheduler:
         self.kv = kv
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
+        self._handed_over: set[str] = set()  # detached requests whose blocks are kept until released
         self.num_preemptions = 0
         # Prefix cache, in tokens: looked up when a request starts (or restarts) holding no KV, and hit.
         self.prefix_cache_queries = 0
@@ -88,13 +98,63 @@ class Scheduler:
         self._finish(request, status)
         return request
 
+    # --- KV handover (prefill/decode disaggregation: conveyor/distributed, conveyor/sim) ----------
     def detach_request(self, request_id: str) -> Request | None:
-        """Take a request out of scheduling but leave its KV blocks allocated: the caller now owns
-        them (a prefill worker handing the request's KV to a decode worker)."""
+        """Take a request out of scheduling but keep its KV blocks until `release_handover`: a
+        prefill worker hands the request's KV to a decode worker."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self._on_finish(request)
+            self._handed_over.add(request_id)
         return request
+
+    def handover_blocks(self, request: Request) -> list[int]:
+        """The blocks that hold a detached request's computed tokens, first block first."""
+        table = self.kv.block_tables.get(request.request_id, [])
+        return table[: blocks_for(request.num_computed_tokens, self.kv.block_size)]
+
+    def release_handover(self, request_id: str) -> None:
+        """Free a detached request's blocks (another engine holds a copy now, or never will)."""
+        if request_id in self._handed_over:
+            self._handed_over.discard(request_id)
+            self.kv.free(request_id)
+
+    def cached_import_prefix(self, key: SequenceKey, num_computed_tokens: int) -> list[int]:
+        """The blocks of this engine's prefix cache that hold the leading full blocks of a sequence
+        another engine computed (its first num_computed_tokens tokens): an import takes them as
+        they are instead of writing them. Nothing is taken yet."""
+        return self.kv.lookup_prefix(key, num_computed_tokens)
+
+    def import_fits(self, num_computed_tokens: int, cached: Sequence[int]) -> bool:
+        """Whether an import of that many computed tokens, `cached` of them found here, may take
+        blocks now: what it needs to run (its KV and the slot of its next token) within the blocks
+        no request here is owed (uncommitted_free_blocks)."""
+        return self.kv.blocks_to_start(num_computed_tokens + 1, cached) <= self.uncommitted_free_blocks()
+
+    def import_prefilled(self, request: Request, cached: Sequence[int] = (),
+                         write_kv: Callable[[list[int]], None] | None = None) -> None:
+        """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere, with
+        blocks for them: `cached` (cached_import_prefix) head its table as they are, and
+        `write_kv(blocks)` writes the KV of the blocks after them (None: a runner that holds no
+        data, the simulator's). Those blocks are then keyed like computed ones, so the next import
+        of the same prefix finds them. It resumes like any request, from that count; one left with
+        nothing computed takes no table and waits as a new request does."""
+        rid = request.request_id
+        if request.num_computed_tokens or cached:
+            self.kv.allocate(rid, request.num_computed_tokens, cached)
+        if write_kv is not None:
+            try:
+                write_kv(self.kv.block_tables.get(rid, [])[len(cached):])
+            except BaseException:
+                self.kv.free(rid)  # before keying: a block whose write failed must never be a hit
+                raise
+        self.kv.cache_full_blocks(request.sequence_key, request.num_computed_tokens)
+        self.add_request(request)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off from the next lookup on (blocks already cached stay until
+        evicted); e.g. a profile whose prompts repeat but must each be computed whole."""
+        self.kv.enable_prefix_caching = enabled
 
     @property
     def has_unfinished(self) -> bool:
@@ -132,7 +192,7 @@ class Scheduler:
         limit = request.num_tokens - 1
         if request.prompt_logprobs is not None:
             limit = min(limit, len(request.prompt_logprobs) - 1)
-        return self.kv.cached_prefix(request.request_id, request.token_slice, limit, request.cache_salt)
+        return self.kv.cached_prefix(request.sequence_key, limit)
 
     def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:
         """How many of the request's pending tokens (after a prefix hit on `cached`) fit the
@@ -206,6 +266,9 @@ class Scheduler:
                 self._admit_fork(child)
                 out.forks.append((request, child))
         out.block_copies = self.kv.take_copies()
+        tables = self.kv.block_tables
+        out.block_tables = {r.request_id: tables[r.request_id] for r, _ in out.scheduled}
+        out.block_tables.update((child.request_id, tables[child.request_id]) for _, child in out.forks)
         return out
 
     def _admit_fork(self, child: Request) -> None:
@@ -244,8 +307,7 @@ class Scheduler:
         """Account for the computed tokens, then retire the requests the engine says are done."""
         for request, n in out.scheduled:
             request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_slice,
-                                      request.cache_salt)
+            self.kv.cache_full_blocks(request.sequence_key, request.num_computed_tokens)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         for request, status in finished:

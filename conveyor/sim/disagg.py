@@ -13,8 +13,8 @@ disaggregation runs in two passes over the same clock origin:
 2. Decode workers. Each request arrives at first token + KV transfer time (its computed blocks'
    bytes / (tp x kv_transfer_bandwidth): each shard moves its slice over its own link), goes to the
    decode worker with the fewest outstanding tokens, waits in its import queue until the blocks fit
-   (Scheduler.uncommitted_free_blocks, the Ray workers' rule), takes its own blocks from that
-   worker's KV manager (the leading ones its prefix cache holds shared, as on Ray) and enters
+   (Scheduler.import_fits, the Ray workers' rule), takes its own blocks from that worker's
+   scheduler (the leading ones its prefix cache holds shared, as on Ray) and enters
    through LLMEngine.add_prefilled_request: prompt computed, first token known. The transfer time
    counts every block: the prefill pass runs before the decode workers' caches exist, so the
    blocks a Ray handover leaves out (those the decode worker holds) are not known then.
@@ -34,11 +34,11 @@ from conveyor.bench.offline import IterationSample, OfflineResult, record_from_t
 from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
-from conveyor.engine.imports import ImportQueue
+from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError
-from conveyor.kv.manager import blocks_for
+from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
@@ -76,7 +76,7 @@ class Lane:
         keep = []
         for release, request_id in self.parked:
             if release <= until:
-                self.engine.kv.free(request_id)
+                self.engine.scheduler.release_handover(request_id)
             else:
                 keep.append((release, request_id))
         self.parked = keep

@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.kv.manager import KVCacheManager
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
@@ -79,11 +78,11 @@ class ShapeRecorder:
         self.last_shape: StepShape | None = None
         self.shapes: list[StepShape] | None = [] if keep else None
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
         self.last_shape = StepShape.of(out)
         if self.shapes is not None:
             self.shapes.append(self.last_shape)
-        return self.inner.execute(out, kv, stats)
+        return self.inner.execute(out, stats)
 
 
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -116,7 +115,7 @@ def measure(engine: LLMEngine, grid: ProfileGrid,
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     # The grid's prompts repeat: each must be computed whole for the step shapes to be the planned ones.
-    engine.kv.enable_prefix_caching = False
+    engine.scheduler.set_prefix_caching(False)
     run_episode(engine, Episode([Wave([32, 48], 4)]), recorder)  # warm-up, not recorded
     samples: list[tuple[StepShape, float]] = []
     episodes = grid.episodes()

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
-from conveyor.kv.manager import KVCacheManager
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
@@ -53,7 +52,7 @@ class SimRunner:
         self.num_steps = 0
         self.busy_s = 0.0
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager, stats: StepStats) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
         shape = StepShape.of(out)
         seconds = self.cost_model.step_time(shape)
         self.clock.advance(seconds)

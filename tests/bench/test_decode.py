@@ -32,7 +32,7 @@ def test_timed_steps_are_decode_steps_of_the_whole_batch_even_after_a_long_prefi
     engine = sim_engine(budget=64)  # 8 x 100 prompt tokens take 13 prefill steps, the first rows decode meanwhile
     timed = time_decode_steps(engine, 8, [100], steps=5)
     assert timed.step_s == pytest.approx([0.008] * 5) and timed.median_s == pytest.approx(0.008)
-    assert not engine.has_unfinished_requests and engine.kv.pool.num_used == 0
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.pool.num_used == 0
 
 
 def test_contexts_are_drawn_per_request() -> None:

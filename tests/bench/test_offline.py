@@ -21,9 +21,9 @@ class TimedFakeRunner(FakeRunner):
         super().__init__(vocab_size=1000)
         self.clock = clock
 
-    def execute(self, out, kv, stats):  # noqa: ANN001, ANN201 - the Runner protocol
+    def execute(self, out, stats):  # noqa: ANN001, ANN201 - the Runner protocol
         self.clock.now += STEP_S + PER_TOKEN_S * out.num_tokens
-        return super().execute(out, kv, stats)
+        return super().execute(out, stats)
 
 
 def make_engine(clock: VirtualClock, policy: str, max_num_seqs: int = 4) -> LLMEngine:

@@ -39,10 +39,10 @@ class TimedRunner(FakeRunner):
         super().__init__(vocab_size=1000)
         self.clock, self.cost, self.noise, self.rng = clock, cost, noise, random.Random(seed)
 
-    def execute(self, out, kv, stats):  # noqa: ANN001, ANN201 - the Runner protocol
+    def execute(self, out, stats):  # noqa: ANN001, ANN201 - the Runner protocol
         self.clock.now += self.cost(step_features(out)) * (1 + self.noise * abs(self.rng.gauss(0, 1)))
         self.steps.clear()  # keep memory flat over long runs
-        return super().execute(out, kv, stats)
+        return super().execute(out, stats)
 
 
 def make_engine(clock: VirtualClock, cost: LinearCost, noise: float = 0.0, num_kv_blocks: int = 4096,

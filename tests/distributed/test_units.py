@@ -17,7 +17,6 @@ from conveyor.distributed.handover import (
 )
 from conveyor.distributed.messages import WorkerInfo
 from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
-from conveyor.engine.imports import import_headroom
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
@@ -89,15 +88,15 @@ def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_
     expected = reference_outputs(config, prompts, params)
     prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(config)
     parked = _prefill(prefill, prompts, params)
-    assert prefill.kv.pool.num_used == sum(len(request_blocks(prefill, r)) for r in parked.values())
+    assert prefill.scheduler.kv.pool.num_used == sum(len(request_blocks(prefill, r)) for r in parked.values())
     for request_id, request in parked.items():
         payload = export_request(prefill, request)
         assert payload.kv.shape[2] == blocks_needed(decode, payload) == len(request_blocks(prefill, request))
         import_request(decode, payload)
-        prefill.kv.free(request_id)
-    assert prefill.kv.pool.num_used == 0
+        prefill.scheduler.release_handover(request_id)
+    assert prefill.scheduler.kv.pool.num_used == 0
     assert _drain(decode) == expected
-    assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+    assert decode.scheduler.kv.pool.num_used == 0 and not decode.scheduler.kv.block_tables
 
 
 def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_model) -> None:
@@ -114,22 +113,22 @@ def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_mo
     parked = _prefill(prefill, prompts, params)
     skipped = []
     for i, (request_id, request) in enumerate(sorted(parked.items())):
-        skip = cached_prefix_blocks(decode, request.prompt_token_ids)
+        skip = cached_prefix_blocks(decode, request.prompt_token_ids, request.sampling_params)
         payload = export_request(prefill, request, skip)
         assert payload.first_block == skip and payload.kv.shape[2] == len(request_blocks(prefill, request)) - skip
         if i == 3:  # the decode engine loses what it promised before the KV arrives
-            decode.kv.lookup_prefix = lambda *args: []  # type: ignore[method-assign]
+            decode.scheduler.kv.lookup_prefix = lambda *args: []  # type: ignore[method-assign]
         import_request(decode, payload)
         skipped.append(skip)
-        prefill.kv.free(request_id)
+        prefill.scheduler.release_handover(request_id)
     assert skipped == [0, 3, 3, 3]
-    tables = [decode.kv.block_tables[f"r{i}"] for i in range(3)]
+    tables = [decode.scheduler.kv.block_tables[f"r{i}"] for i in range(3)]
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
-    assert [decode.kv.pool.ref_count(b) for b in tables[0][:3]] == [3, 3, 3]
+    assert [decode.scheduler.kv.pool.ref_count(b) for b in tables[0][:3]] == [3, 3, 3]
     assert decode.scheduler.requests["r3"].num_computed_tokens == 0  # the gap: recomputed here
-    assert "r3" not in decode.kv.block_tables, "holding nothing, it waits as a new request does"
+    assert "r3" not in decode.scheduler.kv.block_tables, "holding nothing, it waits as a new request does"
     assert _drain(decode) == expected
-    assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+    assert decode.scheduler.kv.pool.num_used == 0 and not decode.scheduler.kv.block_tables
 
 
 def test_imports_that_fill_the_pool_do_not_stall_the_decode_engine(tiny_model) -> None:
@@ -143,11 +142,11 @@ def test_imports_that_fill_the_pool_do_not_stall_the_decode_engine(tiny_model) -
     prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(tiny_config(tiny_model, num_kv_blocks=8))
     for request in _prefill(prefill, prompts, params).values():
         import_request(decode, export_request(prefill, request))
-    assert decode.kv.num_free_blocks == 0
-    assert import_headroom(decode) == -4  # a worker would not have taken the last ones yet
+    assert decode.scheduler.kv.num_free_blocks == 0
+    assert decode.scheduler.uncommitted_free_blocks() == -4  # a worker would not have taken the last ones yet
     assert _drain(decode, max_steps=500) == expected
     assert decode.scheduler.num_preemptions > 0
-    assert decode.kv.pool.num_used == 0 and not decode.kv.block_tables
+    assert decode.scheduler.kv.pool.num_used == 0 and not decode.scheduler.kv.block_tables
 
 
 def test_a_dead_worker_loop_answers_its_callers_and_looks_dead(tiny_model) -> None:
@@ -264,7 +263,7 @@ def test_cache_aware_router_sends_a_conversation_back_to_its_history_unless_that
     whole = router.route([a, b], "replica", [], history)
     assert whole is not None and whole.worker is a and whole.expected_cached_tokens == len(history) - 1
     # Another cache_salt shares no block with the unsalted history, as in the workers' caches.
-    salted = router.route([a, b], "replica", [_Req(a, 30)], turn, cache_salt="tenant")
+    salted = router.route([a, b], "replica", [_Req(a, 30)], turn, SamplingParams(cache_salt="tenant"))
     assert salted is not None and salted.worker is b and salted.expected_cached_tokens == 0
 
 

@@ -21,9 +21,9 @@ class GatedRunner(FakeRunner):
         super().__init__()
         self.gate = threading.Event()
 
-    def execute(self, out, kv, stats):
+    def execute(self, out, stats):
         self.gate.wait(10)
-        return super().execute(out, kv, stats)
+        return super().execute(out, stats)
 
 
 def test_a_burst_gets_max_num_seqs_plus_max_waiting_requests_accepted():

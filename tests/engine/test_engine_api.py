@@ -46,7 +46,7 @@ def test_stop_reasons(make_engine):
     # It stopped on the token that completed the string, and its KV went back at once.
     assert engine.tokenizer.decode(by_string.token_ids[:-1]).find("answer") < 0 <= full_text.find("answer")
     assert "answer" in engine.tokenizer.decode(by_string.token_ids)
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_stop_sample_frees_one_sample_and_spares_its_siblings(make_engine):
@@ -54,17 +54,17 @@ def test_stop_sample_frees_one_sample_and_spares_its_siblings(make_engine):
     rid = engine.add_request("Once upon a time", SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=2,
                                                                 ignore_eos=True))
     engine.step()
-    free_before = engine.kv.pool.num_free
+    free_before = engine.scheduler.kv.pool.num_free
     stopped = engine.stop_sample(rid, 1, "once")
     assert stopped is not None and stopped.finished and stopped.index == 1
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "once"
     assert engine.stop_sample(rid, 1) is None and engine.stop_sample("nope", 0) is None
-    assert engine.kv.pool.num_free >= free_before  # the fork's own blocks are back
+    assert engine.scheduler.kv.pool.num_free >= free_before  # the fork's own blocks are back
     results = []
     while engine.has_unfinished_requests:
         results += [o for o in engine.step() if o.finished]
     assert [(o.index, len(o.token_ids), o.finish_reason) for o in results] == [(0, 10, "length")]
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_eos_stops_unless_ignored(make_engine):
@@ -96,7 +96,7 @@ def test_oversized_requests_are_rejected_and_others_keep_running(make_engine):
         engine.add_request("x", SamplingParams(), request_id=good)
     results = finish_all(engine)
     assert set(results) == {good} and len(results[good].token_ids) == 8
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_abort_frees_blocks_and_spares_the_others(make_engine):
@@ -109,7 +109,7 @@ def test_abort_frees_blocks_and_spares_the_others(make_engine):
     assert engine.abort_request(drop) and not engine.abort_request(drop) and not engine.abort_request("nope")
     results = finish_all(engine)
     assert set(results) == {keep} and len(results[keep].token_ids) == 12
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_seeded_sampling_is_reproducible_across_batches(make_engine):

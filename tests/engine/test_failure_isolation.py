@@ -48,7 +48,7 @@ def test_only_the_poisoned_requests_fail_and_the_others_match_a_clean_run(num_go
     assert [[o.token_ids for o in sorted(s, key=lambda o: o.index)] for s in survivors] == \
            [[o.token_ids for o in sorted(s, key=lambda o: o.index)] for s in clean.values()]
     assert all(o.error is None for s in survivors for o in s)
-    assert engine.kv.pool.num_free == engine.kv.num_blocks and not engine.kv.block_tables
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks and not engine.scheduler.kv.block_tables
     assert not engine._unfinished_samples and not engine.scheduler.requests
 
 
@@ -112,4 +112,4 @@ def test_real_model_survivors_match_a_clean_run(make_engine, where, monkeypatch)
     outs = list(results.values())
     assert isinstance(outs[1][0].error, RequestFailedError)
     assert _tokens({k: v for i, (k, v) in enumerate(results.items()) if i != 1}) == clean
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks

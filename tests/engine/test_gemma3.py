@@ -122,7 +122,7 @@ def test_batched_greedy_tokens_equal_transformers(gemma3: LoadedModel, hf_model:
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = list(out.token_ids)
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
     for i, (prompt, request_id) in enumerate(zip(prompts, ids)):
         ours = got[request_id]
         assert len(ours) == NEW_TOKENS

@@ -27,10 +27,10 @@ def test_samples_equal_independent_requests_with_derived_seeds(make_engine):
     prompt_len = len(engine.tokenizer.encode(PROMPT))
     engine.step()  # prefill: the prompt's blocks, computed once
     prompt_blocks = blocks_for(prompt_len + 1, 4)
-    assert engine.kv.usage().used_blocks == prompt_blocks
+    assert engine.scheduler.kv.usage().used_blocks == prompt_blocks
     assert len(engine.scheduler.running) == 3
     engine.step()  # each sample writes its second token: the shared partial block is copied
-    assert engine.kv.usage().used_blocks < 3 * prompt_blocks
+    assert engine.scheduler.kv.usage().used_blocks < 3 * prompt_blocks
     samples = collect(engine)
     assert sorted(samples) == [(rid, 0), (rid, 1), (rid, 2)]
     assert len({tuple(v) for v in samples.values()}) == 3
@@ -40,7 +40,7 @@ def test_samples_equal_independent_requests_with_derived_seeds(make_engine):
     alone = collect(reference)
     for i, ref_id in enumerate(ids):
         assert samples[(rid, i)] == alone[(ref_id, 0)], f"sample {i} differs from its standalone twin"
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_greedy_samples_are_identical(make_engine):
@@ -67,7 +67,7 @@ def test_abort_takes_every_sample_and_frees_shared_blocks():
     assert [r.request_id for r in engine.scheduler.running] == [other]
     results = collect(engine)
     assert list(results) == [(other, 0)]
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_n_counts_against_max_num_seqs():

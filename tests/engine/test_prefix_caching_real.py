@@ -44,7 +44,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], arr
             if out.finished:
                 results[(ids.index(out.request_id), out.index)] = list(out.token_ids)
         step += 1
-    assert engine.kv.pool.num_free == engine.kv.num_blocks and engine.kv.usage().used_blocks == 0
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks and engine.scheduler.kv.usage().used_blocks == 0
     return results
 
 
@@ -84,7 +84,7 @@ def test_the_next_turn_hits_the_previous_answer(make_engine) -> None:
         outs += [o for o in on.step() if o.finished and o.request_id == rid]
     cached = outs[0].num_cached_tokens
     computed = len(first) + len(answer) - 1  # the answer's last token never had its KV written
-    assert cached == (computed // on.kv.block_size) * on.kv.block_size > len(first)
+    assert cached == (computed // on.scheduler.kv.block_size) * on.scheduler.kv.block_size > len(first)
     assert on.scheduler.prefix_cache_hits - hits_before == cached
     assert outs[0].token_ids == run(off, [(turn2, greedy)])[(0, 0)]
 

@@ -60,7 +60,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], arrive_every: int = 0) -> l
             if out.finished:
                 results[out.request_id] = list(out.token_ids)
         step += 1
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
     return [results[i] for i in ids]
 
 

@@ -23,7 +23,7 @@ def test_top_k_beyond_int64_is_clipped_to_the_vocabulary_and_spares_the_batch(ma
     huge = engine.add_request("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, top_k=2**63,
                                                                   seed=5, ignore_eos=True))
     results = finish_all(engine)
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
     clean = make_engine()
     alone = clean.add_request("The capital of France is", GREEDY)
     off = clean.add_request("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, top_k=0, seed=5,

@@ -64,7 +64,7 @@ def test_prompt_logprobs_equal_a_reference_log_softmax(make_engine, hf_reference
         top = want.topk(2)
         assert len(entry) <= 3 and int(top.indices[0]) in entry  # the best alternative is among them
         assert abs(entry[int(top.indices[0])] - float(top.values[0])) < 0.05
-    assert engine.kv.pool.num_free == engine.kv.num_blocks and other is not None
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks and other is not None
 
 
 def test_logit_bias_and_token_ids_are_checked_against_the_vocabulary(make_engine):

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from conveyor.kv import BlockPool, KVCacheManager, OutOfBlocksError, iter_block_keys
+from conveyor.kv import BlockPool, KVCacheManager, OutOfBlocksError, SequenceKey, iter_block_keys
 
 
 def slicer(tokens: list[int]):  # noqa: ANN201
@@ -17,11 +17,11 @@ def slicer(tokens: list[int]):  # noqa: ANN201
 def start(kv: KVCacheManager, rid: str, tokens: list[int], computed: int | None = None) -> int:
     """Admit a request as the scheduler does: take its cached prefix (never its last token), then
     compute up to `computed` tokens (all of them by default) and key the blocks they fill."""
-    cached = kv.cached_prefix(rid, slicer(tokens), len(tokens) - 1)
+    cached = kv.cached_prefix(SequenceKey(rid, slicer(tokens)), len(tokens) - 1)
     hit = len(cached) * kv.block_size
     total = len(tokens) if computed is None else computed
     kv.allocate(rid, max(total, hit + 1), cached)
-    kv.cache_full_blocks(rid, max(total, hit + 1), slicer(tokens))
+    kv.cache_full_blocks(SequenceKey(rid, slicer(tokens)), max(total, hit + 1))
     return hit
 
 
@@ -82,7 +82,7 @@ def test_a_different_model_never_hits() -> None:
     for kv in (one, other):
         start(kv, "first", tokens)
         kv.free("first")
-    assert len(one.cached_prefix("again", slicer(tokens), 8)) == 4
+    assert len(one.cached_prefix(SequenceKey("again", slicer(tokens)), 8)) == 4
     assert other.pool.num_cached == one.pool.num_cached == 4
     # Keys of model a are not in model b's map although the token ids are the same.
     assert not set(other.pool._block_of) & set(one.pool._block_of)
@@ -111,8 +111,8 @@ def test_the_last_token_is_never_a_hit() -> None:
     start(kv, "a", tokens)
     assert kv.pool.num_cached == 2
     # Both blocks are cached, but the last token must be computed for its logits: one block hits.
-    assert len(kv.cached_prefix("b", slicer(tokens), len(tokens) - 1)) == 1
-    assert len(kv.cached_prefix("c", slicer(tokens + [99]), len(tokens))) == 2
+    assert len(kv.cached_prefix(SequenceKey("b", slicer(tokens)), len(tokens) - 1)) == 1
+    assert len(kv.cached_prefix(SequenceKey("c", slicer(tokens + [99])), len(tokens))) == 2
 
 
 def test_a_hit_needs_free_blocks_only_for_evictable_ones() -> None:
@@ -121,7 +121,7 @@ def test_a_hit_needs_free_blocks_only_for_evictable_ones() -> None:
     start(kv, "a", tokens)  # 3 blocks, 2 keyed
     kv.free("a")
     assert kv.num_free_blocks == 4
-    cached = kv.cached_prefix("b", slicer(tokens), 4)
+    cached = kv.cached_prefix(SequenceKey("b", slicer(tokens)), 4)
     assert len(cached) == 2
     assert kv.can_allocate("b", 8, cached)  # 2 evictable taken back + 2 new = 4
     assert not kv.can_allocate("b", 9, cached)
@@ -138,26 +138,28 @@ def test_lookup_of_tokens_no_request_holds_finds_the_same_blocks_and_remembers_n
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     tokens = list(range(14))
     start(kv, "a", tokens)  # 3 keyed blocks
-    assert kv.lookup_prefix(slicer(tokens), 14) == kv.cached_prefix("b", slicer(tokens), 14) == kv.block_tables["a"][:3]
-    assert kv.lookup_prefix(slicer(tokens), 11) == kv.block_tables["a"][:2], "full blocks within max_tokens only"
-    assert kv.lookup_prefix(slicer([0, 1, 2, 3, 9, 9, 9, 9]), 8) == kv.block_tables["a"][:1], "stops at a miss"
+    unheld = SequenceKey("", slicer(tokens))
+    assert kv.lookup_prefix(unheld, 14) == kv.cached_prefix(SequenceKey("b", slicer(tokens)), 14) == kv.block_tables["a"][:3]
+    assert kv.lookup_prefix(unheld, 11) == kv.block_tables["a"][:2], "full blocks within max_tokens only"
+    assert kv.lookup_prefix(SequenceKey("", slicer([0, 1, 2, 3, 9, 9, 9, 9])), 8) == kv.block_tables["a"][:1], "stops at a miss"
     kv.free("b")
-    kv.lookup_prefix(slicer(tokens), 14)
+    kv.lookup_prefix(unheld, 14)
     assert kv._keys.keys() == {"a"}, "an import's lookup leaves no memo behind"
-    assert KVCacheManager(8, 4).lookup_prefix(slicer(tokens), 14) == []
+    assert KVCacheManager(8, 4).lookup_prefix(unheld, 14) == []
 
 
 def test_a_cache_salt_keeps_its_requests_blocks_apart() -> None:
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
     tokens = list(range(13))
-    cached = kv.cached_prefix("a", slicer(tokens), 12, "tenant-a")
+    cached = kv.cached_prefix(SequenceKey("a", slicer(tokens), "tenant-a"), 12)
     kv.allocate("a", 13, cached)
-    kv.cache_full_blocks("a", 13, slicer(tokens), "tenant-a")
-    assert kv.cached_prefix("b", slicer(tokens), 12, "tenant-b") == []
-    assert kv.cached_prefix("c", slicer(tokens), 12) == [], "no salt is a salt of its own"
-    assert kv.cached_prefix("d", slicer(tokens), 12, "tenant-a") == kv.block_tables["a"][:3]
-    assert kv.lookup_prefix(slicer(tokens), 12, "tenant-a") == kv.block_tables["a"][:3]
-    assert kv.lookup_prefix(slicer(tokens), 12, "tenant-b") == kv.lookup_prefix(slicer(tokens), 12) == []
+    kv.cache_full_blocks(SequenceKey("a", slicer(tokens), "tenant-a"), 13)
+    assert kv.cached_prefix(SequenceKey("b", slicer(tokens), "tenant-b"), 12) == []
+    assert kv.cached_prefix(SequenceKey("c", slicer(tokens)), 12) == [], "no salt is a salt of its own"
+    assert kv.cached_prefix(SequenceKey("d", slicer(tokens), "tenant-a"), 12) == kv.block_tables["a"][:3]
+    assert kv.lookup_prefix(SequenceKey("", slicer(tokens), "tenant-a"), 12) == kv.block_tables["a"][:3]
+    unsalted = kv.lookup_prefix(SequenceKey("", slicer(tokens)), 12)
+    assert kv.lookup_prefix(SequenceKey("", slicer(tokens), "tenant-b"), 12) == unsalted == []
     assert list(iter_block_keys("m", tokens, 4, "s")) != list(iter_block_keys("m", tokens, 4))
 
 
@@ -165,7 +167,7 @@ def test_a_new_table_takes_free_blocks_for_evictable_hits_and_the_blocks_past_th
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     tokens = list(range(12))
     start(kv, "a", tokens)  # 3 keyed blocks, owned
-    hits = kv.lookup_prefix(slicer(tokens), 12)
+    hits = kv.lookup_prefix(SequenceKey("", slicer(tokens)), 12)
     assert kv.blocks_to_start(13, hits) == 1, "owned hits cost nothing; the 13th token a new block"
     assert kv.blocks_to_start(8, hits) == 0
     kv.free("a")
@@ -181,8 +183,8 @@ def test_eviction_takes_the_tail_of_the_least_recently_freed_request_first() -> 
     kv.free("a")
     kv.free("b")
     assert kv.pool.allocate(4) == [a[2], a[1], a[0], b[2]]
-    assert len(kv.cached_prefix("c", slicer([1, 2, 3, 4, 5, 6, 0]), 6)) == 0
-    assert len(kv.cached_prefix("d", slicer([7, 8, 9, 10, 11, 12, 0]), 6)) == 2
+    assert len(kv.cached_prefix(SequenceKey("c", slicer([1, 2, 3, 4, 5, 6, 0])), 6)) == 0
+    assert len(kv.cached_prefix(SequenceKey("d", slicer([7, 8, 9, 10, 11, 12, 0])), 6)) == 2
 
 
 def test_generated_tokens_are_cached_once_their_block_is_full() -> None:
@@ -192,7 +194,7 @@ def test_generated_tokens_are_cached_once_their_block_is_full() -> None:
     answer = [7, 8, 9]
     for n in range(len(history) + 1, len(history) + len(answer) + 1):  # decode: one token a step
         kv.allocate("turn1", n)
-        kv.cache_full_blocks("turn1", n, slicer(history + answer))
+        kv.cache_full_blocks(SequenceKey("turn1", slicer(history + answer)), n)
     kv.free("turn1")
     turn2 = history + answer + [10, 11]
     assert start(kv, "turn2", turn2) == 8, "the answer's full block is a hit"
@@ -203,7 +205,7 @@ def test_disabled_caching_never_keys_or_hits() -> None:
     tokens = list(range(7))
     start(kv, "a", tokens)
     kv.free("a")
-    assert kv.pool.num_cached == 0 and kv.cached_prefix("b", slicer(tokens), 6) == []
+    assert kv.pool.num_cached == 0 and kv.cached_prefix(SequenceKey("b", slicer(tokens)), 6) == []
 
 
 def test_forks_share_keys_and_copy_on_write_stays_private() -> None:
@@ -214,10 +216,10 @@ def test_forks_share_keys_and_copy_on_write_stays_private() -> None:
     kv.allocate("c", 7)  # the child writes into the shared partial tail: a private copy
     (src, dst), = kv.take_copies()
     assert src == kv.block_tables["p"][1] and dst == kv.block_tables["c"][1]
-    kv.cache_full_blocks("c", 7, slicer(prompt + [9]))
+    kv.cache_full_blocks(SequenceKey("c", slicer(prompt + [9])), 7)
     assert kv.pool.key_of(dst) is None, "not full yet"
     kv.allocate("c", 8)
-    kv.cache_full_blocks("c", 8, slicer(prompt + [9, 10]))
+    kv.cache_full_blocks(SequenceKey("c", slicer(prompt + [9, 10])), 8)
     assert kv.pool.key_of(dst) is not None and kv.pool.key_of(src) is None
     kv.free("p")
     kv.free("c")
@@ -261,7 +263,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         tokens = self.stems[stem][:keep] + tail
-        cached = self.kv.cached_prefix(rid, slicer(tokens), len(tokens) - 1)
+        cached = self.kv.cached_prefix(SequenceKey(rid, slicer(tokens)), len(tokens) - 1)
         hit = len(cached) * self.kv.block_size
         assert hit < len(tokens)
         total = min(len(tokens), hit + first)
@@ -274,7 +276,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._check_prefix(rid)  # the hit's blocks hold exactly this request's tokens
         self._write(rid, hit, total)
         self.computed[rid] = total
-        self.kv.cache_full_blocks(rid, total, slicer(tokens))
+        self.kv.cache_full_blocks(SequenceKey(rid, slicer(tokens)), total)
         self.hits += hit > 0
         return rid
 
@@ -292,7 +294,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.content[dst] = dict(self.content.get(src, {}))
         self._write(rid, done, total)
         self.computed[rid] = total
-        self.kv.cache_full_blocks(rid, total, slicer(self.tokens[rid]))
+        self.kv.cache_full_blocks(SequenceKey(rid, slicer(self.tokens[rid])), total)
         self._check_prefix(rid)
 
     @rule(target=requests, parent=requests)

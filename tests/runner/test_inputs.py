@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request
-from conveyor.runner.inputs import build_inputs
+from conveyor.runner.inputs import ModelInputs, build_inputs
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput
 
@@ -33,13 +33,19 @@ def kv_with_tables(tables: dict[str, list[int]], num_blocks: int = 16) -> KVCach
     return kv
 
 
+def inputs_of(out: SchedulerOutput, kv: KVCacheManager) -> ModelInputs:
+    """build_inputs on the decision carrying the manager's block tables, as the scheduler's does."""
+    out.block_tables = dict(kv.block_tables)
+    return build_inputs(out, kv.block_size)
+
+
 def test_decode_rows_come_first_then_prefill_chunks() -> None:
     # The scheduler hands out a prefill before two decodes; the decodes still take rows 0 and 1.
     p = request("P", [11, 12, 13, 14, 15])
     d1 = request("D1", [21, 22, 23], computed=3, outputs=(24,))    # decodes its token 24 at position 3
     d2 = request("D2", [31, 32], computed=2, outputs=(33,))         # token 33 at position 2
     kv = kv_with_tables({"P": [9, 3], "D1": [5], "D2": [12]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(p, 5), (d1, 1), (d2, 1)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(p, 5), (d1, 1), (d2, 1)]), kv)
 
     assert inputs.input_ids.tolist() == [24, 33, 11, 12, 13, 14, 15]
     assert inputs.positions.tolist() == [3, 2, 0, 1, 2, 3, 4]
@@ -57,7 +63,7 @@ def test_slot_mapping_follows_each_request_s_scattered_blocks() -> None:
     a = request("A", [1, 2, 3, 4, 5, 6, 7, 8], computed=6)
     b = request("B", [1, 2, 3, 4, 5])
     kv = kv_with_tables({"A": [7, 2], "B": [4, 10]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(a, 2), (b, 5)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(a, 2), (b, 5)]), kv)
 
     # slot = block * 4 + offset: A's 6 and 7 are block 2, offsets 2 and 3; B's 0-3 are block 4,
     # its 4 is block 10, offset 0.
@@ -69,7 +75,7 @@ def test_decode_slot_in_a_fresh_block() -> None:
     # Position 8 opens the third block (index 2) of the table.
     r = request("R", [1, 2, 3, 4, 5, 6, 7, 8], outputs=(9,), computed=8)
     kv = kv_with_tables({"R": [3, 0, 14]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(r, 1)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(r, 1)]), kv)
     assert inputs.meta.slot_mapping.tolist() == [14 * BS]
     assert inputs.input_ids.tolist() == [9] and inputs.positions.tolist() == [8]
     assert inputs.meta.decode_context_lens.tolist() == [9]
@@ -80,7 +86,7 @@ def test_decode_block_tables_are_padded_to_the_longest_context() -> None:
     long = request("L", list(range(1, 10)), outputs=(10,), computed=9)      # context 10: 3 blocks
     ahead = request("A", [1, 2, 3, 4], outputs=(5,), computed=4)            # context 5: 2 blocks of its 4
     kv = kv_with_tables({"S": [6], "L": [1, 8, 13], "A": [2, 5, 11, 15]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(short, 1), (long, 1), (ahead, 1)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(short, 1), (long, 1), (ahead, 1)]), kv)
 
     # Width 3 (the longest context's blocks); shorter tables padded with block 0, a table with
     # blocks beyond the width cut to it.
@@ -95,7 +101,7 @@ def test_a_prefill_chunk_starts_after_its_cached_tokens_and_samples_only_at_the_
     mid = request("M", prompt, computed=4)
     last = request("E", prompt, computed=8)  # the same prompt's last chunk: positions 8 and 9
     kv = kv_with_tables({"M": [3, 7, 1], "E": [4, 9, 12]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(mid, 4), (last, 2)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(mid, 4), (last, 2)]), kv)
 
     assert inputs.input_ids.tolist() == [54, 55, 56, 57, 58, 59]
     assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 9]
@@ -113,7 +119,7 @@ def test_a_recomputed_request_feeds_its_own_outputs_back() -> None:
     # Preempted after generating 70 and 71: the recompute chunk covers prompt and outputs alike.
     r = request("R", [1, 2, 3], outputs=(70, 71), computed=0)
     kv = kv_with_tables({"R": [5, 6]})
-    inputs = build_inputs(SchedulerOutput(scheduled=[(r, 5)]), kv)
+    inputs = inputs_of(SchedulerOutput(scheduled=[(r, 5)]), kv)
     assert inputs.input_ids.tolist() == [1, 2, 3, 70, 71]
     assert inputs.logits_indices.tolist() == [4]
 
@@ -128,7 +134,7 @@ def test_forked_samples_read_their_parent_s_logits_row() -> None:
     for child in children:
         kv.fork("G", child.request_id)
     out = SchedulerOutput(scheduled=[(parent, 3), (d, 1)], forks=[(parent, c) for c in children])
-    inputs = build_inputs(out, kv)
+    inputs = inputs_of(out, kv)
 
     # Rows: D's decode (0), then G's prompt (1-3). Sampling order: G, D, then the two children.
     assert inputs.input_ids.tolist() == [3, 40, 41, 42]

@@ -139,7 +139,7 @@ def test_fcfs_when_the_head_does_not_fit_the_pool() -> None:
     h.add("B", 8, 1)
     h.add("C", 2, 1)
     assert h.step() == [("A", 1)]
-    assert h.engine.kv.num_free_blocks == 2
+    assert h.engine.scheduler.kv.num_free_blocks == 2
     assert h.waiting_ids() == ["B", "C"]
     h.run()
     assert h.first_step("B") == h.finished_at["A"] + 1
@@ -216,7 +216,7 @@ def test_preemption_picks_the_most_recent_and_recomputes_from_zero() -> None:
     # B goes back to the front of the queue, ahead of C, with nothing computed and no blocks.
     assert h.waiting_ids() == ["B", "C"]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
-    assert "B" not in h.engine.kv.block_tables
+    assert "B" not in h.engine.scheduler.kv.block_tables
     assert b.num_preemptions == 1 and h.engine.scheduler.num_preemptions == 1
     assert len(b.output_token_ids) == 2  # its tokens so far are kept
     assert h.engine.last_step.num_preempted == 1
@@ -228,7 +228,7 @@ def test_preemption_picks_the_most_recent_and_recomputes_from_zero() -> None:
     assert b.output_token_ids == solo_tokens(3, 4, first_token=50)
     assert h.outputs["B"][-1].num_preemptions == 1 and h.outputs["A"][-1].num_preemptions == 0
     assert len(h.outputs["B"]) == 4  # no token streamed twice because of the recompute
-    assert h.engine.kv.num_free_blocks == 4
+    assert h.engine.scheduler.kv.num_free_blocks == 4
 
 
 def test_preemption_takes_the_newest_not_the_one_that_needs_the_block() -> None:
@@ -282,7 +282,7 @@ def test_static_finished_members_keep_their_slot() -> None:
     assert sched.batch_size == 2 and sched.num_running == 1
     assert [r.request_id for r in sched.batch] == ["A", "B"]
     assert h.waiting_ids() == ["C"]
-    assert "A" not in h.engine.kv.block_tables  # the slot is kept, the KV memory is not
+    assert "A" not in h.engine.scheduler.kv.block_tables  # the slot is kept, the KV memory is not
 
 
 def test_continuous_on_the_same_workload_admits_at_once() -> None:
@@ -314,7 +314,7 @@ def test_static_batch_ends_when_its_last_member_is_aborted() -> None:
     h.step()
     h.step()
     assert h.engine.abort_request("B")
-    assert h.engine.kv.num_free_blocks == h.engine.kv.num_blocks
+    assert h.engine.scheduler.kv.num_free_blocks == h.engine.scheduler.kv.num_blocks
     assert h.step() == [("C", 2)]
 
 
@@ -336,7 +336,7 @@ def test_abort_of_waiting_and_running_requests_frees_everything(policy: str) -> 
     a = h.add("A", 9, 5)
     b = h.add("B", 4, 5)
     h.step()
-    kv = h.engine.kv
+    kv = h.engine.scheduler.kv
     assert len(kv.block_tables["A"]) == 3 and kv.num_free_blocks == 7  # 9 tokens in blocks of 4
     assert h.waiting_ids() == ["B"]
 

@@ -83,4 +83,4 @@ def test_forks_keep_the_parents_cached_count() -> None:
     finals = [o for o in h.outputs["B"] if o.finished]
     assert sorted(o.index for o in finals) == [0, 1, 2]
     assert all(o.num_cached_tokens == 8 for o in finals)
-    assert h.engine.kv.usage().used_blocks == 0
+    assert h.engine.scheduler.kv.usage().used_blocks == 0

@@ -25,7 +25,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
-from conveyor.kv.manager import blocks_for
+from conveyor.kv.manager import KVCacheManager, blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
@@ -53,9 +53,12 @@ class PagedRunner(FakeRunner):
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, what the forward wrote)
         self.free_at_execute: list[int] = []
         self.split_prefill = False  # some step computed fewer tokens than the request had pending
+        self.kv: KVCacheManager | None = None  # the engine's, to check the decisions against
 
-    def execute(self, out, kv, stats):  # noqa: ANN001, ANN201 - Runner protocol
-        super().execute(out, kv, stats)  # records the step, checks sampling requests have slots
+    def execute(self, out, stats):  # noqa: ANN001, ANN201 - Runner protocol
+        super().execute(out, stats)  # records the step, checks sampling requests have slots
+        kv = self.kv
+        assert kv is not None
         self.free_at_execute.append(kv.num_free_blocks)
         bs = kv.block_size
         for src, dst in out.block_copies:  # copy-on-write before the forward, as the real runner does
@@ -98,7 +101,9 @@ def make_engine(policy: str = "continuous", *, max_model_len: int = 1024,
                 **options: Any) -> tuple[LLMEngine, PagedRunner]:
     """fake_engine (tests/fakes.py) on a PagedRunner, which records what each KV slot holds."""
     runner = PagedRunner()
-    return fake_engine(runner, policy, max_model_len=max_model_len, **options), runner
+    engine = fake_engine(runner, policy, max_model_len=max_model_len, **options)
+    runner.kv = engine.scheduler.kv
+    return engine, runner
 
 
 @functools.cache
@@ -123,7 +128,7 @@ def members(engine: LLMEngine) -> list[Request]:
 
 
 def engine_state(engine: LLMEngine) -> tuple:
-    s, kv = engine.scheduler, engine.kv
+    s, kv = engine.scheduler, engine.scheduler.kv
     return (
         sorted(s.requests),
         [r.request_id for r in s.waiting],
@@ -139,7 +144,7 @@ def engine_state(engine: LLMEngine) -> tuple:
 
 
 def check_blocks(engine: LLMEngine) -> None:
-    kv, pool = engine.kv, engine.kv.pool
+    kv, pool = engine.scheduler.kv, engine.scheduler.kv.pool
     owners: dict[int, int] = defaultdict(int)
     for table in kv.block_tables.values():
         assert len(set(table)) == len(table)
@@ -159,7 +164,7 @@ def check_blocks(engine: LLMEngine) -> None:
 
 
 def check_requests(engine: LLMEngine, cfg: SchedulerConfig, accepted: dict[str, Request]) -> None:
-    s, kv = engine.scheduler, engine.kv
+    s, kv = engine.scheduler, engine.scheduler.kv
     waiting = list(s.waiting)
     mem = members(engine)
     assert len({id(r) for r in waiting}) == len(waiting)
@@ -246,7 +251,7 @@ def check_decision(  # noqa: ANN001
             k = len(out.preempted)
             assert [id(p) for p in out.preempted] == [id(r) for r in victim_order(s, before_members)][:k]
             for p in out.preempted:
-                assert p.num_computed_tokens == 0 and p.request_id not in engine.kv.block_tables
+                assert p.num_computed_tokens == 0 and p.request_id not in engine.scheduler.kv.block_tables
                 assert p.status is RequestStatus.WAITING
             if not s.waiting.by_priority:
                 assert [id(r) for r in list(s.waiting)[:k]] == [id(r) for r in before_members[-k:]]
@@ -254,7 +259,7 @@ def check_decision(  # noqa: ANN001
         budget_left = cfg.max_num_batched_tokens - out.num_tokens
         if skipped:
             assert budget_left == 0 and not new, "a running request was skipped with budget left"
-        if not out.preempted and len(new) < len(before_waiting) and not engine.kv.enable_prefix_caching:
+        if not out.preempted and len(new) < len(before_waiting) and not engine.scheduler.kv.enable_prefix_caching:
             head = before_waiting[len(new)]
             pending = head.num_tokens  # it held nothing, so everything is pending
             chunk = pending if not cfg.chunked_prefill or pending <= budget_left else budget_left
@@ -263,7 +268,7 @@ def check_decision(  # noqa: ANN001
                 seats + 1 + (head.sampling_params.n - 1 if not head.output_token_ids else 0) > cfg.max_num_seqs
                 or budget_left == 0
                 or (not cfg.chunked_prefill and pending > budget_left)
-                or blocks_for(chunk, engine.kv.block_size) > free_at_execute
+                or blocks_for(chunk, engine.scheduler.kv.block_size) > free_at_execute
             ), "continuous left a waiting request out although it fitted"
     else:
         forked = {id(child) for _, child in out.forks}
@@ -449,7 +454,7 @@ def run_scenario(sc: Scenario) -> None:
             rid = pool[pick % len(pool)]
             unfinished = [r for r in samples.values() if r.group_id == rid and not r.is_finished]
             expected = rid in accepted and bool(unfinished)  # a finished sample's siblings may still run
-            free_before = engine.kv.num_free_blocks
+            free_before = engine.scheduler.kv.num_free_blocks
             assert engine.abort_request(rid) is expected
             if expected:
                 aborted.add(rid)
@@ -457,8 +462,8 @@ def run_scenario(sc: Scenario) -> None:
                 for r in unfinished:
                         assert r.status is RequestStatus.FINISHED_ABORTED
                         assert r.times.finished is not None
-                        assert r.request_id not in engine.kv.block_tables
-                assert engine.kv.num_free_blocks >= free_before
+                        assert r.request_id not in engine.scheduler.kv.block_tables
+                assert engine.scheduler.kv.num_free_blocks >= free_before
         check_blocks(engine)
         check_requests(engine, cfg, samples)
 
@@ -466,7 +471,7 @@ def run_scenario(sc: Scenario) -> None:
         before_waiting = list(engine.scheduler.waiting)
         before_members = members(engine)
         before_all_finished = all(m.is_finished for m in before_members)
-        before_holding = set(engine.kv.block_tables)
+        before_holding = set(engine.scheduler.kv.block_tables)
         before_seats = sum(1 + r.pending_forks for r in before_members)  # n > 1 holds n seats from admission
         n_steps = len(runner.steps)
         outputs = engine.step()
@@ -519,7 +524,7 @@ def run_scenario(sc: Scenario) -> None:
         assert order == sorted(order), "requests were admitted out of arrival order"
 
     # --- the end state ----------------------------------------------------------------------------
-    kv, s = engine.kv, engine.scheduler
+    kv, s = engine.scheduler.kv, engine.scheduler
     assert kv.num_free_blocks == kv.num_blocks and kv.block_tables == {} and kv.num_slotted_tokens == {}
     assert kv.pool.num_free == kv.pool.num_blocks and kv.usage().used_blocks == 0, "every block back in the pool"
     assert kv._keys == {} and kv._num_offered == {}
@@ -590,8 +595,6 @@ def test_a_tiny_pool_really_preempts() -> None:
 )
 def test_scheduler_alone_drains_a_queue(policy, chunked, budget, max_num_seqs, prompts) -> None:  # noqa: ANN001
     """Driving schedule()/update_from_output() by hand, finishing each request after one token."""
-    from conveyor.kv.manager import KVCacheManager
-
     kv = KVCacheManager(64, 4)
     sched = make_scheduler(SchedulerConfig(policy, max_num_seqs, budget, chunked), kv)
     reqs = []

@@ -92,7 +92,7 @@ def test_kv_blocks_return_to_zero_on_both_sides(split_cost: SplitCost) -> None:
     run = run_simulation(disagg(long_prompts(), p=2, d=2, request_rate=40.0))
     assert len(run.workers) == 4
     for worker in run.workers:
-        kv = worker.engine.kv
+        kv = worker.engine.scheduler.kv
         assert kv.num_free_blocks == kv.num_blocks and not kv.block_tables and not worker.parked
 
 

@@ -60,8 +60,8 @@ class LogitsRunner:
         self.masks: list[TokenMasks | None] = []
         self.rows: list[list[str]] = []
 
-    def execute(self, out, kv, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:  # noqa: ANN001
-        self.fake.execute(out, kv, stats)  # checks the KV slots
+    def execute(self, out, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:  # noqa: ANN001
+        self.fake.execute(out, stats)  # checks the KV slots
         requests = out.sampling_requests()
         logits = -torch.arange(len(VOCAB), dtype=torch.float32).repeat(len(requests), 1)
         logits[:, VOCAB.index("xx")], logits[:, VOCAB.index("x")] = 10.0, 9.0
@@ -78,7 +78,9 @@ def text(out) -> str:  # noqa: ANN001 - the engine makes no text (stop strings a
 
 def make_engine(runner=None, **config) -> LLMEngine:  # noqa: ANN001, ANN003
     config = {"num_kv_blocks": 64, "block_size": 4, **config}
-    return LLMEngine(EngineConfig.from_kwargs(**config), runner or LogitsRunner(), num_kv_blocks=config["num_kv_blocks"],
+    runner = runner or LogitsRunner()
+    getattr(runner, "fake", runner).block_size = config["block_size"]  # the FakeRunner that checks the slots
+    return LLMEngine(EngineConfig.from_kwargs(**config), runner, num_kv_blocks=config["num_kv_blocks"],
                      max_model_len=64, vocab_size=len(VOCAB), tokenizer=ToyTokenizer(), eos_token_ids=(EOS,))
 
 
@@ -147,7 +149,7 @@ def test_invalid_grammar_or_unsupported_runner_is_refused_and_leaves_no_state():
     engine = make_engine()
     with pytest.raises(InvalidRequestError):
         engine.add_request([1, 2], SamplingParams(structured=GrammarSpec.regex("(unclosed")))
-    assert not engine.has_unfinished_requests and engine.kv.usage().used_blocks == 0
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.usage().used_blocks == 0
     plain = make_engine(FakeRunner(len(VOCAB)))
     with pytest.raises(InvalidRequestError, match="cannot constrain"):
         plain.add_request([1, 2], choice("yes", "no"))
@@ -191,7 +193,7 @@ def test_handover_replays_the_output_on_the_new_engine():
     assert params.structured == grammar and params.structured.compiled is None
     moved = type(request)(rid, request.prompt_token_ids, params, 0.0)
     moved.output_token_ids = list(request.output_token_ids)
-    target.kv.allocate(rid, 0)
+    target.scheduler.kv.allocate(rid, 0)
     target.add_prefilled_request(moved)
     out = run(target)[rid][0]
     assert text(out) == "abababab" and out.finish_reason == "stop"

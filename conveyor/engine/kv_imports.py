@@ -3,7 +3,7 @@
 One rule, for the Ray decode workers (conveyor/distributed/worker.py) and the simulator's decode
 workers (conveyor/sim/disagg.py): requests enter in arrival order and the head waits for blocks
 rather than being overtaken (no starvation); an import may take only the free blocks the
-scheduler has not promised to its own requests (Scheduler.uncommitted_free_blocks); one that
+scheduler has not promised to its own requests (Scheduler.import_fits); one that
 could never fit this engine's pool is refused at once instead of waiting forever. The leading
 blocks of an import that this engine's prefix cache holds (a shared system prompt, an earlier
 turn) are taken from it, not written again, and need no free block unless they are evictable.
@@ -11,11 +11,11 @@ turn) are taken from it, not written again, and need no free block unless they a
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
-from conveyor.kv.manager import blocks_for
+from conveyor.kv import SequenceKey, blocks_for
 
 
 class Importable(Protocol):
@@ -25,10 +25,8 @@ class Importable(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...
 
-    def token_slice(self, start: int, end: int) -> Sequence[int]: ...
-
     @property
-    def cache_salt(self) -> str | None: ...
+    def sequence_key(self) -> SequenceKey: ...
 
 
 Item = TypeVar("Item", bound=Importable)
@@ -37,11 +35,6 @@ Item = TypeVar("Item", bound=Importable)
 def blocks_to_run(num_computed_tokens: int, block_size: int) -> int:
     """What an imported request needs to run: its KV and the slot of its next token."""
     return blocks_for(num_computed_tokens + 1, block_size)
-
-
-def import_headroom(engine: LLMEngine) -> int:
-    """Free blocks an import may take now (negative while the scheduler's own requests are owed more)."""
-    return engine.scheduler.uncommitted_free_blocks()
 
 
 class ImportQueue(Generic[Item]):
@@ -73,17 +66,18 @@ class ImportQueue(Generic[Item]):
              refuse: Callable[[Item, InvalidRequestError], None]) -> None:
         """Admit the head while it fits: `admit(item, cached)` queues it in `engine` with the
         leading blocks of it that the engine's prefix cache holds (LLMEngine.add_prefilled_request)."""
-        kv = engine.kv
+        scheduler = engine.scheduler
+        block_size, num_blocks = scheduler.kv.block_size, scheduler.kv.num_blocks
         while self._items:
             item = self._items[0]
-            needed = blocks_to_run(item.num_computed_tokens, kv.block_size)
-            if needed > kv.num_blocks:  # it would wait forever
+            needed = blocks_to_run(item.num_computed_tokens, block_size)
+            if needed > num_blocks:  # it would wait forever
                 self._items.popleft()
                 refuse(item, InvalidRequestError(f"request {item.request_id!r} needs {needed} KV blocks; "
-                                                 f"this engine has {kv.num_blocks}"))
+                                                 f"this engine has {num_blocks}"))
                 continue
-            cached = kv.lookup_prefix(item.token_slice, item.num_computed_tokens, item.cache_salt)
-            if kv.blocks_to_start(item.num_computed_tokens + 1, cached) > import_headroom(engine):
+            cached = scheduler.cached_import_prefix(item.sequence_key, item.num_computed_tokens)
+            if not scheduler.import_fits(item.num_computed_tokens, cached):
                 return
             self._items.popleft()
             admit(item, cached)
