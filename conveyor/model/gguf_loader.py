@@ -104,13 +104,28 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
         pos += n
         return buf[pos - n : pos].decode("utf-8", errors="replace")
 
+    length = struct.Struct("<Q").unpack_from
+
     def read_value(vtype: int) -> Any:
+        nonlocal pos
         if vtype == _STRING:
             return read_str()
-        if vtype == _ARRAY:
-            itype, count = read("<I"), read("<Q")
-            return [read_value(itype) for _ in range(count)]
-        return read(_SCALARS[vtype])
+        if vtype != _ARRAY:
+            return read(_SCALARS[vtype])
+        itype, count = read("<I"), read("<Q")
+        if itype in _SCALARS:  # one unpack for the whole array (a vocabulary's token types, scores)
+            fmt = f"<{count}{_SCALARS[itype][1]}"
+            values = list(struct.unpack_from(fmt, buf, pos))
+            pos += struct.calcsize(fmt)
+            return values
+        if itype == _STRING:  # a vocabulary or its merges: 10^5 strings, read in one tight loop
+            strings = []
+            for _ in range(count):
+                (n,) = length(buf, pos)
+                strings.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+                pos += 8 + n
+            return strings
+        return [read_value(itype) for _ in range(count)]
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):

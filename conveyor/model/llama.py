@@ -79,7 +79,7 @@ class LlamaModel(nn.Module):
         self._build_rope()
 
     def _build_rope(self) -> None:
-        # Plain fp32 tensors, not buffers: they must survive meta-device construction and .to(bf16).
+        # Plain fp32 tensors, not buffers: they must stay fp32 through .to(bf16).
         cfg = self.cfg
         self.rope_cos, self.rope_sin = rope_tables(
             cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32
@@ -98,13 +98,10 @@ class LlamaModel(nn.Module):
         each is held once, in the form that serves it. `consume`: the caller hands the dict over and
         each weight leaves it as it is taken, so no weight is held twice (unfused and fused) while
         the model is built."""
-        # Build on the meta device so no time goes into random init of weights we overwrite; the
-        # projections and the embedding hold nothing until loaded.
-        with torch.device("meta"):
-            model = cls(cfg, max_positions)
-        model = model.to_empty(device="cpu").to(dtype)
+        # The projections and the embedding hold nothing until loaded: only norms and biases are
+        # made here, overwritten below.
+        model = cls(cfg, max_positions).to(dtype)
         model.dtype = dtype
-        model._build_rope()
         model.load_weights(weights if consume else dict(weights))
         return model.eval()
 
