@@ -1,6 +1,7 @@
 """Memory and start-up of a serving process, conveyor's next to llama-server's, on the same GGUF file
 with the same context capacity: resident memory while serving (VmRSS after a few requests), the
-peak (VmHWM, loading included), and seconds from the command to a ready /health.
+peak (VmHWM, loading included), and seconds from the command to a ready /health; and the bytes a
+conveyor decode step streams (conveyor.bench.roofline.model_costs) against the file's tensor bytes.
 
     .venv/bin/python benchmarks/footprint.py --model qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
@@ -115,6 +116,15 @@ def main() -> int:
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
         print(f"{name:<10} {m['rss_gib']:>13.3f} {m['peak_gib']:>9.3f} {m['ready_s']:>8.1f}")
+    from conveyor.bench.roofline import model_costs
+    from conveyor.config import EngineConfig
+    from conveyor.model.gguf_loader import read_gguf
+    from conveyor.runner.model_runner import load_model
+
+    file_bytes = sum(t.nbytes for t in read_gguf(gguf).tensors.values())
+    streamed, _ = model_costs(load_model(EngineConfig(model=str(gguf))).model)
+    print(f"a conveyor decode step streams {streamed / 2**20:.0f} MiB: {streamed / file_bytes:.3f}x the file's "
+          f"{file_bytes / 2**20:.0f} MiB of tensors (the embedding is read by rows)")
     if "llama.cpp" in medians:
         c, ll = medians["conveyor"], medians["llama.cpp"]
         print(f"conveyor / llama.cpp: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "

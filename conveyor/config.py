@@ -9,6 +9,7 @@ from conveyor.errors import ConfigError
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
 DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
+ACTIVATION_DTYPES = ("int8", "float32")
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -59,6 +60,10 @@ class EngineConfig:
     # True: matmuls stream dense fp32 weights even where the checkpoint has GGUF blocks the kernel reads
     # (the same results, bit for bit, at 4-7x the bytes per step; for A/B runs)
     dequantize_weights: bool = False
+    # "int8": products on GGUF blocks quantize their activations to int8 where that is faster (prefill,
+    # batched decode; results change slightly, `conveyor bench quality` measures how much); "float32":
+    # fp32 activations throughout, bit-identical to dequantize-then-multiply (the reference tests)
+    activation_dtype: str = "float32"
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
@@ -72,6 +77,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ConfigError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {self.activation_dtype!r}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         parse_memory(self.kv_cache_memory)

@@ -8,11 +8,13 @@ import types
 import typing
 from typing import Any, Iterable
 
-from conveyor.config import DTYPES, POLICIES, SCHEDULING_POLICIES
+from conveyor.config import ACTIVATION_DTYPES, DTYPES, POLICIES, SCHEDULING_POLICIES
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
+    "activation_dtype": "int8: products on GGUF blocks quantize activations to int8 where faster (prefill, "
+                        "batched decode); float32: exact fp32 activations (results equal to dequantize-then-multiply)",
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
@@ -27,7 +29,8 @@ HELP = {
                    "under --max-num-seqs / --max-num-batched-tokens as load requires",
     "slo_ttft_ms": "TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES}
+CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
+                                       "activation_dtype": ACTIVATION_DTYPES}
 
 
 def _scalar_type(annotation: Any) -> type:

@@ -137,6 +137,17 @@ def _run_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_quality(args: argparse.Namespace) -> int:
+    from conveyor.bench.quality import report, run_quality
+    from conveyor.config import EngineConfig
+    from conveyor.runner.model_runner import load_model
+
+    loaded = load_model(EngineConfig(model=args.model, num_threads=args.num_threads))
+    results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window)
+    print(report(args.model or "smollm2-135m", args.activation_dtype, results))
+    return 0
+
+
 def _run_steps(args: argparse.Namespace) -> int:
     from conveyor.bench.steps import StepsConfig, load_hf_reference, run_steps
     from conveyor.config import EngineConfig
@@ -200,6 +211,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
     roof.add_argument("--output-dir", default="out/roofline")
     roof.set_defaults(func=_run_roofline)
+
+    quality = sub.add_parser("quality", help="perplexity and top-1 agreement of int8 activations against fp32, "
+                                            "teacher-forced on standard-library code and prose")
+    add_config_args(quality, EngineConfig, only=("model", "num_threads"))
+    quality.add_argument("--activation-dtype", choices=["int8"], default="int8", help="the activations to score")
+    quality.add_argument("--max-tokens", type=int, default=4096, help="tokens of each text scored")
+    quality.add_argument("--window", type=int, default=512, help="tokens a teacher-forced window holds")
+    quality.set_defaults(func=_run_quality)
 
     steps = sub.add_parser("steps", help="time whole decode steps across batch sizes (optionally beside transformers)")
     _add_model_args(steps)

@@ -49,12 +49,10 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
     return MachinePeaks(data.numel() * 4 / read_s / 1e9, flops[torch.float32], flops[torch.bfloat16])
 
 
-def model_costs(engine: LLMEngine) -> tuple[int, int]:
+def model_costs(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
     projection streams its packed form: a GGUF's blocks are 4-7x smaller than fp32."""
     from conveyor.model.linear import Embedding, Linear
-
-    model = engine.runner.model  # type: ignore[attr-defined]
 
     def streamed(m: Linear | Embedding) -> int:
         if m.packed is not None:
@@ -96,7 +94,7 @@ class RooflineResult:
 def run_roofline(engine: LLMEngine, batches: list[int], context: int, steps: int) -> RooflineResult:
     cfg = engine.runner.model_config  # type: ignore[attr-defined]
     peaks = measure_peaks(cfg.hidden_size, cfg.intermediate_size)
-    weight_bytes, flops_per_token = model_costs(engine)
+    weight_bytes, flops_per_token = model_costs(engine.runner.model)  # type: ignore[attr-defined]
     dtype_flops = peaks.fp32_gflops if engine.config.dtype == "float32" else peaks.bf16_gflops
     predicted_knee = weight_bytes * dtype_flops * 1e9 / (peaks.bandwidth_gbs * 1e9 * flops_per_token)
     step_s = [time_decode_steps(engine, b, [context], steps).median_s for b in batches]

@@ -152,9 +152,10 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, 
 Matmul = Callable[[torch.Tensor, torch.Tensor | None, PackedWeight | None, torch.Tensor | None], torch.Tensor]
 
 
-def matmul_path() -> Matmul:
+def matmul_path(activation_dtype: str = "float32") -> Matmul:
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
-    resolves it once per forward pass, not on each of a step's ~120 products."""
+    resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
+    "int8" lets products on GGUF blocks quantize their activations where that is faster."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
 
     def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,

@@ -75,6 +75,8 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.dtype = torch.float32
+        # "int8" or "float32": the activations products on GGUF blocks take (conveyor.model.linear)
+        self.activation_dtype = "float32"
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._build_rope()
 
@@ -134,7 +136,7 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         local = None if self.rope_local is None else tuple(t[positions].to(x.dtype) for t in self.rope_local)
-        ops, matmul = layer_ops(x.dtype), matmul_path()
+        ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype)
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None
         for layer, kv in zip(self.layers, kv_caches):
@@ -146,7 +148,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.head
-        logits = matmul_path()(h, head.weight, head.packed, None).float()
+        logits = matmul_path(self.activation_dtype)(h, head.weight, head.packed, None).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -76,6 +76,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             f"max_model_len {config.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
     model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, consume=True)
+    model.activation_dtype = config.activation_dtype
     return_freed_memory()
     logger.info("loaded %s in %.1f s: weights %.0f MiB", path.name, time.perf_counter() - started, model_bytes(model) / 2**20)
     return LoadedModel(model, checkpoint.tokenizer)

@@ -1,0 +1,116 @@
+"""`conveyor bench quality`: what the fast arithmetic costs in accuracy, as numbers.
+
+The model reads a fixed text that needs no download (Python standard-library modules for code, the
+standard library's own prose docstrings and the Python license for text), teacher-forced in windows,
+once with fp32 activations (the path whose greedy tokens equal transformers') and once with the
+activation dtype under test. Reported per text: perplexity of each, their ratio, and top-1 agreement
+(the share of positions whose argmax is the same in both).
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Fixed texts: modules of the installed standard library (their source for code; for prose, their
+# docstrings and the license the interpreter ships).
+CODE_MODULES = ("textwrap", "json.decoder", "heapq", "bisect", "fractions", "shlex")
+PROSE_MODULES = ("argparse", "typing", "logging", "email.message", "asyncio.queues", "pathlib")
+
+
+def code_text() -> str:
+    return "\n\n".join(_source(m) for m in CODE_MODULES)
+
+
+def prose_text() -> str:
+    parts = []
+    for name in PROSE_MODULES:
+        module = importlib.import_module(name)
+        for obj in [module, *vars(module).values()]:
+            doc = inspect.getdoc(obj) if getattr(obj, "__module__", name) == name or obj is module else None
+            if doc and len(doc) > 200 and doc not in parts:
+                parts.append(doc)
+    license_file = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt"
+    if license_file.is_file():
+        parts.append(license_file.read_text(encoding="utf-8", errors="replace"))
+    return "\n\n".join(parts)
+
+
+def _source(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"standard-library module {module} not found")
+    return Path(spec.origin).read_text(encoding="utf-8")
+
+
+@dataclass
+class QualityResult:
+    text: str
+    tokens: int  # positions scored
+    reference_ppl: float  # fp32 activations
+    ppl: float  # the activation dtype under test
+    top1_agreement: float
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl / self.reference_ppl
+
+
+def score(model: torch.nn.Module, ids: list[int], window: int, activation_dtypes: tuple[str, str]) -> tuple[list[float], list[float], float]:
+    """Negative log-likelihoods of every next token under each activation dtype, and the share of
+    positions where their argmaxes agree. Windows of `window` tokens, each from an empty cache."""
+    from conveyor.model.attention import AttentionMetadata, PrefillChunk
+    from conveyor.runner.model_runner import allocate_kv_cache
+
+    block_size = 16
+    blocks = -(-window // block_size)
+    kv = allocate_kv_cache(model.cfg, blocks, block_size, torch.float32)  # type: ignore[arg-type]
+    table = torch.arange(blocks)
+    nll: tuple[list[float], list[float]] = ([], [])
+    agree = total = 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window + 1]
+        n = len(chunk) - 1
+        if n < 2:
+            break
+        argmaxes = []
+        for which, dtype in enumerate(activation_dtypes):
+            model.activation_dtype = dtype  # type: ignore[assignment]
+            meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)])
+            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, kv, torch.arange(n))  # type: ignore[operator]
+            logprobs = torch.log_softmax(logits.double(), dim=-1)
+            target = torch.tensor(chunk[1:])
+            nll[which].extend((-logprobs[torch.arange(n), target]).tolist())
+            argmaxes.append(logits.argmax(-1))
+        agree += int((argmaxes[0] == argmaxes[1]).sum())
+        total += n
+    return nll[0], nll[1], agree / max(1, total)
+
+
+def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str, max_tokens: int,
+                window: int) -> list[QualityResult]:
+    results = []
+    saved = getattr(model, "activation_dtype", "float32")
+    try:
+        for name, text in (("code (stdlib source)", code_text()), ("prose (stdlib docs, license)", prose_text())):
+            ids = tokenizer.encode(text)[:max_tokens]  # type: ignore[attr-defined]
+            ref, test, agreement = score(model, ids, window, ("float32", activation_dtype))
+            results.append(QualityResult(name, len(ref), math.exp(sum(ref) / len(ref)), math.exp(sum(test) / len(test)),
+                                         agreement))
+    finally:
+        model.activation_dtype = saved  # type: ignore[assignment]
+    return results
+
+
+def report(model_name: str, activation_dtype: str, results: list[QualityResult]) -> str:
+    lines = [f"{model_name}: {activation_dtype} activations against fp32 (teacher-forced)",
+             f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl ' + activation_dtype:>10} {'ratio':>7} {'top-1 agree':>11}"]
+    for r in results:
+        lines.append(f"{r.text:<30} {r.tokens:>7} {r.reference_ppl:>9.4f} {r.ppl:>10.4f} {r.ppl_ratio:>7.4f} "
+                     f"{r.top1_agreement:>11.4f}")
+    return "\n".join(lines)
