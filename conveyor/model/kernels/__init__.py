@@ -137,8 +137,9 @@ def _load(name: str) -> object | None:
     source = _staged_source(name, Path(_get_build_directory(extension_name, verbose=False)) / "src")
     if (reason := _why_build(extension_name, source)) is not None:
         logger.info("building C++ kernels, %s: %s (cached for later starts)", reason, name)
+    started = time.monotonic()
     try:
-        return load(
+        module = load(
             name=extension_name,
             sources=[str(source)],
             extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])],
@@ -148,6 +149,9 @@ def _load(name: str) -> object | None:
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path still works
         logger.warning("conveyor: C++ kernel %r unavailable, using the torch fallback (%s)", name, exc)
         return None
+    if reason is not None:
+        logger.info("built C++ kernel %s in %.0f s", name, time.monotonic() - started)
+    return module
 
 
 PagedDecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
