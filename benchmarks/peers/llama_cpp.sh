@@ -122,7 +122,7 @@ trap 'exit 130' INT TERM
 
 # --- 1. llama-server from the vendored source (idempotent) ---------------------------------------
 build_server() {
-    if [[ -x $SERVER_BIN ]]; then
+    if [[ -x $SERVER_BIN && -x $LLAMA_DIR/build/bin/llama-bench ]]; then
         log "reusing $SERVER_BIN"
         return
     fi
@@ -140,12 +140,12 @@ build_server() {
         rm -rf "$dl"
     fi
     command -v cmake >/dev/null || { echo "cmake is needed (apt-get install cmake)" >&2; exit 1; }
-    log "building llama-server (commit $LLAMA_COMMIT; ~20 min on two cores, once)"
+    log "building llama-server and llama-bench (commit $LLAMA_COMMIT; 7-20 min on two cores, once)"
     cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_COMMIT="$LLAMA_COMMIT" >/dev/null
-    cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target llama-server
-    log "built $SERVER_BIN"
+    cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target llama-server llama-bench
+    log "built $SERVER_BIN and llama-bench (prompt and generation speed: llama-bench -m FILE -t 2 -p 512 -n 64)"
 }
 
 model_file() {  # the GGUF both servers read
