@@ -27,8 +27,8 @@ from conveyor.runner.model_runner import load_model  # noqa: E402
 import torch  # noqa: E402
 
 from conveyor.sampling import SamplingParams  # noqa: E402
-from conveyor.sampling.masking import apply_token_masks  # noqa: E402
-from conveyor.sampling.structured import GrammarSpec  # noqa: E402
+from conveyor.structured.masking import apply_token_masks  # noqa: E402
+from conveyor.structured.spec import GrammarSpec  # noqa: E402
 from conveyor.structured.grammar import GrammarCompiler  # noqa: E402
 
 PEOPLE = {"type": "array", "minItems": 1000, "items": {

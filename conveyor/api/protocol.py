@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
-from conveyor.sampling.structured import GrammarSpec
+from conveyor.structured.spec import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20

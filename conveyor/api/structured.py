@@ -16,7 +16,7 @@ from typing import Any
 
 from conveyor.api.errors import APIError, bad_request
 from conveyor.errors import InvalidRequestError
-from conveyor.sampling.structured import GrammarSpec
+from conveyor.structured.spec import GrammarSpec
 from conveyor.structured.grammar import GrammarError, compiler_for
 
 # vLLM's StructuredOutputsParams keys that this server does not implement: refused, not ignored.

@@ -25,7 +25,7 @@ from conveyor.api.errors import bad_request
 from conveyor.api.generation import Choice, TokenLogprob
 from conveyor.api.responses import ChatFormat, _chat_logprobs
 from conveyor.errors import InvalidRequestError
-from conveyor.sampling.structured import GrammarSpec, closed_objects
+from conveyor.structured.spec import GrammarSpec, closed_objects
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

@@ -61,7 +61,8 @@ class QualityResult:
         return self.ppl / self.reference_ppl
 
 
-def score(model: torch.nn.Module, ids: list[int], window: int, activation_dtypes: tuple[str, str]) -> tuple[list[float], list[float], float]:
+def score(model: torch.nn.Module, ids: list[int], window: int,
+          activation_dtypes: tuple[str, str]) -> tuple[list[float], list[float], float]:
     """Negative log-likelihoods of every next token under each activation dtype, and the share of
     positions where their argmaxes agree. Windows of `window` tokens, each from an empty cache."""
     from conveyor.model.attention import AttentionMetadata, PrefillChunk
@@ -82,7 +83,7 @@ def score(model: torch.nn.Module, ids: list[int], window: int, activation_dtypes
         for which, dtype in enumerate(activation_dtypes):
             model.activation_dtype = dtype  # type: ignore[assignment]
             meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)])
-            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, kv, torch.arange(n))  # type: ignore[operator]
+            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, kv, torch.arange(n))
             logprobs = torch.log_softmax(logits.double(), dim=-1)
             target = torch.tensor(chunk[1:])
             nll[which].extend((-logprobs[torch.arange(n), target]).tolist())

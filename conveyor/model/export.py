@@ -141,7 +141,7 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], torch
             if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} where the header has "
                                  f"{want_name} {shape} {dtype}")
-            f.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
+            f.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     if next(expected, None) is not None:
         raise ValueError("fewer tensors than the header lists")
 

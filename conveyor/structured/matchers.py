@@ -22,7 +22,7 @@ from llguidance.numpy import fill_next_token_bitmask
 
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
-from conveyor.sampling.structured import TokenMasks
+from conveyor.structured.spec import TokenMasks
 from conveyor.structured.grammar import GrammarCompiler, GrammarTokenizer, compiler_for
 
 log = logging.getLogger("conveyor.structured")

@@ -16,9 +16,9 @@ from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling import SamplingParams
-from conveyor.sampling.masking import apply_token_masks
+from conveyor.structured.masking import apply_token_masks
 from conveyor.sampling.sampler import Sampler
-from conveyor.sampling.structured import GrammarSpec, TokenMasks
+from conveyor.structured.spec import GrammarSpec, TokenMasks
 from conveyor.structured.grammar import GrammarCompiler, GrammarError
 from tests.fakes import FakeRunner
 

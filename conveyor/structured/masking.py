@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conveyor.sampling.structured import TokenMasks
+from conveyor.structured.spec import TokenMasks
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
