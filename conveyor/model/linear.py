@@ -4,8 +4,8 @@ A decode step multiplies 1-64 rows by every weight matrix, streaming the weights
 At those rows `F.linear` (MKL) on the plain [out, in] weight and oneDNN on its own blocked layout
 fall well short of the machine's bandwidth and FMA peak; conveyor's panel kernel
 (kernels/panel_gemm.cpp) reads each weight once as one stream and gets close to both (figures in
-docs/PERF.md). It matches or beats MKL up to 2048-row prefill chunks; from 4096 rows MKL's plain
-path runs. Where the kernel can't be built, weights are packed for oneDNN instead.
+docs/PERF.md). On SmolLM2-135M's products it matches or beats MKL up to 2048-row prefill chunks;
+from 4096 rows MKL's plain path runs. Where the kernel can't be built, weights are packed for oneDNN instead.
 CONVEYOR_PACKED_LINEAR=0 turns packing off (A/B runs, debugging); results then differ only in fp32
 rounding.
 
