@@ -107,7 +107,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
-    ray = srv.add_argument_group("scale-out on Ray (see README: Scaling out)")
+    ray = srv.add_argument_group("scale-out on Ray (see docs/SERVING.md: Scaling out on Ray)")
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas as Ray actors behind this front end")
     ray.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (disaggregated serving)")
     ray.add_argument("--decode-workers", type=int, default=0, help="decode workers (disaggregated serving)")

@@ -51,7 +51,8 @@ def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePe
 
 def model_costs(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
-    projection streams its packed form: a GGUF's blocks are 4-7x smaller than fp32."""
+    projection streams its packed form: a GGUF's blocks are 3.8x (Q8_0) to 7.1x (Q4_0) smaller than
+    fp32 by their format (SmolLM2-135M's: 96 MB against 538)."""
     from conveyor.model.linear import Embedding, Linear
 
     def streamed(m: Linear | Embedding) -> int:
