@@ -30,7 +30,9 @@ from conveyor.api.schema import (
     CompletionResponse,
     DetokenizeResponse,
     Health,
+    METRICS_RESPONSES,
     ModelList,
+    ServedLimits,
     TokenizeResponse,
     Version,
     generation_responses,
@@ -57,6 +59,9 @@ class ServerState:
     inflight: int = 0  # accepted generations not yet answered
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies past it get 413, unread
     created: int = field(default_factory=lambda: int(time.time()))
+    # The engine's configuration, where the front end knows it: stated in /openapi.json.
+    max_num_seqs: int | None = None
+    priority_scheduling: bool | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -206,15 +211,33 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
 
     install_openapi(app, {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
                           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
-                          "/detokenize": (DetokenizeRequest,)})
+                          "/detokenize": (DetokenizeRequest,)}, lambda: served_limits(state))
     return app
+
+
+def served_limits(state: ServerState) -> ServedLimits:
+    """What this server enforces beyond the request models, for /openapi.json."""
+    tokenizer = state.tokenizer
+    vocab = getattr(tokenizer, "vocab_size", None)
+    variables: frozenset[str] | None = None
+    renders_tools: bool | None = None
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            variables = tokenizer.template_variables()
+            probe = [{"role": "user", "content": "x"}]
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            renders_tools = tokenizer.apply_chat_template(probe, tools=[tool]) != tokenizer.apply_chat_template(probe)
+        except (InvalidRequestError, ValueError):  # a template that refuses the probe: state nothing of it
+            variables = renders_tools = None
+    return ServedLimits(tuple(state.model_names), state.capacity, vocab, state.max_prompt_chars,
+                        state.max_num_seqs, state.priority_scheduling, variables, renders_tools)
 
 
 async def _read_json(request: Request, state: ServerState) -> Any:

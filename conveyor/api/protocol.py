@@ -9,7 +9,7 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -36,11 +36,35 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # text that reaches the tokenizer
 
 
+def _integral(value: Any) -> Any:
+    """2.0 -> 2, also inside lists; 2.5 stays a float (which a strict int field refuses)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
+
+
+def _mentions(annotation: Any, kind: Any) -> bool:
+    return annotation is kind or any(_mentions(arg, kind) for arg in get_args(annotation))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     # Fields of OpenAI's or vLLM's API that this server does not implement: name -> the values
     # that mean "off" (accepted, as they ask for nothing). Anything else is a 400 naming the field.
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        """JSON has one kind of number: 2.0 is the integer 2, as JSON Schema's "integer" (and so the
+        served schema) says. In the fields typed int (or lists of int), never in free-form ones."""
+        if not isinstance(data, dict):
+            return data
+        for name, info in cls.model_fields.items():
+            kind = info.annotation
+            if name in data and _mentions(kind, int) and not _mentions(kind, float) and not _mentions(kind, Any):
+                data = {**data, name: _integral(data[name])}
+        return data
 
     @model_validator(mode="before")
     @classmethod

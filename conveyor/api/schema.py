@@ -3,11 +3,16 @@ fuzzers can check answers) and the request bodies, which the handlers read thems
 their size before decoding) and so must be declared by hand."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from conveyor.api.protocol import MAX_N, SEED_MAX, SEED_MIN
+from conveyor.sampling.params import (_MAX_ALLOWED_TOKEN_IDS, _MAX_BAD_WORDS, _MAX_BAD_WORDS_CHARS, _MAX_LOGIT_BIAS,
+                                      _MAX_STOP_STRINGS)
 
 
 class ErrorDetail(BaseModel):
@@ -129,6 +134,12 @@ GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# Prometheus' text exposition format, not JSON.
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus metrics, text exposition format 0.0.4",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+}
+
 TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
     key: GENERATION_ERRORS[key] for key in (401, 400, 404, 413)
 }
@@ -141,9 +152,196 @@ def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, An
     return {200: {"model": model, "content": stream}, **GENERATION_ERRORS}
 
 
-def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[type[BaseModel], ...]]) -> None:
+@dataclass(frozen=True)
+class ServedLimits:
+    """What the handlers and the engine enforce beyond the request models' types, known once the
+    model is loaded. Stated in /openapi.json, so that a request the schema admits is one the server
+    serves, except where validity depends on content no schema can judge: a prompt that fits the
+    context once tokenized, a grammar that compiles, a chat template that accepts the messages.
+    None: not known here (nothing is stated)."""
+
+    model_names: tuple[str, ...]
+    capacity: int  # tokens one request can hold, prompt and output
+    vocab_size: int | None = None
+    max_prompt_chars: int | None = None  # a longer text prompt cannot fit
+    max_num_seqs: int | None = None  # n (samples of one request) may not exceed it
+    priority_scheduling: bool | None = None  # False: a nonzero priority is refused
+    template_variables: frozenset[str] | None = None  # what chat_template_kwargs may name
+    renders_tools: bool | None = None  # False: tool_choice "auto" is refused
+
+
+def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    """The non-null alternatives of a property (`X | None` is anyOf [X, null] in pydantic's schema)."""
+    return [alt for alt in prop.get("anyOf", [prop]) if alt.get("type") != "null"]
+
+
+def _set(props: dict[str, Any], name: str, **keywords: Any) -> None:
+    for alt in _choices(props[name]):
+        alt.update(keywords)
+
+
+def _describe(props: dict[str, Any], name: str, text: str) -> None:
+    props[name]["description"] = text
+
+
+def _below(n: int) -> str:
+    """A regex for the decimal integers 0 .. n-1 (no leading zeros): token ids as JSON object keys."""
+    digits = str(n - 1)
+    parts = ["0", f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        low = 1 if i == 0 and len(digits) > 1 else 0  # "0" itself is among the shorter numbers
+        rest = len(digits) - i - 1
+        if int(d) > low:
+            parts.append(digits[:i] + f"[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    parts.append(digits)
+    return "^(?:" + "|".join(parts) + ")$"
+
+
+def _only_if(field: str, then: dict[str, Any], required: tuple[str, ...] = (),
+             off: tuple[Any, ...] = (None,)) -> dict[str, Any]:
+    """`dependentSchemas` entry: when `field` is given other than `off`, `then` holds. (Generators
+    expand this form more cheaply than an if/then.)"""
+    return {field: {"anyOf": [{"properties": {field: {"enum": list(off)}}},
+                              {"properties": then, "required": list(required)}]}}
+
+
+# Rules that tie fields together multiply the alternatives a schema-driven generator (schemathesis)
+# expands, and it gives up on a body past a few dozen. Each body states the rules it can afford, the
+# most used ones first, and its fields' descriptions say the others.
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    """The fields completions and chat share (protocol._Sampling), one by one; and one structured-
+    output constraint per request."""
+    props = schema["properties"]
+    _set(props, "model", enum=list(limits.model_names))
+    _set(props, "max_tokens", maximum=limits.capacity - 1)  # the prompt takes at least one token
+    _set(props, "min_tokens", maximum=limits.capacity - 1)
+    _describe(props, "min_tokens", "at most max_tokens (whose default is 16 on completions, the room the "
+                                   "prompt leaves on chat)")
+    max_n = MAX_N if limits.max_num_seqs is None else min(MAX_N, limits.max_num_seqs)
+    _set(props, "n", maximum=max_n)
+    # Sample i of a request is seeded with seed + i: every one of them must be an int64.
+    _set(props, "seed", minimum=SEED_MIN, maximum=SEED_MAX - (max_n - 1))
+    string, strings = _choices(props["stop"])
+    string.update(minLength=1)
+    strings.update(maxItems=_MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
+    # -1 (as many as the model takes) is accepted too; "-1 or >= 1" would cost the generators a branch.
+    _set(props, "truncate_prompt_tokens", minimum=1)
+    _describe(props, "truncate_prompt_tokens", "keep the prompt's last k tokens (k >= 1); -1 keeps as many as "
+                                               "the model takes")
+    _set(props, "bad_words", maxItems=_MAX_BAD_WORDS,
+         items={"type": "string", "pattern": r"\S", "maxLength": _MAX_BAD_WORDS_CHARS // _MAX_BAD_WORDS})
+    _set(props, "allowed_token_ids", minItems=1, maxItems=_MAX_ALLOWED_TOKEN_IDS)
+    if limits.vocab_size is not None:
+        token_id = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            _set(props, name, items=token_id)
+        _set(props, "logit_bias", propertyNames={"pattern": _below(limits.vocab_size)})
+    _set(props, "logit_bias", additionalProperties={"type": "number", "minimum": -_MAX_LOGIT_BIAS,
+                                                    "maximum": _MAX_LOGIT_BIAS})
+    if limits.priority_scheduling is False:
+        _set(props, "priority", const=0)
+        _describe(props, "priority", "needs a server run with --scheduling-policy priority")
+    else:
+        _set(props, "priority", minimum=SEED_MIN, maximum=SEED_MAX)
+    # Structured outputs: each field's shape, and one constraint per request.
+    _set(props, "guided_regex", minLength=1)
+    _set(props, "guided_grammar", minLength=1)
+    _set(props, "guided_choice", minItems=1, items={"type": "string", "minLength": 1})
+    for alt in _choices(props["guided_json"]):
+        if alt.get("type") == "string":
+            alt["minLength"] = 1
+    json_schema = {"type": "object", "required": ["schema"],
+                   "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                  "strict": {"type": ["boolean", "null"]}}}
+    _set(props, "response_format", properties={"type": {"enum": ["text", "json_object", "json_schema"]},
+                                               "json_schema": json_schema},
+         dependentSchemas={"type": {"anyOf": [{"properties": {"type": {"not": {"const": "json_schema"}}}},
+                                              {"required": ["json_schema"]}]}})
+    _set(props, "structured_outputs", additionalProperties=False, maxProperties=1, properties={
+        "json": {"type": ["object", "string"], "minLength": 1}, "regex": {"type": "string", "minLength": 1},
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        "grammar": {"type": "string", "minLength": 1}, "json_object": {"const": True}})
+    # All but (at most) one of the constraint fields are null or absent.
+    schema.setdefault("allOf", []).append(
+        {"anyOf": [{"properties": {other: {"type": "null"} for other in _CONSTRAINTS if other != asked}}
+                   for asked in (None, *_CONSTRAINTS)]})
+
+
+def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    props = schema["properties"]
+    text: dict[str, Any] = {"type": "string", "minLength": 1}
+    if limits.max_prompt_chars is not None:
+        text["maxLength"] = limits.max_prompt_chars
+    ids: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": limits.capacity - 1, "items": {"type": "integer"}}
+    if limits.vocab_size is not None:
+        ids["items"] = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
+    props["prompt"] = {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
+                                 {"type": "array", "minItems": 1, "items": ids}],
+                       "title": "Prompt", "description": "a text, texts, token ids, or lists of token ids"}
+    # best_of is accepted only as what it means here, n: stated for n = 1.
+    _describe(props, "best_of", "accepted only equal to n")
+    schema["dependentSchemas"] = {
+        **_only_if("stream_options", {"stream": {"const": True}}, ("stream",)),
+        **_only_if("best_of", {"best_of": {"const": 1}, "n": {"enum": [1, None]}}),
+    }
+
+
+def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    props = schema["properties"]
+    if "max_completion_tokens" in props:  # chat completions
+        _set(props, "max_completion_tokens", maximum=limits.capacity - 1)
+        _describe(props, "stream_options", "only with stream: true")
+        _describe(props, "top_logprobs", "needs logprobs: true")
+        function = {"type": "object", "required": ["name"],
+                    "properties": {"name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}
+        _set(props, "tools", items={"type": "object", "required": ["type", "function"],
+                                    "properties": {"type": {"const": "function"}, "function": function}})
+        _describe(props, "tools", "functions with distinct names")
+        named = {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"const": "function"}, "function": {
+                     "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+        modes = ["none", "required"] if limits.renders_tools is False else ["none", "auto", "required"]
+        props["tool_choice"]["anyOf"] = [{"enum": modes}, named, {"type": "null"}]
+        _describe(props, "tool_choice", "anything but 'none' needs tools, and a named function must be one of "
+                                        "them; with tools and no tool_choice the choice is 'auto'"
+                                        + (", which this model's chat template cannot render"
+                                           if limits.renders_tools is False else ""))
+    if limits.template_variables:
+        _set(props, "chat_template_kwargs", propertyNames={"enum": sorted(limits.template_variables)})
+    elif limits.template_variables is not None:
+        _set(props, "chat_template_kwargs", maxProperties=0)
+    # A reply that continues the last message cannot also start a new turn, and the message must have
+    # text to continue (stated for every message: a schema cannot single out the last one).
+    text = {"type": "string", "pattern": r"\S"}
+    schema["dependentSchemas"] = _only_if(
+        "continue_final_message", {"add_generation_prompt": {"enum": [False, None]},
+                                   "messages": {"items": {"properties": {"content": text}, "required": ["content"]}}},
+        off=(False, None))
+
+
+def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
+    """Writes `limits` into the request bodies' schemas (components/schemas, by model name)."""
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        _sampling_limits(schemas[name], limits)
+    _completion_limits(schemas["CompletionRequest"], limits)
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        _chat_limits(schemas[name], limits)
+    for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
+        _set(schemas[name]["properties"], "model", enum=list(limits.model_names))
+    if limits.vocab_size is not None:
+        schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {
+            "type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
+
+
+def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[type[BaseModel], ...]],
+                    limits: Callable[[], ServedLimits] | None = None) -> None:
     """Serve the generated schema with the request body models of the POST routes put in (a route
-    that takes one of several bodies, as /tokenize does, gets their anyOf)."""
+    that takes one of several bodies, as /tokenize does, gets their anyOf) and, where `limits`
+    tells them, what the server enforces beyond the models' types."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -160,6 +358,8 @@ def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[type[BaseModel
                     "required": True,
                     "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
                 }
+            if limits is not None:
+                state_limits(components, limits())
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -102,7 +102,8 @@ def run_server(
     if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
         engine_client.tokenizer.set_chat_template(chat_template)
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key,
-                        max_request_bytes=max_request_bytes)
+                        max_request_bytes=max_request_bytes, max_num_seqs=config.scheduler.max_num_seqs,
+                        priority_scheduling=config.scheduler.scheduling_policy == "priority")
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5

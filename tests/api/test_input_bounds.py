@@ -123,6 +123,47 @@ def test_the_schema_and_docs_are_served(http):
     assert http.get("/docs").status_code == 200
 
 
+def test_metrics_are_declared_and_served_as_text(http):
+    declared = http.get("/openapi.json").json()["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(declared) == ["text/plain"]
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+VOCAB = 49152  # SmolLM2's
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CONTINUED = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.mark.parametrize("path,body,served", [
+    ("/detokenize", {"tokens": [VOCAB - 1]}, True),
+    ("/detokenize", {"tokens": [VOCAB]}, False),
+    (COMPLETIONS, {**GREEDY, "max_tokens": 2, "best_of": 1}, True),
+    (COMPLETIONS, {**GREEDY, "max_tokens": 2, "best_of": 2}, False),
+    (COMPLETIONS, {**GREEDY, "max_tokens": 2, "n": 2, "best_of": 1}, False),
+    (COMPLETIONS, {**GREEDY, "max_tokens": 2, "stream_options": {"include_usage": True}}, False),
+    (COMPLETIONS, {**GREEDY, "prompt": [1, VOCAB - 1]}, True),
+    (COMPLETIONS, {**GREEDY, "prompt": [1, VOCAB]}, False),
+    (COMPLETIONS, {**GREEDY, "prompt": ""}, False),
+    (COMPLETIONS, {**GREEDY, "logit_bias": {str(VOCAB - 1): 5}}, True),
+    (COMPLETIONS, {**GREEDY, "logit_bias": {str(VOCAB): 5}}, False),
+    (COMPLETIONS, {**GREEDY, "priority": 1}, False),  # this server schedules fcfs
+    (COMPLETIONS, {**GREEDY, "guided_regex": "a", "guided_choice": ["b"]}, False),
+    (COMPLETIONS, {**GREEDY, "max_tokens": 2.0, "n": 2.0, "seed": 7.0}, True),  # JSON's integers
+    (CHAT, {**CHAT_HI, "chat_template_kwargs": {"no_such_variable": 1}}, False),
+    ("/tokenize", {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": False}, True),
+    ("/tokenize", {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": True}, False),
+])
+def test_the_schema_admits_what_the_server_serves(http, path, body, served):
+    """Issue 34: the limits the server enforces are in /openapi.json, so the schema and the server
+    agree on each of these bodies, on either side of a limit."""
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = http.get("/openapi.json").json()
+    body_schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid = jsonschema.Draft202012Validator({**body_schema, "components": spec["components"]}).is_valid(body)
+    response = http.post(path, json=body)
+    assert (valid, response.status_code) == ((True, 200) if served else (False, 400)), response.text
+
+
 @pytest.mark.parametrize("path,body,param", [
     (COMPLETIONS, {**GREEDY, "max_tokens": 10**9}, "max_tokens"),
     (COMPLETIONS, {**GREEDY, "prompt": [1, 10**7]}, "prompt"),
