@@ -202,11 +202,18 @@ def quant_gemm(force: bool = False) -> object | None:
     return _load("quant_gemm") if force or kernels_enabled() else None
 
 
+def quant_int8() -> object | None:
+    """The module of the integer matmul on GGUF blocks (quant_int8.cpp: int8_matmul on quant_gemm's
+    packed panels, x quantised per 32 features to int8; quantize_activations; AVX-512 VNNI or AVX2),
+    or None when unavailable or disabled."""
+    return _load("quant_int8") if kernels_enabled() else None
+
+
 def build_kernels(dtype: torch.dtype) -> None:
     """Builds (or loads from the cache) every kernel a forward pass in `dtype` resolves, so that
     none is built inside a request: the matmul path resolves both panel kernels whatever the
     dtype (conveyor/model/linear.py), the fused ops and the attention kernels are fp32 only."""
-    kernels: list[Callable[[], object]] = [panel_gemm, quant_gemm]
+    kernels: list[Callable[[], object]] = [panel_gemm, quant_gemm, quant_int8]
     if dtype == torch.float32:
         kernels += [fused_ops, paged_decode_kernel, paged_prefill_kernel]
     # A cold build compiles each kernel's one source on one core: build them side by side.

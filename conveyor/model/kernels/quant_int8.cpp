@@ -1,0 +1,596 @@
+// y = x @ W^T (+ bias) on the quantised panels of quant_gemm.cpp (pack_quantized: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in integer arithmetic: x is quantised per 32 features to int8 with
+// an fp32 scale, as ggml's Q8_0 (dx = max|x| / 127, q = round(x * 127 / max|x|)), each 32 k of a
+// column are an integer dot product of those codes with the weight's unsigned codes (vpdpbusd with
+// AVX-512 VNNI; vpmaddubsw / vpmaddwd with AVX2), and the blocks' scales, offsets and minimums are
+// applied per group in fp32, which sums across groups:
+//   y = sum_g dx_g * (s_g * (sum_k q_w q_x - o * sum_k q_x)) + sum_g m_g * dx_g * sum_k q_x
+// (o: the code offset of Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128 as its codes are read unsigned, taken
+// into the integer sum; m_g: a minimum, Q4_1 / Q5_1 m, Q4_K / Q5_K -dmin * m). The result is the
+// product of the dequantised codes of x with the dequantised weights, up to fp32 rounding; it differs
+// from the fp32 product by x's quantisation error (at most about dx / 2 a feature), as llama.cpp's.
+//
+// The weights are the same bytes quantized_matmul reads (one copy of a weight): each thread unpacks a
+// panel's codes once into a buffer of bytes in the order the dot products take them (per 4 k, 16
+// columns x 4 codes: column c's codes for k .. k + 3 in bytes 4c .. 4c + 3, so one vpdpbusd of a
+// broadcast 4 bytes of x gives 16 columns 4 multiply-adds each) beside the groups' fp32 scales, and
+// tiles of up to 12 rows (AVX2: 4 rows, 8 columns at a time) read it from L1/L2. x is quantised
+// once a call, laid out tile by tile ([K / 4][rows][4 bytes]) so that a tile reads it through one
+// pointer.
+//
+// Non-finite x: a group holding inf or NaN gets a NaN scale, so the row's outputs are NaN. A group
+// whose max |x| is below 1e-30 quantises to zero (its share of any output is below 32e-30 |w|).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "panel_tile.h"
+
+#if !defined(__F16C__)
+#error "quant_int8 needs F16C"
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define CONVEYOR_INT8_512 1
+#endif
+
+using namespace conveyor_panels;
+
+namespace {
+
+// GGML's type numbers (gguf.GGMLQuantizationType), as quant_gemm's qtype argument.
+enum class QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// --- quant_gemm.cpp's panel layout (its header comment): a panel is `units` units of 16 columns,
+// one per GGUF block; a unit is its scale bytes column by column, then its codes in chunks of 32 k.
+constexpr int64_t kChunkK = 32;
+constexpr int64_t kChunkBytes(int bits) { return kChunkK * (8 + (bits == 4 ? 0 : bits == 5 ? 2 : 4)); }
+
+struct Layout {
+  int bits;            // 4, 5, 6, or 8 (Q8_0: 16 int8 codes per k)
+  int64_t unit_k;      // 32 or 256
+  int64_t header;      // bytes before the codes
+  int64_t unit_bytes;  // quant_gemm's panel_bytes
+};
+
+constexpr Layout layout_of(QType t) {
+  switch (t) {
+    case QType::kQ4_0: return {4, 32, 32, 32 + kChunkBytes(4)};
+    case QType::kQ4_1: return {4, 32, 64, 64 + kChunkBytes(4)};
+    case QType::kQ5_0: return {5, 32, 32, 32 + kChunkBytes(5)};
+    case QType::kQ5_1: return {5, 32, 64, 64 + kChunkBytes(5)};
+    case QType::kQ8_0: return {8, 32, 32, 32 + 32 * 16};
+    case QType::kQ4_K: return {4, 256, 320, 320 + 8 * kChunkBytes(4)};
+    case QType::kQ5_K: return {5, 256, 320, 320 + 8 * kChunkBytes(5)};
+    case QType::kQ6_K: return {6, 256, 288, 288 + 8 * kChunkBytes(6)};
+  }
+  return {0, 0, 0, 0};
+}
+
+bool known(int64_t qtype) {
+  switch (static_cast<QType>(qtype)) {
+    case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0: case QType::kQ5_1: case QType::kQ8_0:
+    case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: return true;
+  }
+  return false;
+}
+
+// The offset subtracted from a type's unsigned codes in the integer sum (see the top). With AVX2 a
+// Q8_0 code stays signed (vpmaddubsw takes its absolute value and moves its sign onto x's code).
+#if defined(CONVEYOR_INT8_512)
+constexpr int32_t kQ8Offset = 128;
+#else
+constexpr int32_t kQ8Offset = 0;
+#endif
+int32_t code_offset(QType t) {
+  switch (t) {
+    case QType::kQ4_0: return 8;
+    case QType::kQ5_0: return 16;
+    case QType::kQ6_K: return 32;
+    case QType::kQ8_0: return kQ8Offset;
+    default: return 0;
+  }
+}
+bool has_min(QType t) { return t == QType::kQ4_1 || t == QType::kQ5_1 || t == QType::kQ4_K || t == QType::kQ5_K; }
+
+// --- Quantised x, tile by tile.
+// Per row and group of 32 k: dx; cmin = dx * sum q (the dequantised codes' sum, for the minimums);
+// the integer sums' start, -offset * sum q over the group (init_a), or for Q6_K, whose scales cover
+// 16 k, over its first and second 16 k (init_a, init_b).
+struct Meta {
+  float dx, cmin;
+  int32_t init_a, init_b;
+};
+
+#if defined(CONVEYOR_INT8_512)
+constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside them in 32 zmm registers
+#else
+constexpr int kTileRows = 4;
+#endif
+// A block of rows stays in L2 while a thread's panels pass (its codes: rows x K bytes).
+constexpr int64_t kRowBlock = 8 * kTileRows;
+
+// Calls f(r0, rows) for the tiles of m rows: balanced blocks of at most kRowBlock rows, each in
+// balanced tiles of at most kTileRows. The quantiser and the product walk the same tiles.
+template <class F>
+void for_tiles(int64_t m, F&& f) {
+  for_balanced_tiles<kRowBlock>(m, [&](int64_t b0, int64_t block_rows) {
+    for_balanced_tiles<kTileRows>(block_rows, [&](int64_t t0, int64_t rows) { f(b0 + t0, rows); });
+  });
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+constexpr float kTinyAmax = 1e-30f;  // 127 / max|x| stays finite, max|x| / 127 normal
+
+// Row r of a tile of `rows` rows: its codes as 4-byte words at xt + (step * rows + r) * 4, its
+// groups' Meta at meta[g * rows + r].
+void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, int64_t rows, int64_t r, uint8_t* xt,
+                  Meta* meta) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t g = 0; g < k_dim / 32; ++g) {
+    const float* xg = x + g * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xg + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+      finite = _mm256_or_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    }
+    const float max_abs = hmax8(amax);
+    float dx = max_abs / 127.f, id = max_abs >= kTinyAmax ? 127.f / max_abs : 0.f;
+    if (_mm256_movemask_ps(finite)) dx = std::numeric_limits<float>::quiet_NaN(), id = 0.f;
+    else if (max_abs < kTinyAmax) dx = 0.f;
+    const __m256 mul = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      // round to nearest, ties to even (the default rounding mode); |x| id <= 127 (up to rounding)
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], mul));
+      q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    }
+    const int32_t sum_a = hsum8(_mm256_add_epi32(q[0], q[1])), sum_b = hsum8(_mm256_add_epi32(q[2], q[3]));
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    alignas(32) int32_t words[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words), packed);
+    for (int s = 0; s < 8; ++s) std::memcpy(xt + ((g * 8 + s) * rows + r) * 4, &words[s], 4);
+    Meta& mg = meta[g * rows + r];
+    mg.dx = dx;
+    mg.cmin = dx * static_cast<float>(sum_a + sum_b);
+    mg.init_a = -offset * (halves ? sum_a : sum_a + sum_b);
+    mg.init_b = halves ? -offset * sum_b : 0;
+  }
+}
+
+// --- A panel unpacked: per group of 32 k, 8 x 64 bytes of codes (see the top) and 2 x 16 fp32
+// values: the scale and the minimum (Q4_1, Q5_1, Q4_K, Q5_K), the scale alone (Q4_0, Q5_0, Q8_0),
+// or the scales of the first and the second 16 k (Q6_K).
+constexpr int64_t kGroupCodeBytes = 8 * 64, kGroupScales = 32;
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 u8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 i8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group g (of 32 k) of a unit's scales into out[32]; the same fp32 values gguf's dequantiser forms
+// (d, m, d * sc, dmin * m: exact products), per half of 8 columns.
+void unpack_scales(QType t, const uint8_t* unit, int64_t g, float* out) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* u = unit + 16 * h;  // column 8h's fp16 field (2 bytes a column)
+    const int64_t c = 8 * h;           // column 8h's byte in a K-quant scale row
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    switch (t) {
+      case QType::kQ4_0: case QType::kQ5_0: case QType::kQ8_0: a = half8(u); break;
+      case QType::kQ4_1: case QType::kQ5_1: a = half8(u), b = half8(u + 32); break;
+      case QType::kQ4_K: case QType::kQ5_K:
+        a = _mm256_mul_ps(half8(u), u8_ps(unit + 64 + g * 16 + c));
+        b = _mm256_xor_ps(_mm256_mul_ps(half8(u + 32), u8_ps(unit + 64 + 128 + g * 16 + c)), _mm256_set1_ps(-0.0f));
+        break;
+      case QType::kQ6_K:
+        a = _mm256_mul_ps(half8(u), i8_ps(unit + 32 + 2 * g * 16 + c));
+        b = _mm256_mul_ps(half8(u), i8_ps(unit + 32 + (2 * g + 1) * 16 + c));
+        break;
+    }
+    _mm256_storeu_ps(out + c, a);
+    _mm256_storeu_ps(out + 16 + c, b);
+  }
+}
+
+#if defined(CONVEYOR_INT8_512)
+// Byte tables for the unpacking (VBMI permutes and multishifts), built once.
+struct Tables {
+  alignas(64) uint8_t nibble_a[64], nibble_b[64];  // from (low nibbles, high nibbles) of 8 k
+  alignas(64) uint8_t bit5_src[64], bit5_a[64], bit5_b[64];
+  alignas(64) uint8_t bit6_src[64], bit6_a[64], bit6_b[64];
+  alignas(64) uint8_t q8[64];
+  Tables() {
+    for (int c = 0; c < 16; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const int o = 4 * c + j;
+        // 8 bytes of nibbles a k: column c < 8 in byte c's low nibble, c >= 8 in byte c - 8's high one
+        nibble_a[o] = static_cast<uint8_t>((c < 8 ? 0 : 64) + j * 8 + c % 8);
+        nibble_b[o] = static_cast<uint8_t>((c < 8 ? 0 : 64) + (j + 4) * 8 + c % 8);
+        // multishift: the 8 bits from bit p - 4 of the byte's qword put bit p at bit 4
+        bit5_a[o] = static_cast<uint8_t>((8 * j + c % 8 - 4) & 63);
+        bit5_b[o] = static_cast<uint8_t>((8 * (j + 4) + c % 8 - 4) & 63);
+        bit6_a[o] = static_cast<uint8_t>((8 * j + 2 * (c % 4) - 4) & 63);
+        bit6_b[o] = static_cast<uint8_t>((8 * (j + 4) + 2 * (c % 4) - 4) & 63);
+        q8[o] = static_cast<uint8_t>(j * 16 + c);
+      }
+    // qword q serves columns 2q, 2q + 1; its byte t is k t's byte that holds their high bits:
+    // 5-bit codes a uint16 a k (bit c: column c), 6-bit codes a uint32 (bits 2c, 2c + 1).
+    for (int q = 0; q < 8; ++q)
+      for (int t = 0; t < 8; ++t) {
+        bit5_src[q * 8 + t] = static_cast<uint8_t>(2 * t + q / 4);
+        bit6_src[q * 8 + t] = static_cast<uint8_t>(4 * t + q / 2);
+      }
+  }
+};
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+inline __m512i table(const uint8_t* p) { return _mm512_load_si512(p); }
+
+// One group's codes (32 k) -> out, 8 x 64 bytes, unsigned (Q8_0's with 128 added).
+template <int kBits>
+inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Tables& tb) {
+  if constexpr (kBits == 8) {
+    const uint8_t* src = codes + g * 32 * 16;
+    const __m512i perm = table(tb.q8), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int s = 0; s < 8; ++s)
+      _mm512_storeu_si512(out + 64 * s, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 64 * s)), flip));
+  } else {
+    const uint8_t* chunk = codes + g * kChunkBytes(kBits);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 4; ++h) {  // 8 k a step
+      const __m512i v = _mm512_loadu_si512(chunk + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      __m512i a = _mm512_permutex2var_epi8(lo, table(tb.nibble_a), hi);
+      __m512i b = _mm512_permutex2var_epi8(lo, table(tb.nibble_b), hi);
+      if constexpr (kBits == 5) {
+        const __m512i high = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 256 + 16 * h)));
+        const __m512i src = _mm512_permutexvar_epi8(table(tb.bit5_src), high), bit = _mm512_set1_epi8(0x10);
+        a = _mm512_ternarylogic_epi32(a, _mm512_multishift_epi64_epi8(table(tb.bit5_a), src), bit, 0xF8);  // a | (b & c)
+        b = _mm512_ternarylogic_epi32(b, _mm512_multishift_epi64_epi8(table(tb.bit5_b), src), bit, 0xF8);
+      } else if constexpr (kBits == 6) {
+        const __m512i high = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 256 + 32 * h)));
+        const __m512i src = _mm512_permutexvar_epi8(table(tb.bit6_src), high), bits = _mm512_set1_epi8(0x30);
+        a = _mm512_ternarylogic_epi32(a, _mm512_multishift_epi64_epi8(table(tb.bit6_a), src), bits, 0xF8);
+        b = _mm512_ternarylogic_epi32(b, _mm512_multishift_epi64_epi8(table(tb.bit6_b), src), bits, 0xF8);
+      }
+      _mm512_storeu_si512(out + 128 * h, a);
+      _mm512_storeu_si512(out + 128 * h + 64, b);
+    }
+  }
+}
+
+// R rows x 16 columns over a panel's groups. kHalves: Q6_K (two scales a group, each its own
+// integer sum); kMin: a minimum a group.
+template <int R, bool kHalves, bool kMin>
+void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
+          const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  __m512 sums[R];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, xt += 32 * R, meta += R) {
+    const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
+    __m512 part[R];
+    _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
+      __m512i acc[R];
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_set1_epi32(half ? meta[r].init_b : meta[r].init_a);
+      constexpr int kSteps = kHalves ? 4 : 8;
+      _Pragma("GCC unroll 8") for (int s = half * kSteps; s < (half + 1) * kSteps; ++s) {
+        const __m512i w = _mm512_loadu_si512(codes + 64 * s);
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(xw[s * R + r]));
+      }
+      const __m512 scale = _mm512_loadu_ps(scales + 16 * half);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+        part[r] = half ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, part[r])
+                       : _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(meta[r].dx), sums[r]);
+    if constexpr (kMin) {
+      const __m512 minimum = _mm512_loadu_ps(scales + 16);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+        sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(meta[r].cmin), minimum, sums[r]);
+    }
+  }
+  store_sums512<R>(sums, bias, y, y_stride, cols);
+}
+
+#else  // AVX2
+
+// Byte c * 4 + j of a 16-byte lane <- byte j * 4 + c: a 4 x 4 transpose.
+inline __m256i transpose4x4(__m256i v) {
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+}
+// 4 k x 8 bytes (k-major) -> 8 dwords, dword c = byte c of k 0..3.
+inline __m256i transpose4x8(__m256i v) {
+  return transpose4x4(_mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+}
+
+template <int kBits>
+inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out) {
+  for (int s = 0; s < 8; ++s) {  // 4 k a step: columns 0-7 in out's first 32 bytes, 8-15 in the next
+    __m256i lo, hi;
+    if constexpr (kBits == 8) {  // 16 signed codes a k
+      const uint8_t* src = codes + (g * 32 + 4 * s) * 16;
+      const __m256i k01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i k23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+      // columns 0-7 of k 0, 2 | 1, 3 (qwords), then columns 8-15
+      lo = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
+      hi = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
+    } else {
+      const uint8_t* chunk = codes + g * kChunkBytes(kBits);
+      const __m256i v = transpose4x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * s)));
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      lo = _mm256_and_si256(v, low4);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (kBits == 5) {
+        // 4 uint16 (bit c: column c); dword c's byte j tests bit c of k j's byte 0 (columns 0-7) or 1
+        uint64_t bits8;
+        std::memcpy(&bits8, chunk + 256 + 8 * s, 8);
+        const __m256i h = _mm256_set1_epi64x(static_cast<int64_t>(bits8));
+        const __m256i mask = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x10101010, 0x20202020,
+                                               0x40404040, static_cast<int32_t>(0x80808080));
+        const __m256i bit = _mm256_set1_epi8(0x10);
+        const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x06040200));
+        const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x07050301));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_lo, mask), mask), bit));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_hi, mask), mask), bit));
+      } else if constexpr (kBits == 6) {
+        // 4 uint32 (bits 2c, 2c + 1: column c); dword c's byte j <- k j's byte (c / 4, or 2 + c / 4 for
+        // columns 8-15), shifted so that bits 2 (c % 4), +1 land on bits 4-5 without leaving the byte
+        const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 256 + 16 * s)));
+        const __m256i left = _mm256_setr_epi32(4, 2, 0, 0, 4, 2, 0, 0), right = _mm256_setr_epi32(0, 0, 0, 2, 0, 0, 0, 2);
+        const __m256i bits = _mm256_set1_epi8(0x30);
+        const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12,
+                                                                        1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13));
+        const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_setr_epi8(2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14,
+                                                                        3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_lo, left), right), bits));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_hi, left), right), bits));
+      }
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * s), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * s + 32), hi);
+  }
+}
+
+// R rows x 8 columns (half `half` of the panel) over a panel's groups. vpmaddubsw's int16 pair sums
+// add up over kSteps16 steps before they widen (at most 2 x 63 x 127 a pair for 6-bit codes, so
+// 2 steps; 4 for 5-bit, 8 for 4-bit; Q8_0 signed, |code| <= 128: 1).
+template <int R, bool kHalves, bool kMin, int kSteps16, bool kSigned>
+void tile_half(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
+               int half_cols, const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 sums[R];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+  codes += 32 * half_cols;
+  scales += 8 * half_cols;
+  for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, xt += 32 * R, meta += R) {
+    const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
+    __m256 part[R];
+    _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
+      __m256i acc[R];
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_set1_epi32(half ? meta[r].init_b : meta[r].init_a);
+      constexpr int kSteps = kHalves ? 4 : 8;
+      _Pragma("GCC unroll 8") for (int s0 = half * kSteps; s0 < (half + 1) * kSteps; s0 += kSteps16) {
+        __m256i pairs[R];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") for (int s = s0; s < s0 + kSteps16; ++s) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * s));
+          const __m256i w_abs = kSigned ? _mm256_sign_epi8(w, w) : w;
+          _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+            __m256i xv = _mm256_set1_epi32(xw[s * R + r]);
+            if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w_abs, xv));
+          }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], ones));
+      }
+      const __m256 scale = _mm256_loadu_ps(scales + 16 * half);
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+        part[r] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), scale, part[r])
+                       : _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r]), scale);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) sums[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(meta[r].dx), sums[r]);
+    if constexpr (kMin) {
+      const __m256 minimum = _mm256_loadu_ps(scales + 16);
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+        sums[r] = _mm256_fmadd_ps(_mm256_set1_ps(meta[r].cmin), minimum, sums[r]);
+    }
+  }
+  alignas(32) float row[8];
+  const int64_t first = 8 * half_cols, n = std::min<int64_t>(8, cols - first);
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(row, sums[r]);
+    float* out = y + r * y_stride + first;
+    for (int64_t c = 0; c < n; ++c) out[c] = bias ? row[c] + bias[first + c] : row[c];
+  }
+}
+
+template <int R, bool kHalves, bool kMin, int kSteps16, bool kSigned>
+void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
+          const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 0, bias, y, y_stride, cols);
+  if (cols > 8) tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 1, bias, y, y_stride, cols);
+}
+#endif
+
+// Everything the product needs for one block type, at compile time.
+template <QType T>
+struct Kind {
+  static constexpr Layout L = layout_of(T);
+  static constexpr bool kHalves = T == QType::kQ6_K;
+  static constexpr bool kMin = T == QType::kQ4_1 || T == QType::kQ5_1 || T == QType::kQ4_K || T == QType::kQ5_K;
+
+  // A panel's groups (codes, scales) into the thread's buffers.
+  static void unpack(const uint8_t* panel, int64_t units, uint8_t* codes, float* scales) {
+#if defined(CONVEYOR_INT8_512)
+    const Tables& tb = tables();
+#endif
+    constexpr int64_t kGroups = L.unit_k / 32;
+    for (int64_t u = 0; u < units; ++u, panel += L.unit_bytes)
+      for (int64_t g = 0; g < kGroups; ++g, codes += kGroupCodeBytes, scales += kGroupScales) {
+#if defined(CONVEYOR_INT8_512)
+        unpack_codes<L.bits>(panel + L.header, g, codes, tb);
+#else
+        unpack_codes<L.bits>(panel + L.header, g, codes);
+#endif
+        unpack_scales(T, panel, g, scales);
+      }
+  }
+
+  template <int R>
+  static void run_tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
+                       const float* bias, float* y, int64_t y_stride, int64_t cols) {
+#if defined(CONVEYOR_INT8_512)
+    tile<R, kHalves, kMin>(codes, scales, xt, meta, groups, bias, y, y_stride, cols);
+#else
+    constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
+    tile<R, kHalves, kMin, kSteps16, L.bits == 8>(codes, scales, xt, meta, groups, bias, y, y_stride, cols);
+#endif
+  }
+};
+
+template <QType T>
+void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
+            const float* bias, float* y, int64_t out_features) {
+  using K = Kind<T>;
+  const int64_t k_dim = units * K::L.unit_k, groups = k_dim / 32;
+  // x quantised, tile by tile: tile (r0, rows) holds its codes at xq + r0 * K, its Meta at meta + r0 * groups.
+  std::vector<uint8_t> xq(static_cast<size_t>(m * k_dim));
+  std::vector<Meta> meta(static_cast<size_t>(m * groups));
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for_tiles(m, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
+  const int32_t offset = code_offset(T);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (const auto& [r0, rows] : tiles)
+      for (int64_t r = std::max(begin, r0); r < std::min(end, r0 + rows); ++r)
+        quantize_row(x + r * x_stride, k_dim, offset, K::kHalves, rows, r - r0, xq.data() + r0 * k_dim,
+                     meta.data() + r0 * groups);
+  });
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> codes;
+    thread_local std::vector<float> scales;
+    codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
+    scales.resize(static_cast<size_t>(groups * kGroupScales));
+    for_balanced_tiles<kRowBlock>(m, [&](int64_t b0, int64_t block_rows) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        K::unpack(w + p * units * K::L.unit_bytes, units, codes.data(), scales.data());
+        for_balanced_tiles<kTileRows>(block_rows, [&](int64_t t0, int64_t rows) {
+          const int64_t r0 = b0 + t0;
+          with_rows<kTileRows>(rows, [&](auto tile_rows) {
+            K::template run_tile<decltype(tile_rows)::value>(codes.data(), scales.data(), xq.data() + r0 * k_dim,
+                                                             meta.data() + r0 * groups, groups,
+                                                             bias ? bias + col0 : nullptr, y + r0 * out_features + col0,
+                                                             out_features, cols);
+          });
+        });
+      }
+    });
+  });
+}
+
+}  // namespace
+
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                          const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "int8_matmul: x must be 2-D fp32");
+  TORCH_CHECK(known(qtype), "int8_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
+  const auto type = static_cast<QType>(qtype);
+  const Layout l = layout_of(type);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(2) == l.unit_bytes, "int8_matmul: bad packed weight (not pack_quantized's for this qtype)");
+  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), "int8_matmul: x has ", x.size(1), " features, the weight ",
+              packed.size(1) * l.unit_k);
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "int8_matmul: out_features does not match the packed weight");
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  torch::Tensor b;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == out_features, "int8_matmul: bad bias");
+    bias_ptr = b.data_ptr<float>();
+  }
+  const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
+  auto y = torch::empty({m, out_features}, x.options());
+  if (m == 0) return y;
+  const float* xp = xs.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (type) {
+#define CONVEYOR_QTYPE(T) \
+  case QType::k##T: matmul<QType::k##T>(xp, xs.stride(0), m, wp, panels, units, bias_ptr, yp, out_features); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+#undef CONVEYOR_QTYPE
+  }
+  return y;
+}
+
+// x [M, K] -> the codes and scales the product multiplies: (int8 [M, K], fp32 dx [M, K / 32]), for
+// tests and for callers that bound the quantisation error.
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 32 == 0,
+              "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
+  const auto xs = x.contiguous();
+  const int64_t m = xs.size(0), k_dim = xs.size(1), groups = k_dim / 32;
+  auto codes = torch::empty({m, k_dim}, torch::kInt8);
+  auto scales = torch::empty({m, groups}, torch::kFloat32);
+  std::vector<uint8_t> words(static_cast<size_t>(k_dim));
+  std::vector<Meta> meta(static_cast<size_t>(groups));
+  for (int64_t r = 0; r < m; ++r) {  // a tile of one row: its words in k order
+    quantize_row(xs.data_ptr<float>() + r * k_dim, k_dim, 0, false, 1, 0, words.data(), meta.data());
+    std::memcpy(codes.data_ptr<int8_t>() + r * k_dim, words.data(), static_cast<size_t>(k_dim));
+    for (int64_t g = 0; g < groups; ++g) scales.data_ptr<float>()[r * groups + g] = meta[g].dx;
+  }
+  return {codes, scales};
+}
+
+std::string isa() {
+#if defined(CONVEYOR_INT8_512)
+  return "avx512-vnni";
+#else
+  return "avx2";
+#endif
+}
+
+// The ops run without the GIL, so the server's event loop streams responses while a step computes.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_matmul", &int8_matmul,
+        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &isa, "the instruction set this build's dot products use (avx512-vnni or avx2)");
+}
