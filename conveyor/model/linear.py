@@ -24,11 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
+# With int8 activations, a product on blocks of a type takes the integer kernel (quant_int8.cpp) from
+# this many rows; below, a decode step is bandwidth-bound and the fp32 expansion, exact, is as fast
+# (measured per type: docs/PERF.md, "int8 activations").
+INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in KERNEL_QTYPE}
 
 
 @dataclass(frozen=True)
@@ -157,16 +162,17 @@ def matmul_path(activation_dtype: str = "float32") -> Matmul:
     resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
     "int8" lets products on GGUF blocks quantize their activations where that is faster."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
+    int8_kernel = int8_matmul_kernel() if activation_dtype == "int8" else None
 
     def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
             if weight is None:  # held only packed: its kernel, whatever the switches say now
-                y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel())
+                y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel(), int8_kernel)
                 assert y is not None
                 return y
             if packing:
-                y = packed_product(x, packed, bias, kernel, quant_kernel)
+                y = packed_product(x, packed, bias, kernel, quant_kernel, int8_kernel)
                 if y is not None:
                     return y
         if weight is None:
@@ -180,26 +186,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | 
     return matmul_path()(x, weight, packed, bias)
 
 
+def int8_matmul_kernel() -> object | None:
+    """quant_int8.cpp's module where it builds (AVX-512 VNNI or AVX2), else None: int8 activations
+    then fall back to the exact fp32 path."""
+    return kernels.quant_int8()
+
+
 def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None,
-                   quant_kernel: object | None = None) -> torch.Tensor | None:
+                   quant_kernel: object | None = None, int8_kernel: object | None = None) -> torch.Tensor | None:
     """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
-    quant_gemm()) is turned off."""
+    quant_gemm()) is turned off. `int8_kernel` (int8_matmul_kernel()): products on blocks with at
+    least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
         outputs, start = [], 0
         for part in packed.parts:  # each column's sum is its own: the parts' products side by side are the whole's
             part_bias = None if bias is None else bias[start : start + part.out_features]
-            y = packed_product(x, part, part_bias, kernel, quant_kernel)
+            y = packed_product(x, part, part_bias, kernel, quant_kernel, int8_kernel)
             if y is None:
                 return None
             outputs.append(y)
             start += part.out_features
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
+        qtype = KERNEL_QTYPE[packed.layout]
+        if int8_kernel is not None and x.shape[0] >= INT8_FROM_ROWS[packed.layout]:
+            return int8_kernel.int8_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
         if quant_kernel is None:
             return None
-        qtype = KERNEL_QTYPE[packed.layout]
         return quant_kernel.quantized_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 

@@ -20,7 +20,8 @@ def test_a_step_resolves_no_kernel_that_building_the_engine_did_not(make_engine,
     monkeypatch.setattr(kernels, "_load", recording)
     engine = make_engine(max_num_seqs=2)
     at_build = set(asked)
-    assert at_build == {"paged_decode", "paged_prefill", "fused_ops", "panel_gemm", "quant_gemm"}  # fp32 runs all five
+    # fp32 runs all six (the integer kernel for --activation-dtype int8 is built beside quant_gemm)
+    assert at_build == {"paged_decode", "paged_prefill", "fused_ops", "panel_gemm", "quant_gemm", "quant_int8"}
     asked.clear()
     engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests:
