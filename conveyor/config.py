@@ -60,10 +60,11 @@ class EngineConfig:
     # True: matmuls stream dense fp32 weights even where the checkpoint has GGUF blocks the kernel reads
     # (the same results, bit for bit, at 4-7x the bytes per step; for A/B runs)
     dequantize_weights: bool = False
-    # "int8": products on GGUF blocks quantize their activations to int8 where that is faster (prefill,
-    # batched decode; results change slightly, `conveyor bench quality` measures how much); "float32":
+    # "int8": products on GGUF blocks quantize their activations to int8 per 32 features, as llama.cpp
+    # does, and multiply in integers (results change slightly: `conveyor bench quality` measures how
+    # much; the vocabulary projection keeps fp32 activations so greedy argmax stays exact); "float32":
     # fp32 activations throughout, bit-identical to dequantize-then-multiply (the reference tests)
-    activation_dtype: str = "float32"
+    activation_dtype: str = "int8"
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set

@@ -13,8 +13,9 @@ from conveyor.config import ACTIVATION_DTYPES, DTYPES, POLICIES, SCHEDULING_POLI
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
-    "activation_dtype": "int8: products on GGUF blocks quantize activations to int8 where faster (prefill, "
-                        "batched decode); float32: exact fp32 activations (results equal to dequantize-then-multiply)",
+    "activation_dtype": "int8 (default): products on GGUF blocks quantize activations to int8 and multiply in "
+                        "integers, as llama.cpp does; float32: exact fp32 activations (results equal to "
+                        "dequantize-then-multiply, as the reference tests need)",
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",

@@ -31,8 +31,10 @@ from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
 # With int8 activations, a product on blocks of a type takes the integer kernel (quant_int8.cpp) from
-# this many rows; below, a decode step is bandwidth-bound and the fp32 expansion, exact, is as fast
-# (measured per type: docs/PERF.md, "int8 activations").
+# this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
+# "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
+# row is quantized and multiplied alone), which greedy equality under batching, chunked prefill and
+# speculation rely on. A threshold above 1 would trade that away.
 INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in KERNEL_QTYPE}
 
 

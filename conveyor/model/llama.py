@@ -148,7 +148,9 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.head
-        logits = matmul_path(self.activation_dtype)(h, head.weight, head.packed, None).float()
+        # fp32 activations here whatever activation_dtype says: screened_argmax (greedy_tokens) is the
+        # exact fp32 argmax, so a greedy request gets the same token whether its batch samples or not.
+        logits = matmul_path("float32")(h, head.weight, head.packed, None).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

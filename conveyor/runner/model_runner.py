@@ -93,8 +93,12 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         seed: int = 0,
+        activation_dtype: str | None = None,
     ) -> None:
         self.model = model
+        # Engines may share one loaded model (tests, benchmarks): each runs its own activation dtype,
+        # set on the model at every step (None: the model's own).
+        self.activation_dtype = activation_dtype or model.activation_dtype
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.num_kv_blocks = num_kv_blocks
@@ -129,13 +133,15 @@ class ModelRunner:
                    "lower it with --kv-cache-memory (or --num-kv-blocks)")
         logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, config.block_size,
                     num_blocks * block_bytes / 2**20)
-        return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed)
+        return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
+                   config.activation_dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, self.block_size)
+        self.model.activation_dtype = self.activation_dtype
         t1 = time.perf_counter()
         h = self.model.sampling_hidden(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
                                        inputs.logits_indices)

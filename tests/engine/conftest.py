@@ -15,7 +15,11 @@ def default_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def make_engine(default_model: LoadedModel):
+    """Engines on exact fp32 activations unless a test asks for int8: the outputs these tests expect
+    are the reference's (dequantize-then-multiply). tests/engine/test_int8_activations.py runs the
+    default, int8."""
     def make(**kwargs: object) -> LLMEngine:
-        return LLMEngine.from_config(EngineConfig.from_kwargs(**kwargs), default_model)
+        return LLMEngine.from_config(EngineConfig.from_kwargs(**{"activation_dtype": "float32", **kwargs}),
+                                     default_model)
 
     return make

@@ -45,7 +45,7 @@ def qwen_path() -> Path:
 
 @pytest.fixture(scope="module")
 def qwen(qwen_path: Path) -> LoadedModel:
-    return load_model(EngineConfig(model=MODEL))
+    return load_model(EngineConfig(model=MODEL, activation_dtype="float32"))
 
 
 def test_the_joined_file_and_its_config(qwen_path: Path, qwen: LoadedModel) -> None:
@@ -97,7 +97,7 @@ def test_batched_greedy_tokens_equal_transformers(qwen: LoadedModel, hf_model: A
     transformers scores each prompt + our tokens in one pass: its argmax at every position must be
     our next token."""
     prompts = [qwen.tokenizer.encode(p) for p in PROMPTS]
-    engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=MODEL, max_num_seqs=len(prompts),
+    engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=MODEL, max_num_seqs=len(prompts), activation_dtype="float32",
                                                             num_kv_blocks=128), qwen)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in prompts]
