@@ -1,0 +1,160 @@
+"""This CPU's arithmetic peaks: fp32 FMA, int8 dot products (AVX-512 VNNI `vpdpbusd`, or AVX2
+`vpmaddubsw` + `vpmaddwd` + add) and bf16 dot products (AVX512-BF16 `vdpbf16ps`), each an
+instruction loop of 12 independent register chains (no memory traffic), on 1 and on all threads.
+These are the ceilings the products of docs/PERF.md are measured against: an fp32 FMA does 2 flops
+a lane, a `vpdpbusd` 8 integer ops a 32-bit lane (4 multiply-adds), a `vdpbf16ps` 4 flops a lane.
+
+    python benchmarks/kernels/peaks.py [--threads 1 2] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+// Each returns the number of operations done; 12 chains hide the instruction latency. OPAQUE tells
+// the compiler a and b may change every iteration, so it cannot fold the loop into a closed form.
+// KEEP makes the chains' sum an input of the (empty) asm, so they are not dead code.
+#define OPAQUE(a, b) __asm__ volatile("" : "+v"(a), "+v"(b));
+#define KEEP(s) __asm__ volatile("" : : "v"(s));
+#define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+double fp32_fma(int64_t iters, int threads) {
+  double total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_set1_ps(1.0000001f), b = _mm512_set1_ps(0.9999999f);
+#define DECL(i) __m512 c##i = _mm512_set1_ps((float)i);
+#define STEP(i) c##i = _mm512_fmadd_ps(c##i, a, b);
+#define SUM(i) s = _mm512_add_ps(s, c##i);
+    CHAINS(DECL)
+    for (int64_t n = 0; n < iters; ++n) { OPAQUE(a, b) CHAINS(STEP) }
+    __m512 s = _mm512_setzero_ps();
+    CHAINS(SUM)
+    KEEP(s)
+    total += (double)iters * 12 * 16 * 2;
+#undef DECL
+#undef STEP
+#undef SUM
+#else
+    __m256 a = _mm256_set1_ps(1.0000001f), b = _mm256_set1_ps(0.9999999f);
+#define DECL(i) __m256 c##i = _mm256_set1_ps((float)i);
+#define STEP(i) c##i = _mm256_fmadd_ps(c##i, a, b);
+#define SUM(i) s = _mm256_add_ps(s, c##i);
+    CHAINS(DECL)
+    for (int64_t n = 0; n < iters; ++n) { OPAQUE(a, b) CHAINS(STEP) }
+    __m256 s = _mm256_setzero_ps();
+    CHAINS(SUM)
+    KEEP(s)
+    total += (double)iters * 12 * 8 * 2;
+#undef DECL
+#undef STEP
+#undef SUM
+#endif
+  }
+  return total;
+}
+
+double int8_dot(int64_t iters, int threads) {
+  double total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+#if defined(__AVX512VNNI__)
+    __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+#define DECL(i) __m512i c##i = _mm512_set1_epi32(i);
+#define STEP(i) c##i = _mm512_dpbusd_epi32(c##i, a, b);
+#define SUM(i) s = _mm512_add_epi32(s, c##i);
+    CHAINS(DECL)
+    for (int64_t n = 0; n < iters; ++n) { OPAQUE(a, b) CHAINS(STEP) }
+    __m512i s = _mm512_setzero_si512();
+    CHAINS(SUM)
+    KEEP(s)
+    total += (double)iters * 12 * 64 * 2;
+#undef DECL
+#undef STEP
+#undef SUM
+#else
+    // AVX2: u8 x s8 pairs to s16 (vpmaddubsw), s16 pairs to s32 (vpmaddwd), then an add: 32 multiply-adds.
+    __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+    const __m256i ones = _mm256_set1_epi16(1);
+#define DECL(i) __m256i c##i = _mm256_set1_epi32(i);
+#define STEP(i) c##i = _mm256_add_epi32(c##i, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+#define SUM(i) s = _mm256_add_epi32(s, c##i);
+    CHAINS(DECL)
+    for (int64_t n = 0; n < iters; ++n) { OPAQUE(a, b) CHAINS(STEP) }
+    __m256i s = _mm256_setzero_si256();
+    CHAINS(SUM)
+    KEEP(s)
+    total += (double)iters * 12 * 32 * 2;
+#undef DECL
+#undef STEP
+#undef SUM
+#endif
+  }
+  return total;
+}
+
+double bf16_dot(int64_t iters, int threads) {
+#if defined(__AVX512BF16__)
+  double total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f7f);
+#define DECL(i) __m512 c##i = _mm512_set1_ps((float)i);
+#define STEP(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
+#define SUM(i) s = _mm512_add_ps(s, c##i);
+    CHAINS(DECL)
+    for (int64_t n = 0; n < iters; ++n) { OPAQUE(a, b) CHAINS(STEP) }
+    __m512 s = _mm512_setzero_ps();
+    CHAINS(SUM)
+    KEEP(s)
+    total += (double)iters * 12 * 32 * 2;
+#undef DECL
+#undef STEP
+#undef SUM
+  }
+  return total;
+#else
+  return -1.0;  // no AVX512-BF16 on this CPU
+#endif
+}
+"""
+
+FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot"]
+DECLARATIONS = "\n".join(f"double {name}(int64_t iters, int threads);" for name in FUNCTIONS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20_000_000)
+    args = parser.parse_args()
+    module = load_inline("conveyor_peaks", cpp_sources=[DECLARATIONS, SOURCE], functions=FUNCTIONS,
+                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; giga-operations a second, best of {args.repeats}")
+    print(f"{'threads':>7} {'fp32 FMA':>10} {'int8 dot':>10} {'bf16 dot':>10} {'int8/fp32':>10} {'bf16/fp32':>10}")
+    for threads in args.threads:
+        best: dict[str, float] = {}
+        for name in FUNCTIONS:
+            rates = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                ops = getattr(module, name)(args.iters, threads)
+                rates.append(ops / (time.perf_counter() - start) / 1e9 if ops > 0 else float("nan"))
+            best[name] = max(rates)
+        fp32, int8, bf16 = best["fp32_fma"], best["int8_dot"], best["bf16_dot"]
+        print(f"{threads:>7} {fp32:>10.0f} {int8:>10.0f} {bf16:>10.0f} {int8 / fp32:>9.2f}x {bf16 / fp32:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
