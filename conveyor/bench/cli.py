@@ -7,7 +7,7 @@ import math
 
 from conveyor.bench.compare import CompareConfig
 from conveyor.bench.workloads import DATASETS
-from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.config import ACTIVATION_DTYPES, EngineConfig, SchedulerConfig
 from conveyor.options import add_config_args
 
 
@@ -154,8 +154,8 @@ def _run_steps(args: argparse.Namespace) -> int:
     from conveyor.engine.llm_engine import LLMEngine
 
     cfg = StepsConfig(batch_sizes=args.batch_sizes, contexts=args.contexts, steps=args.steps, repeats=args.repeats,
-                      hf=args.hf)
-    longest = max(cfg.batch_sizes) * max(cfg.contexts)
+                      hf=args.hf, activation_dtypes=args.activation_dtypes or [], prefill=args.prefill)
+    longest = max(max(cfg.batch_sizes) * max(cfg.contexts), cfg.prefill)
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(
         model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
         max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(args.max_num_batched_tokens, min(longest, 8192)),
@@ -229,4 +229,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     add_config_args(steps, SchedulerConfig, only=("max_num_batched_tokens",),
                     helps={"max_num_batched_tokens": "token budget of a prefill step (raised to fit the prompts)"})
     steps.add_argument("--hf", action="store_true", help="also time transformers' forward pass (the test extra)")
+    steps.add_argument("--activation-dtypes", nargs="+", choices=list(ACTIVATION_DTYPES), metavar="DTYPE",
+                       help="activation dtypes run back to back each repeat, the first the ratios' base "
+                            f"(choices: {', '.join(ACTIVATION_DTYPES)}; default: the engine's)")
+    steps.add_argument("--prefill", type=int, default=0, metavar="N", help="also time a fresh N-token prompt's prefill")
     steps.set_defaults(func=_run_steps)

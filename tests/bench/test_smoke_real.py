@@ -50,6 +50,18 @@ def test_bench_compare_writes_table_json_and_plots(tmp_path: Path, capsys: pytes
     assert max(runs["static"]["trace"]["held"]) == 2
 
 
+@pytest.mark.usefixtures("smollm_gguf_path", "one_thread")
+def test_bench_steps_runs_activation_dtypes_back_to_back(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "steps", "--activation-dtypes", "int8", "float32", "--prefill", "40", "--batch-sizes", "2",
+                 "--contexts", "8", "--steps", "2", "--repeats", "1", "--num-threads", "1"])
+    assert code == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.count("|") >= 5]
+    table = {(row[0].strip(), row[1].strip()): row for row in rows[1:]}
+    assert set(table) == {("p40", "int8"), ("p40", "float32"), ("2", "int8"), ("2", "float32")}
+    assert table[("2", "int8")][5].strip() == "1.00x" and table[("p40", "int8")][5].strip().startswith("1.00x")
+    assert "prompt tok/s" in table[("p40", "float32")][5]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
