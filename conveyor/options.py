@@ -17,6 +17,9 @@ HELP = {
                         "integers, as llama.cpp does; float32: exact fp32 activations (results equal to "
                         "dequantize-then-multiply, as the reference tests need)",
     "block_size": "tokens per KV block",
+    "speculative_config": 'speculative decoding, as a JSON object: {"method": "ngram", '
+                          '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                          '"adaptive": true} (fields optional; off by default)',
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
@@ -65,7 +68,10 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if default is not None:
             help_text += f" (default: {default})" if help_text else f"default: {default}"
         flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
+        if dataclasses.is_dataclass(kind):  # a nested config given as a JSON object, as vLLM's
+            parser.add_argument(flag, type=kind.parse, default=default, metavar="JSON",  # type: ignore[attr-defined]
+                                help=help_text)
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_text)

@@ -63,6 +63,10 @@ class Request:
     # With sampling_params.prompt_logprobs: {token id: logprob} per prompt token scored so far (the
     # first token has none), filled chunk by chunk as the prompt is computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Speculative tokens: proposed after the last sampled token (conveyor/speculative), known but
+    # not yet verified. They are scheduled and computed like any known token; the step's sampling
+    # keeps the run the model agrees with and the scheduler rolls the rest back (never cached).
+    spec_token_ids: list[int] = field(default_factory=list)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,8 +106,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Verified tokens and the speculative ones after them: what a step may compute."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
+
+    @property
     def num_pending_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_known_tokens - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int:
@@ -122,15 +131,23 @@ class Request:
         return sequence_key(self.sampling_params, self.token_slice, self.request_id)
 
     def token_at(self, position: int) -> int:
+        """The known token at `position`: prompt, output, then speculative tokens."""
         n_prompt = len(self.prompt_token_ids)
         if position < n_prompt:
             return self.prompt_token_ids[position]
-        return self.output_token_ids[position - n_prompt]
+        n_verified = n_prompt + len(self.output_token_ids)
+        if position < n_verified:
+            return self.output_token_ids[position - n_prompt]
+        return self.spec_token_ids[position - n_verified]
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end): prompt, output, then speculative tokens."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
+        n_verified = n_prompt + len(self.output_token_ids)
+        if end > n_verified:
+            return self.token_slice(start, n_verified) + self.spec_token_ids[max(0, start - n_verified): end - n_verified]
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]

@@ -15,13 +15,14 @@ from conveyor.control import SloController
 from conveyor.engine.tokenizer_protocol import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
-from conveyor.errors import InvalidRequestError, RequestFailedError
+from conveyor.errors import ConfigError, InvalidRequestError, RequestFailedError
 from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, build_scheduler
+from conveyor.speculative import Speculator
 from conveyor.structured.matchers import GrammarMatchers
 
 log = logging.getLogger("conveyor.engine")
@@ -65,6 +66,11 @@ class LLMEngine:
         self.slo = SloController.from_scheduler_config(config.scheduler, num_kv_blocks * config.block_size)
         self._ids = itertools.count()
         self._unfinished_samples: dict[str, int] = {}  # request id -> samples not yet finished
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            if not getattr(runner, "supports_speculation", False):
+                raise ConfigError("this engine's runner cannot verify speculative tokens (speculative_config)")
+            self.speculator = Speculator(config.speculative_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: object | None = None) -> "LLMEngine":
@@ -287,27 +293,46 @@ class LLMEngine:
             self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
         finished = []
         logprobs = sampled.logprobs or [None] * len(samplers)
-        for request, token, token_logprobs in zip(samplers, sampled.tokens, logprobs):
-            request.output_token_ids.append(token)
-            request.times.tokens.append(t2)
-            if request.times.first_token is None:
-                request.times.first_token = t2
-            grammar_done = self.grammars.accept(request, token)
-            status = self.stopper.check(request, token)
-            if grammar_done and status is not RequestStatus.FINISHED_STOPPED:
-                status = RequestStatus.FINISHED_STOPPED
+        accepted = sampled.num_accepted or [0] * len(samplers)
+        num_rejected: dict[str, int] = {}
+        for request, token, token_logprobs, num_accepted in zip(samplers, sampled.tokens, logprobs, accepted):
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts:
+                num_rejected[request.request_id] = len(drafts) - num_accepted
+                stats.num_draft_tokens += len(drafts)
+                stats.num_accepted_tokens += num_accepted
+                if self.speculator is not None:
+                    self.speculator.observe_verified(request, len(drafts), num_accepted)
+            new_tokens: list[int] = []
+            status = None
+            for new_token in drafts[:num_accepted] + [token]:
+                new_tokens.append(new_token)
+                request.output_token_ids.append(new_token)
+                request.times.tokens.append(t2)
+                if request.times.first_token is None:
+                    request.times.first_token = t2
+                grammar_done = self.grammars.accept(request, new_token)
+                status = self.stopper.check(request, new_token)
+                if grammar_done and status is not RequestStatus.FINISHED_STOPPED:
+                    status = RequestStatus.FINISHED_STOPPED
+                if status is not None:
+                    break  # the tokens after a stop are dropped, as they would never have been sampled
             if status is not None:
-                finished.append((request, status, token_logprobs))
+                finished.append((request, status, token_logprobs, new_tokens))
             else:
-                outputs.append(self._output(request, [token], token_logprobs))
-        self.scheduler.update_from_output(out, [(r, status) for r, status, _ in finished])
-        for request, _, token_logprobs in finished:
+                outputs.append(self._output(request, new_tokens, token_logprobs))
+        self.scheduler.update_from_output(out, [(r, status) for r, status, _, _ in finished], num_rejected)
+        for request, _, token_logprobs, new_tokens in finished:
             request.times.finished = t2
-            outputs.append(self._output(request, [request.output_token_ids[-1]], token_logprobs))
+            outputs.append(self._output(request, new_tokens, token_logprobs))
             self._retire_sample(request.group_id)
+        if self.speculator is not None:
+            base_rows = out.num_tokens - stats.num_draft_tokens
+            self.speculator.observe_step(out.num_tokens, t2 - t1)
+            self.speculator.propose([r for r in samplers if not r.is_finished], base_rows)
         stats.postprocess_s = self.clock() - t2
         if self.slo is not None:
-            self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _ in finished], self.scheduler)
+            self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _, _ in finished], self.scheduler)
             stats.extra.update(self.slo.state.as_extra())
         return outputs
 

@@ -185,6 +185,21 @@ class KVCacheManager:
         if parent_id in self._num_offered:
             self._num_offered[child_id] = self._num_offered[parent_id]
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep slots for the request's first num_tokens tokens only: speculative tokens the model
+        rejected give their slots back, and the blocks past the kept ones return to the pool. Those
+        blocks were never keyed (only computed, verified tokens are offered to the cache), and hold
+        only this request's rejected tokens; their slots are written again when the request gets
+        that far."""
+        table = self.block_tables.get(request_id)
+        if table is None or self.num_slotted_tokens.get(request_id, 0) <= num_tokens:
+            return
+        self.num_slotted_tokens[request_id] = num_tokens
+        keep = max(blocks_for(num_tokens, self.block_size), self._num_offered.get(request_id, 0))
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

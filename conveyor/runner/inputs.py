@@ -2,6 +2,11 @@
 
 Row order: single-token rows (decodes) first, so attention can take them in one batched call,
 then multi-token prefill chunks. Logits rows follow the scheduler's order of sampling requests.
+
+A decode with speculative tokens is as many decode rows as it has tokens, each attending to the
+request's blocks up to its own position (the step writes every row's KV before attention reads
+any): each row is computed exactly as a step of one token at that position would compute it, so
+verifying a proposal changes no result.
 """
 from __future__ import annotations
 
@@ -20,12 +25,15 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # One row per sampling request, in out.sampling_requests() order, then the prompt rows below.
+    # The rows of each sampling request, in out.sampling_requests() order (one, or 1 + its
+    # speculative tokens: sampling_rows), then the prompt rows below.
     logits_indices: torch.Tensor
     # Requests asking for prompt logprobs: (request, first position, count) of each one's run of
     # rows that follows the sampling rows in logits_indices; the row at position p scores the
     # prompt token at p + 1. Only positions whose logprobs the request does not have yet.
     prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    # Per sampling request: its logits rows (1 + the speculative tokens it verifies).
+    sampling_rows: list[int] = field(default_factory=list)
 
     @property
     def num_sampling_rows(self) -> int:
@@ -36,8 +44,10 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     """The step's rows; each request's KV slots from its table in `out.block_tables` (blocks of
     block_size tokens)."""
     bs = block_size
-    decodes = [(r, n) for r, n in out.scheduled if n == 1]
-    prefills = [(r, n) for r, n in out.scheduled if n > 1]
+    # A request verifying speculative tokens is scheduled all of them with its last sampled token.
+    decodes = [(r, n) for r, n in out.scheduled if n == 1 or n == 1 + len(r.spec_token_ids)]
+    decoding = {r.request_id for r, _ in decodes}
+    prefills = [(r, n) for r, n in out.scheduled if r.request_id not in decoding]
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -46,15 +56,17 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
 
     decode_tables: list[list[int]] = []
     context_lens: list[int] = []
-    for request, _ in decodes:
-        pos = request.num_computed_tokens
+    for request, n in decodes:
+        start = request.num_computed_tokens
         table = out.block_tables[request.request_id]
-        last_row[request.request_id] = first_row[request.request_id] = len(input_ids)
-        input_ids.append(request.token_at(pos))
-        positions.append(pos)
-        slots.append(table[pos // bs] * bs + pos % bs)
-        decode_tables.append(table)
-        context_lens.append(pos + 1)
+        first_row[request.request_id] = len(input_ids)
+        for pos in range(start, start + n):
+            input_ids.append(request.token_at(pos))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            decode_tables.append(table)
+            context_lens.append(pos + 1)
+        last_row[request.request_id] = len(input_ids) - 1
 
     chunks: list[PrefillChunk] = []
     for request, n in prefills:
@@ -75,7 +87,13 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
 
     for parent, child in out.forks:  # a new sample reads its parent's logits
         last_row[child.request_id] = last_row[parent.request_id]
-    logits_rows = [last_row[r.request_id] for r in out.sampling_requests()]
+    logits_rows: list[int] = []
+    sampling_rows: list[int] = []
+    for request in out.sampling_requests():
+        last = last_row[request.request_id]
+        count = 1 + len(request.spec_token_ids)
+        logits_rows.extend(range(last - count + 1, last + 1))
+        sampling_rows.append(count)
     prompt_rows = []
     for request, n in out.scheduled:
         if request.sampling_params.prompt_logprobs is None:
@@ -92,11 +110,12 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         positions=torch.tensor(positions),
         meta=AttentionMetadata(
             slot_mapping=torch.tensor(slots),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(context_lens),
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
             prefills=chunks,
         ),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         prompt_logprob_rows=prompt_rows,
+        sampling_rows=sampling_rows,
     )

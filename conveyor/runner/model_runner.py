@@ -1,6 +1,7 @@
 """ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from conveyor.model.ops import layer_ops
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
-from conveyor.sampling.outputs import SamplerOutput
+from conveyor.sampling.outputs import SamplerOutput, verify_rows
 from conveyor.structured.masking import apply_token_masks
 from conveyor.sampling.sampler import Sampler
 from conveyor.structured.spec import TokenMasks
@@ -84,6 +85,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 class ModelRunner:
     supports_token_masks = True  # execute() applies structured-output masks
+    supports_speculation = True  # execute() verifies requests' speculative tokens (SamplerOutput.num_accepted)
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class ModelRunner:
                                        inputs.logits_indices)
         num_sampling = inputs.num_sampling_rows
         requests = out.sampling_requests()
+        speculating = num_sampling > len(requests)
         if (num_sampling and token_masks is None and not inputs.prompt_logprob_rows
                 and Sampler.argmax_is_all(requests)):
             # Greedy tokens and nothing else: the argmax may skip most of the vocabulary projection.
@@ -154,12 +157,21 @@ class ModelRunner:
             if tokens is not None:
                 t2 = time.perf_counter()
                 stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, 0.0
-                return SamplerOutput(tokens.tolist())
+                if not speculating:
+                    return SamplerOutput(tokens.tolist())
+                chosen, accepted = verify_rows(tokens.tolist(), [r.spec_token_ids for r in requests])
+                return SamplerOutput(chosen, num_accepted=accepted)
         logits = self.model.logits(h)
         t2 = time.perf_counter()
         if token_masks is not None:
+            if speculating:  # masks name requests; each request's rows start at the sum before it
+                starts = [0, *itertools.accumulate(inputs.sampling_rows)]
+                token_masks = TokenMasks([starts[i] for i in token_masks.rows], token_masks.bitmask)
             apply_token_masks(logits[:num_sampling], token_masks)
-        sampled = self.sampler(logits[:num_sampling], requests) if num_sampling else SamplerOutput([])
+        if speculating:
+            sampled = self.sampler.verify(logits[:num_sampling], requests)
+        else:
+            sampled = self.sampler(logits[:num_sampling], requests) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
             sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
         t3 = time.perf_counter()

@@ -11,6 +11,9 @@ class StepStats:
     num_requests: int = 0
     num_tokens: int = 0
     num_preempted: int = 0
+    # Speculative decoding: proposed tokens this step verified, and how many of them it kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     model_s: float = 0.0

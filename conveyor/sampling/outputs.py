@@ -14,3 +14,27 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None] | None = None
     # request id -> {token id: logprob} for each prompt token this step scored, in order.
     prompt_logprobs: dict[str, list[dict[int, float]]] | None = None
+    # Per sampling request: how many of its speculative tokens the model accepted; `tokens` holds
+    # the token sampled after them (None: no request verified any this step).
+    num_accepted: list[int] | None = None
+
+
+def verify_rows(row_tokens: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Each request's run of sampled rows (1 + len(its drafts)) -> (the token after its accepted
+    drafts, how many were accepted). Row j holds the token the model chose at the j-th draft's
+    position; a draft stands while it is the chosen one, and the first chosen token that differs
+    (or the one after the last draft) is the model's own. For a request that samples, drawing a
+    row's token from the model's distribution and keeping the draft only when they agree is
+    rejection sampling for a draft that proposes one token with certainty (an n-gram lookup's): a
+    draft x is kept with probability p(x), and a rejection yields p without x, renormalized, so
+    every token is distributed exactly as without speculation."""
+    tokens, accepted, at = [], [], 0
+    for draft in drafts:
+        rows = row_tokens[at: at + len(draft) + 1]
+        at += len(draft) + 1
+        count = 0
+        while count < len(draft) and rows[count] == draft[count]:
+            count += 1
+        tokens.append(rows[count])
+        accepted.append(count)
+    return tokens, accepted

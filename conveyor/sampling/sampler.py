@@ -9,13 +9,14 @@ the rows that ask for it.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable, MutableMapping, Sequence
 
 import torch
 
 from conveyor.request import Request
-from conveyor.sampling.outputs import SamplerOutput
+from conveyor.sampling.outputs import SamplerOutput, verify_rows
 
 
 def _holds_back_stops(request: Request) -> bool:
@@ -163,6 +164,31 @@ class Sampler:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, self._logprobs(logits, tokens, wanted))
 
+    def verify(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits: fp32, 1 + len(spec_token_ids) rows per request, in order. Samples every row as
+        its position would be sampled without speculation, then keeps each request's drafts while
+        they agree (verify_rows). A seeded request's generator ends where drawing only the rows
+        it keeps would leave it, so its output does not depend on whether it speculated.
+        Only requests whose rows sample independently of the tokens before them speculate
+        (conveyor/speculative's eligibility): no logprobs, penalties or output-dependent masks."""
+        rows = [r for r in requests for _ in range(1 + len(r.spec_token_ids))]
+        seeded = [r for r in requests if r.spec_token_ids and r.sampling_params.seed is not None]
+        before = {r: self._generator_for(r).get_state() for r in seeded}
+        row_tokens = self._sample(adjust_logits(logits, rows, self.eos_token_ids, self._allowed_masks), rows)
+        tokens, accepted = verify_rows(row_tokens, [r.spec_token_ids for r in requests])
+        for request, count in zip(requests, accepted):
+            if request in before and count < len(request.spec_token_ids):
+                generator = self._request_generators[request]
+                generator.set_state(before[request])
+                for _ in range(count + 1):
+                    torch.rand(1, generator=generator)
+        wanted = [r.sampling_params.logprobs for r in rows]
+        if all(k is None for k in wanted):
+            return SamplerOutput(tokens, num_accepted=accepted)
+        row_logprobs = self._logprobs(logits, row_tokens, wanted)
+        last_rows = list(itertools.accumulate(1 + len(r.spec_token_ids) for r in requests))
+        return SamplerOutput(tokens, [row_logprobs[i - 1] for i in last_rows], num_accepted=accepted)
+
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
         """{token: logprob} for each row's target token and its `top` best alternatives."""
@@ -261,15 +287,17 @@ class Sampler:
             else:
                 self._request_generators[request].set_state(request_state)
 
+    def _generator_for(self, request: Request) -> torch.Generator:
+        """A seeded request's own generator, made at its first draw."""
+        gen = self._request_generators.get(request)
+        if gen is None:
+            gen = torch.Generator().manual_seed(request.sampling_params.seed)  # type: ignore[arg-type]
+            self._request_generators[request] = gen
+        return gen
+
     def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
         uniform = torch.rand(len(requests), generator=self._generator)
         for i, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is None:
-                continue
-            gen = self._request_generators.get(request)
-            if gen is None:
-                gen = torch.Generator().manual_seed(seed)
-                self._request_generators[request] = gen
-            uniform[i] = torch.rand(1, generator=gen)
+            if request.sampling_params.seed is not None:
+                uniform[i] = torch.rand(1, generator=self._generator_for(request))
         return uniform

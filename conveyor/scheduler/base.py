@@ -10,7 +10,7 @@ here, and the runner reads the step's block tables in the decision, never the ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from conveyor.config import SchedulerConfig
 from conveyor.kv.keys import SequenceKey
@@ -45,7 +45,7 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """Requests that catch up with all their known tokens this step, so sample the next one.
         Forked children come last. Valid until the step's results are applied."""
-        regular = [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        regular = [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_known_tokens]
         return regular + [child for _, child in self.forks]
 
 
@@ -196,8 +196,12 @@ class Scheduler:
 
     def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:
         """How many of the request's pending tokens (after a prefix hit on `cached`) fit the
-        budget; 0 if it must wait."""
+        budget; 0 if it must wait. Speculative tokens that do not fit are dropped, not chunked:
+        they are only worth computing with the token before them, in the step that samples it."""
         pending = request.num_pending_tokens - len(cached) * self.kv.block_size
+        if pending > budget and request.spec_token_ids:
+            del request.spec_token_ids[max(0, budget - (pending - len(request.spec_token_ids))):]
+            pending = request.num_pending_tokens
         if pending <= budget:
             return pending
         return budget if self.config.chunked_prefill else 0
@@ -257,7 +261,7 @@ class Scheduler:
     def _finish_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         """Branch off the extra samples of n > 1 requests that sample their first token now."""
         for request, n in out.scheduled:
-            if request.num_computed_tokens + n < request.num_tokens:
+            if request.num_computed_tokens + n < request.num_known_tokens:
                 continue
             for index in range(1, request.pending_forks + 1):
                 child = request.fork(index)
@@ -291,6 +295,7 @@ class Scheduler:
         # Recompute, not swap: drop the KV and let the request catch up from token 0 later (or
         # from what the prefix cache still holds of it).
         self.kv.free(request.request_id)
+        request.spec_token_ids.clear()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -303,10 +308,17 @@ class Scheduler:
     def _on_preempt(self, request: Request) -> None:
         raise NotImplementedError
 
-    def update_from_output(self, out: SchedulerOutput, finished: Iterable[tuple[Request, RequestStatus]]) -> None:
-        """Account for the computed tokens, then retire the requests the engine says are done."""
+    def update_from_output(self, out: SchedulerOutput, finished: Iterable[tuple[Request, RequestStatus]],
+                           num_rejected: Mapping[str, int] | None = None) -> None:
+        """Account for the computed tokens, then retire the requests the engine says are done.
+        `num_rejected`: request id -> speculative tokens computed this step that the model did not
+        accept (the engine has dropped them from the request): the count rolls back past them and
+        the blocks that held only them are freed. Only verified tokens reach the prefix cache."""
         for request, n in out.scheduled:
-            request.num_computed_tokens += n
+            rejected = num_rejected.get(request.request_id, 0) if num_rejected else 0
+            request.num_computed_tokens += n - rejected
+            if rejected:
+                self.kv.truncate(request.request_id, request.num_computed_tokens)
             self.kv.cache_full_blocks(request.sequence_key, request.num_computed_tokens)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens

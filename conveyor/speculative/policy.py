@@ -1,0 +1,139 @@
+"""How many tokens to propose, per request and per step: a cost model, not a constant.
+
+A proposed token costs one more row in the step (`StepCostModel`: step time = base + per_row *
+rows, fitted online to the engine's own steps), and is worth a token of output only if it and
+every proposal before it are accepted. With the request's acceptance rate a (accepted proposals
+over proposals verified, recent steps weighted most), the i-th proposal yields a^i tokens on
+average; one token is worth the step's time over the tokens the step yields. So a request gets the
+deepest i (up to num_speculative_tokens) where a^i * step_time / tokens_per_step >= per_row. One
+stream, with its step mostly spent streaming weights, speculates deeply even at modest acceptance;
+a large batch, whose every row already pays for itself, speculates only where proposals are
+nearly always right. That is what keeps speculation from slowing a busy server.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+from conveyor.config import SpeculativeConfig
+from conveyor.request import Request, RequestStatus
+from conveyor.speculative.ngram import NgramProposer
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether the request's next tokens may be proposed and verified in one step: it decodes
+    (every known token but the last is computed), and each of its rows samples independently of
+    the tokens before it: no logprobs (reported one token a step), no penalties, bad words,
+    min_tokens or grammar, which depend on the output so far."""
+    p = request.sampling_params
+    return (request.status is RequestStatus.RUNNING and bool(request.output_token_ids)
+            and request.num_computed_tokens == request.num_tokens - 1
+            and p.logprobs is None and not p.penalized and not p.bad_words_token_ids
+            and p.structured is None and len(request.output_token_ids) >= p.min_tokens)
+
+
+class StepCostModel:
+    """Least squares of step time on rows over recent steps (exponentially forgotten)."""
+
+    def __init__(self, memory: float = 0.98) -> None:
+        self.memory = memory
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        m = self.memory
+        self._w = m * self._w + 1.0
+        self._x = m * self._x + rows
+        self._y = m * self._y + seconds
+        self._xx = m * self._xx + rows * rows
+        self._xy = m * self._xy + rows * seconds
+
+    @property
+    def per_row(self) -> float | None:
+        """Seconds one more row adds to a step; None until steps of different sizes were seen."""
+        if self._w == 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        if var < 0.25:  # every step had (almost) the same rows: no slope to read
+            return None
+        return max(0.0, (self._xy / self._w - mean_x * mean_y) / var)
+
+    def step_time(self, rows: int) -> float | None:
+        slope = self.per_row
+        if slope is None:
+            return None
+        return (self._y - slope * self._x) / self._w + slope * rows
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 1.0  # a prior of one accepted and one rejected proposal: a = 0.5
+    rejected: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class Speculator:
+    # Each verification counts this much less than the one after it: a request's text changes
+    # kind (prose, a copied block) over its life, and the rate should follow within a few steps.
+    FORGET = 0.8
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.cost = StepCostModel()
+        self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
+        # Since start: proposals verified, accepted, and accepted at each depth (vLLM's metrics).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    def observe_verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """A step verified num_drafted proposals of the request and kept the first num_accepted."""
+        if not num_drafted:
+            return
+        stats = self._acceptance.setdefault(request, _Acceptance())
+        stats.accepted = self.FORGET * stats.accepted + num_accepted
+        stats.rejected = self.FORGET * stats.rejected + (num_accepted < num_drafted)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def depth(self, request: Request, rows: int, tokens: int) -> int:
+        """How many tokens to propose for the request in a step like the last one (`rows` rows,
+        yielding `tokens` tokens), at most num_speculative_tokens; the module's cost rule."""
+        most = self.config.num_speculative_tokens
+        if not self.config.adaptive:
+            return most
+        per_row, step = self.cost.per_row, self.cost.step_time(rows)
+        if per_row is None or step is None or per_row == 0.0:
+            return most
+        token_value = step / max(1, tokens)
+        rate = self._acceptance.get(request, _Acceptance()).rate
+        if rate >= 1.0:
+            return most
+        if rate <= 0.0 or token_value < per_row:
+            return 0
+        # The deepest i with rate**i * token_value >= per_row.
+        return max(0, min(most, math.floor(math.log(per_row / token_value) / math.log(rate))))
+
+    def propose(self, requests: Sequence[Request], rows: int) -> None:
+        """Set the speculative tokens of each request that may have them, for the next step."""
+        for request in requests:
+            if not can_speculate(request):
+                continue
+            params = request.sampling_params
+            # Never past max_tokens: the last token a request may have is its own, never a proposal.
+            room = params.max_tokens - len(request.output_token_ids) - 1
+            depth = min(room, self.depth(request, rows, len(requests)))
+            request.spec_token_ids = self.proposer.propose(request, depth) if depth > 0 else []
