@@ -162,7 +162,7 @@ bench() {  # bench URL LABEL RESULT_JSON [extra args]: the one command both serv
     shift 3
     local args=(--base-url "$url" --model "$NAME" --dataset "$DATASET" --num-prompts "$NUM_PROMPTS"
                 --request-rate "$REQUEST_RATE" --seed "$SEED" --label "$label" --disable-tqdm
-                --vocab-size "$VOCAB")
+                --vocab-size "$VOCAB" --tokenizer "$GGUF")
     [[ -n $MAX_CONCURRENCY ]] && args+=(--max-concurrency "$MAX_CONCURRENCY")
     "$CONVEYOR_PY" -m conveyor.cli bench serve "${args[@]}" "$@" --save-result "$result"
 }

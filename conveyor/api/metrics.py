@@ -71,6 +71,16 @@ class Metrics:
         self.batch_size = histogram("conveyor:batch_size", "Requests in the batch of one step.", _COUNT_BUCKETS)
         self.step_tokens = histogram("conveyor:iteration_tokens_total", "Tokens computed in one step.",
                                      _COUNT_BUCKETS)
+        self.spec_drafts = counter("conveyor:spec_decode_num_drafts",
+                                   "Speculative decoding: requests' proposals verified (one per request a step).")
+        self.spec_draft_tokens = counter("conveyor:spec_decode_num_draft_tokens",
+                                         "Speculative decoding: proposed tokens verified.")
+        self.spec_accepted_tokens = counter("conveyor:spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: proposed tokens the model accepted.")
+        accepted_per_pos = Counter("conveyor:spec_decode_num_accepted_tokens_per_pos",
+                                   "Speculative decoding: proposals accepted at each depth (0: the first).",
+                                   ["model_name", "position"], registry=r)
+        self.spec_accepted_per_pos = lambda position: accepted_per_pos.labels(model_name, str(position))
         self._preemptions_seen = 0
         self.slo: SloMetrics | None = None  # registered once a step reports the SLO controller's state
         self._model_name = model_name
@@ -96,6 +106,12 @@ class Metrics:
         if report.stats is not None and report.stats.num_requests:
             self.batch_size.observe(report.stats.num_requests)
             self.step_tokens.observe(report.stats.num_tokens)
+        if report.stats is not None and report.stats.num_drafts:
+            self.spec_drafts.inc(report.stats.num_drafts)
+            self.spec_draft_tokens.inc(report.stats.num_draft_tokens)
+            self.spec_accepted_tokens.inc(report.stats.num_accepted_tokens)
+            for position, count in enumerate(report.stats.accepted_per_position):
+                self.spec_accepted_per_pos(position).inc(count)
         if report.stats is not None and "slo_batch_cap" in report.stats.extra:
             self.slo = self.slo or SloMetrics(self.registry, self._model_name)
             self.slo.update(report.stats.extra)

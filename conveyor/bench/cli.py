@@ -65,7 +65,7 @@ def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN20
         long_prompt_every=args.long_prompt_every, long_prompt_output_len=args.long_prompt_output_len,
         num_groups=args.num_groups, prefix_len=args.prefix_len, num_turns=args.num_turns, turn_len=args.turn_len,
         think_time=args.think_time,
-        vocab_size=vocab_size, seed=args.seed,
+        vocab_size=vocab_size, seed=args.seed, tokenizer=getattr(args, "tokenizer", None),
     )
 
 
@@ -175,6 +175,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
     srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    srv.add_argument("--tokenizer", default=None, metavar="MODEL",
+                     help="edit dataset: the served model (a conveyor model name or its .gguf / HF folder), "
+                          "whose tokenizer and chat template make the prompts")
     srv.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     srv.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
     srv.add_argument("--label", default="conveyor-bench")

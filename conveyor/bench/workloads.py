@@ -16,6 +16,7 @@ they set the *mean* of the distribution, before clipping):
 | `long-prompts` | L_in (32); every k-th request L_long (1024) | L_out x [1 - r, 1 + r] (128, r 0.5); long: 16 |
 | `prefix`       | a group's shared P tokens (1024) + L_in unique (32) | exactly L_out (64)            |
 | `multi-turn`   | turn 1: L_in (128); turn k: the history + 32 new | exactly L_out (64)                  |
+| `edit`         | a chat asking to rewrite L_in (384) tokens of a stdlib module with one rename | the snippet's length, at most L_out |
 
 `prefix` (vLLM's prefix-repetition dataset): `--num-groups` G groups, each sharing one
 `--prefix-len` P-token prefix, every request with its own suffix; request i belongs to group i % G, so
@@ -24,6 +25,14 @@ num_prompts / `--num-turns` K conversations of K turns. Turn 1 is L_in tokens; t
 turn k-1's whole prompt, its generated tokens, then `--turn-len` new user tokens, sent an exponential
 think time (mean `--think-time` s) after turn k-1 finished. Only first turns follow the arrival
 process; later turns are released by the client (`follows`), as a chat user would send them.
+
+`edit` is real text, where the others are random ids: request i takes the source of a module that
+ships with Python (EDIT_MODULES[i % 16]) from its first top-level definition on, about L_in tokens of
+whole lines, and asks, in the model's chat template, for the code back with that definition renamed
+(`name` -> `name_renamed`) and nothing else changed: what a coding assistant does all day, and the
+case where most of the answer is already in the prompt (speculative decoding's prompt lookup). It
+needs the model's tokenizer (`--tokenizer`, a model name or file); the benchmark is greedy with
+`ignore_eos`, so every server does the same work.
 
 `r` is `--range-ratio` (as in `vllm bench serve --dataset-name random`). `chat` follows the
 shape of ShareGPT conversations as the vLLM paper reports them (mean input 161, mean output 338
@@ -43,14 +52,20 @@ random stream, so the same requests arrive at every rate. A rate schedule (`--ra
 from __future__ import annotations
 
 import math
+import re
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from conveyor.errors import ConfigError
 
 FIRST_REGULAR_ID = 10  # ids below are special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...)
-DATASETS = ("random", "uniform", "chat", "seed", "long-prompts", "prefix", "multi-turn")
+DATASETS = ("random", "uniform", "chat", "seed", "long-prompts", "prefix", "multi-turn", "edit")
+EDIT_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "queue", "sched", "graphlib",
+                "calendar", "dataclasses", "string", "glob", "statistics", "difflib", "base64")
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class WorkloadConfig:
     think_time: float = 1.0  # multi-turn: mean seconds between a turn's end and the next turn
     vocab_size: int = 49152
     seed: int = 0
+    tokenizer: str | None = None  # edit: the model whose tokenizer and chat template make the prompts
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -179,6 +195,43 @@ def _multi_turn_requests(cfg: WorkloadConfig, rng: np.random.Generator) -> list[
     return requests
 
 
+def _edit_snippet(module: str, min_tokens: int, count: Callable[[str], int]) -> tuple[str, str]:
+    """(whole lines of the module's source from its first top-level def or class, about
+    min_tokens tokens; the name that definition defines)."""
+    source = Path(sysconfig.get_paths()["stdlib"], f"{module}.py").read_text(encoding="utf-8")
+    lines = source.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if re.match(r"(def|class) \w", line))
+    name = re.match(r"(?:def|class) (\w+)", lines[first]).group(1)  # type: ignore[union-attr]
+    end, tokens = first, 0
+    while end < len(lines) and tokens < min_tokens:  # a chunk's tokens, near enough to its share of the whole
+        tokens += count("".join(lines[end : end + 20]))
+        end += 20
+    return "".join(lines[first:end]), name
+
+
+def _edit_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
+    if cfg.tokenizer is None:
+        raise ConfigError("the edit dataset makes prompts of real text: pass the model's tokenizer (--tokenizer MODEL)")
+    from conveyor.model.loader import load_tokenizer  # the model's tokenizer only, never its weights
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    len_in = cfg.input_len or 384
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    requests = []
+    for i in range(cfg.num_prompts):
+        snippet, name = _edit_snippet(EDIT_MODULES[i % len(EDIT_MODULES)], len_in, count)
+        ask = (f"Rename `{name}` to `{name}_renamed` in this Python code. Reply with the whole code, changed in "
+               f"that one place only, in a ```python block.\n\n```python\n{snippet}```")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        output_len = count(snippet) + 16  # the code back, with its fences
+        requests.append(BenchRequest(prompt, min(output_len, cfg.output_len) if cfg.output_len else output_len))
+    return requests
+
+
 def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
     """The workload's requests, first turns in arrival order; the same config always gives the same list."""
     rng = np.random.default_rng([cfg.seed, 0])
@@ -186,6 +239,8 @@ def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
         return _prefix_requests(cfg, rng)
     if cfg.dataset == "multi-turn":
         return _multi_turn_requests(cfg, rng)
+    if cfg.dataset == "edit":
+        return _edit_requests(cfg)
     ins, outs = _lengths(cfg, rng)
     requests = []
     for n_in, n_out in zip(ins.tolist(), outs.tolist()):

@@ -299,8 +299,13 @@ class LLMEngine:
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts:
                 num_rejected[request.request_id] = len(drafts) - num_accepted
+                stats.num_drafts += 1
                 stats.num_draft_tokens += len(drafts)
                 stats.num_accepted_tokens += num_accepted
+                for depth in range(num_accepted):
+                    if depth == len(stats.accepted_per_position):
+                        stats.accepted_per_position.append(0)
+                    stats.accepted_per_position[depth] += 1
                 if self.speculator is not None:
                     self.speculator.observe_verified(request, len(drafts), num_accepted)
             new_tokens: list[int] = []

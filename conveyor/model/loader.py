@@ -156,6 +156,14 @@ def resolve_model_path(name: str | None) -> Path:
     )
 
 
+def load_tokenizer(name_or_path: str | None = None) -> Tokenizer:
+    """The model's tokenizer alone (no weights): a benchmark client building prompts of real text."""
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        return Tokenizer.from_gguf(read_gguf(path).metadata)
+    return Tokenizer.from_hf_folder(path)
+
+
 def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
                     keep_blocks: bool = True) -> LoadedCheckpoint:
     """`keep_blocks`: GGUF matrices stay in their blocks (packed for the kernel, fp32 only);

@@ -12,8 +12,11 @@ class StepStats:
     num_tokens: int = 0
     num_preempted: int = 0
     # Speculative decoding: proposed tokens this step verified, and how many of them it kept.
+    num_drafts: int = 0  # requests that verified proposals
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [i]: requests whose proposal at depth i (0 first) was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     model_s: float = 0.0
