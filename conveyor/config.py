@@ -54,23 +54,26 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a positive number of milliseconds, got {value!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (conveyor/speculative), vLLM's `--speculative-config` fields: propose
-    up to num_speculative_tokens tokens a step by prompt lookup (the longest suffix of the sequence,
-    prompt_lookup_max down to prompt_lookup_min tokens, found earlier in its prompt or output: the
-    tokens that followed it there), verified by the model in the same step. How many a request
-    gets each step (0 to num_speculative_tokens) comes from measured step costs and the request's
+    up to num_speculative_tokens tokens a step, verified by the model in the same step. "ngram":
+    by prompt lookup (the longest suffix of the sequence, prompt_lookup_max down to
+    prompt_lookup_min tokens, found earlier in its prompt or output: the tokens that followed it
+    there). "draft_model": the greedy tokens of a smaller model of the same vocabulary (`model`, a
+    name or path as --model takes), run by a second engine beside this one. How many a request gets
+    each step (0 to num_speculative_tokens) comes from measured step costs and the request's
     acceptance so far, unless `adaptive` is false."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -83,6 +86,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ConfigError("speculative_config.model names the draft model: required with method "
+                              "'draft_model', not taken by 'ngram'")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
 
@@ -98,6 +104,8 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        if "model" in value and "method" not in value:  # vLLM's: a draft model names its method
+            value = {**value, "method": "draft_model"}
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"speculative_config: unknown fields {sorted(unknown)}; known: "

@@ -16,7 +16,7 @@ they set the *mean* of the distribution, before clipping):
 | `long-prompts` | L_in (32); every k-th request L_long (1024) | L_out x [1 - r, 1 + r] (128, r 0.5); long: 16 |
 | `prefix`       | a group's shared P tokens (1024) + L_in unique (32) | exactly L_out (64)            |
 | `multi-turn`   | turn 1: L_in (128); turn k: the history + 32 new | exactly L_out (64)                  |
-| `edit`         | a chat asking to rewrite L_in (384) tokens of a stdlib module with one rename | the snippet's length, at most L_out |
+| `edit`         | a chat: rewrite ~L_in (384) tokens of stdlib source with one rename | the snippet's tokens, at most L_out |
 
 `prefix` (vLLM's prefix-repetition dataset): `--num-groups` G groups, each sharing one
 `--prefix-len` P-token prefix, every request with its own suffix; request i belongs to group i % G, so

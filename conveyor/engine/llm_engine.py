@@ -5,6 +5,7 @@ times turns this same loop into a simulator, and tests drive it with a fake one.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,7 +23,8 @@ from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler import SchedulerOutput, build_scheduler
-from conveyor.speculative import Speculator
+from conveyor.engine.draft import DraftModelProposer
+from conveyor.speculative import Proposer, Speculator
 from conveyor.structured.matchers import GrammarMatchers
 
 log = logging.getLogger("conveyor.engine")
@@ -51,7 +53,10 @@ class LLMEngine:
         tokenizer: TextCodec | None = None,
         eos_token_ids: Sequence[int] = (),
         clock: Callable[[], float] = time.perf_counter,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer`: where speculative tokens come from when config.speculative_config asks for a
+        draft model (from_config builds one); prompt lookup needs none."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -70,7 +75,9 @@ class LLMEngine:
         if config.speculative_config is not None:
             if not getattr(runner, "supports_speculation", False):
                 raise ConfigError("this engine's runner cannot verify speculative tokens (speculative_config)")
-            self.speculator = Speculator(config.speculative_config)
+            if config.speculative_config.method == "draft_model" and proposer is None:
+                raise ConfigError("speculative_config: a draft model's engine is built by LLMEngine.from_config")
+            self.speculator = Speculator(config.speculative_config, proposer)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: object | None = None) -> "LLMEngine":
@@ -79,6 +86,11 @@ class LLMEngine:
 
         runner = ModelRunner.from_config(config, loaded)  # type: ignore[arg-type]
         assert runner.tokenizer is not None  # from_config loads the checkpoint's tokenizer
+        spec = config.speculative_config
+        proposer = None
+        if spec is not None and spec.method == "draft_model":
+            proposer = DraftModelProposer(cls._draft_engine(config, runner.num_kv_blocks, runner.max_model_len,
+                                                            runner.model_config.vocab_size))
         return cls(
             config,
             runner,
@@ -87,7 +99,24 @@ class LLMEngine:
             vocab_size=runner.model_config.vocab_size,
             tokenizer=runner.tokenizer,
             eos_token_ids=runner.tokenizer.eos_token_ids,
+            proposer=proposer,
         )
+
+    @classmethod
+    def _draft_engine(cls, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
+                      vocab_size: int) -> "LLMEngine":
+        """The draft model's engine: the target's options, its own weights, as many KV blocks (of a
+        smaller model), prefix caching on (what lets a proposal reuse the last one's KV)."""
+        spec = config.speculative_config
+        assert spec is not None and spec.model is not None
+        draft = cls.from_config(dataclasses.replace(
+            config, model=spec.model, speculative_config=None, num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len, enable_prefix_caching=True,
+            scheduler=dataclasses.replace(config.scheduler, slo_tpot_ms=None, slo_ttft_ms=None)))
+        if draft.vocab_size != vocab_size:
+            raise ConfigError(f"speculative_config.model {spec.model!r} has a vocabulary of {draft.vocab_size} "
+                              f"tokens, the served model {vocab_size}: a draft must share the vocabulary")
+        return draft
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(

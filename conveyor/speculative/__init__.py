@@ -4,6 +4,6 @@ verify_rows), so outputs are those of decoding one token a step. Pure Python: pr
 token ids, decisions are token counts.
 """
 from conveyor.speculative.ngram import NgramProposer
-from conveyor.speculative.policy import Speculator, StepCostModel, can_speculate
+from conveyor.speculative.policy import Proposer, Speculator, StepCostModel, can_speculate
 
-__all__ = ["NgramProposer", "Speculator", "StepCostModel", "can_speculate"]
+__all__ = ["NgramProposer", "Proposer", "Speculator", "StepCostModel", "can_speculate"]

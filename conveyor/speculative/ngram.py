@@ -4,6 +4,7 @@ then proposed from where it already appeared, for no model work at all."""
 from __future__ import annotations
 
 import weakref
+from typing import Sequence
 
 from conveyor.request import Request
 
@@ -19,11 +20,16 @@ class _Index:
 
 
 class NgramProposer:
+    cost_per_token = 0.0  # seconds of work a proposed token costs besides its row: none to speak of
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: weakref.WeakKeyDictionary[Request, _Index] = weakref.WeakKeyDictionary()
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, requests: Sequence[Request], depths: Sequence[int]) -> list[list[int]]:
+        return [self.propose_one(request, depth) for request, depth in zip(requests, depths)]
+
+    def propose_one(self, request: Request, max_tokens: int) -> list[int]:
         """Up to max_tokens tokens to follow the request's verified tokens; [] when no suffix of
         prompt_lookup_min or more tokens occurred before."""
         if max_tokens <= 0:

@@ -1,11 +1,13 @@
 """How many tokens to propose, per request and per step: a cost model, not a constant.
 
 A proposed token costs one more row in the step (`StepCostModel`: step time = base + per_row *
-rows, fitted online to the engine's own steps), and is worth a token of output only if it and
+rows, fitted online to the engine's own steps) plus what proposing it took (a draft model's
+share of its own steps; nothing for a lookup), and is worth a token of output only if it and
 every proposal before it are accepted. With the request's acceptance rate a (accepted proposals
 over proposals verified, recent steps weighted most), the i-th proposal yields a^i tokens on
 average; one token is worth the step's time over the tokens the step yields. So a request gets the
-deepest i (up to num_speculative_tokens) where a^i * step_time / tokens_per_step >= per_row. One
+deepest i (up to num_speculative_tokens) where a^i * step_time / tokens_per_step >= per_row +
+proposal cost. One
 stream, with its step mostly spent streaming weights, speculates deeply even at modest acceptance;
 a large batch, whose every row already pays for itself, speculates only where proposals are
 nearly always right. That is what keeps speculation from slowing a busy server.
@@ -15,11 +17,20 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from conveyor.config import SpeculativeConfig
 from conveyor.request import Request, RequestStatus
 from conveyor.speculative.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    # Seconds of the proposer's own work per token it proposes (0 for a lookup).
+    cost_per_token: float
+
+    def propose(self, requests: Sequence[Request], depths: Sequence[int]) -> list[list[int]]:
+        """Up to depths[i] tokens to follow requests[i]'s verified tokens (fewer, or none, allowed)."""
+        ...
 
 
 def can_speculate(request: Request) -> bool:
@@ -82,9 +93,10 @@ class Speculator:
     # kind (prose, a copied block) over its life, and the rate should follow within a few steps.
     FORGET = 0.8
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        """`proposer`: the draft model's (conveyor/engine/draft.py); None for prompt lookup."""
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.cost = StepCostModel()
         self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
         # Since start: proposals verified, accepted, and accepted at each depth (vLLM's metrics).
@@ -116,7 +128,10 @@ class Speculator:
         if not self.config.adaptive:
             return most
         per_row, step = self.cost.per_row, self.cost.step_time(rows)
-        if per_row is None or step is None or per_row == 0.0:
+        if per_row is None or step is None:
+            return most
+        per_row += self.proposer.cost_per_token
+        if per_row == 0.0:
             return most
         token_value = step / max(1, tokens)
         rate = self._acceptance.get(request, _Acceptance()).rate
@@ -129,11 +144,16 @@ class Speculator:
 
     def propose(self, requests: Sequence[Request], rows: int) -> None:
         """Set the speculative tokens of each request that may have them, for the next step."""
+        chosen, depths = [], []
         for request in requests:
             if not can_speculate(request):
                 continue
-            params = request.sampling_params
             # Never past max_tokens: the last token a request may have is its own, never a proposal.
-            room = params.max_tokens - len(request.output_token_ids) - 1
+            room = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
             depth = min(room, self.depth(request, rows, len(requests)))
-            request.spec_token_ids = self.proposer.propose(request, depth) if depth > 0 else []
+            if depth > 0:
+                chosen.append(request)
+                depths.append(depth)
+        if chosen:
+            for request, tokens in zip(chosen, self.proposer.propose(chosen, depths)):
+                request.spec_token_ids = tokens
