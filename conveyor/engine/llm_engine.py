@@ -363,7 +363,10 @@ class LLMEngine:
         if self.speculator is not None:
             base_rows = out.num_tokens - stats.num_draft_tokens
             self.speculator.observe_step(out.num_tokens, t2 - t1)
-            self.speculator.propose([r for r in samplers if not r.is_finished], base_rows)
+            proposing = [r for r in samplers if not r.is_finished]
+            self.speculator.propose(proposing, base_rows)
+            for request in proposing:
+                self.grammars.cut_proposal(request)
         stats.postprocess_s = self.clock() - t2
         if self.slo is not None:
             self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _, _ in finished], self.scheduler)

@@ -1,7 +1,6 @@
 """ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -164,9 +163,6 @@ class ModelRunner:
         logits = self.model.logits(h)
         t2 = time.perf_counter()
         if token_masks is not None:
-            if speculating:  # masks name requests; each request's rows start at the sum before it
-                starts = [0, *itertools.accumulate(inputs.sampling_rows)]
-                token_masks = TokenMasks([starts[i] for i in token_masks.rows], token_masks.bitmask)
             apply_token_masks(logits[:num_sampling], token_masks)
         if speculating:
             sampled = self.sampler.verify(logits[:num_sampling], requests)

@@ -60,18 +60,44 @@ class GrammarMatchers:
             self._matchers[child] = matcher.deep_copy()
 
     def masks(self, requests: Sequence[Request]) -> TokenMasks | None:
-        """The allowed tokens of every constrained row of this step; None if there is none."""
+        """The allowed tokens of every constrained row of this step; None if there is none. Each
+        request has 1 + len(spec_token_ids) rows, in order: the mask of the row after a
+        speculative token is the grammar's state once that token is taken (a proposal is cut where
+        its grammar stops allowing it, cut_proposal, so every one of them can be taken)."""
         if not self._matchers:
             return None
-        rows = [(i, m) for i, r in enumerate(requests) if (m := self._matchers.get(r)) is not None]
-        if not rows:
+        rows: list[int] = []
+        row = 0
+        constrained = []
+        for request in requests:
+            matcher = self._matchers.get(request)
+            if matcher is not None:
+                constrained.append((row, request, matcher))
+            row += 1 + len(request.spec_token_ids)
+        if not constrained:
             return None
-        bitmask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        bitmask = np.full((sum(1 + len(r.spec_token_ids) for _, r, _ in constrained), self.words), -1,
+                          dtype=np.int32)
         # One after another on this thread: a JSON mask takes microseconds, and llguidance's thread
         # pool (LLExecutor) only adds hand-offs that wait for a core on a busy 2-core machine.
-        for j, (_, matcher) in enumerate(rows):
-            fill_next_token_bitmask(matcher, bitmask, j)
-        return TokenMasks([i for i, _ in rows], bitmask)
+        j = 0
+        for first_row, request, matcher in constrained:
+            drafts = request.spec_token_ids
+            for k in range(len(drafts) + 1):
+                fill_next_token_bitmask(matcher, bitmask, j)
+                rows.append(first_row + k)
+                j += 1
+                if k < len(drafts):
+                    matcher.consume_token(drafts[k])
+            if drafts:
+                matcher.rollback(len(drafts))
+        return TokenMasks(rows, bitmask)
+
+    def cut_proposal(self, request: Request) -> None:
+        """Drop the request's speculative tokens from the first one its grammar forbids."""
+        matcher = self._matchers.get(request)
+        if matcher is not None and request.spec_token_ids:
+            del request.spec_token_ids[matcher.validate_tokens(request.spec_token_ids):]
 
     def accept(self, request: Request, token: int) -> bool:
         """Advance the request's matcher by its sampled token; True when the grammar is complete

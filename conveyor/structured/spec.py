@@ -80,7 +80,8 @@ class GrammarSpec:
 @dataclass
 class TokenMasks:
     """One step's allowed tokens: `bitmask[j]` (int32 words, bit t % 32 of word t // 32 set when
-    token t is allowed) belongs to logits row `rows[j]`; rows not listed are unconstrained."""
+    token t is allowed) belongs to sampling row `rows[j]` (one per sampling request, or 1 + its
+    speculative tokens); rows not listed are unconstrained."""
 
     rows: list[int]
     bitmask: Any  # numpy int32 [len(rows), ceil(vocab / 32)]
