@@ -27,6 +27,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in SchedulerConfig.__dataclass_fields__ if hasattr(args, name)}
     kwargs["block_size"] = args.block_size
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
+    kwargs["speculative_config"] = args.speculative_config
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -45,6 +46,7 @@ def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported 
         percentiles=sorted({*percentiles, 99.0}), goodput=parse_goodput(args.goodput),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, replicas=args.replicas,
         kv_transfer_bandwidth=None if args.kv_transfer_bandwidth is None else args.kv_transfer_bandwidth * 1e9,
+        **({} if args.spec_acceptance is None else {"spec_acceptance": args.spec_acceptance}),
     )
 
 
@@ -161,7 +163,10 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     knobs = [f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "scheduling_policy"]
     add_config_args(eng, SchedulerConfig, only=knobs, defaults={"max_num_seqs": 256},
                     helps={"slo_ttft_ms": "TTFT target: misses are counted, not dropped"})
-    add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching"))
+    add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching", "speculative_config"))
+    eng.add_argument("--spec-acceptance", type=float, default=None,
+                     help="with --speculative-config: the chance each proposed token is accepted, given that "
+                          "the ones before it were (the workload's; default 0.7)")
     dep = sim.add_argument_group("deployment (each worker is a whole device or tp group: P+D workers use P+D x tp)")
     dep.add_argument("--prefill-workers", type=int, default=0, help="prefill/decode disaggregation (with --decode-workers)")
     dep.add_argument("--decode-workers", type=int, default=0)

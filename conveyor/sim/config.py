@@ -44,6 +44,13 @@ class SimConfig:
     decode_workers: int = 0
     replicas: int = 1
     kv_transfer_bandwidth: float | None = None
+    # With engine["speculative_config"]: the chance each proposed token is accepted, given that the
+    # ones before it were (a workload's; the measured ones are in docs/BENCHMARKS.md)
+    spec_acceptance: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ConfigError(f"spec_acceptance must be in [0, 1], got {self.spec_acceptance}")
 
 
 @dataclass

@@ -42,7 +42,7 @@ from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
-from conveyor.sim.runner import SimRunner, VirtualClock
+from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
 
 @dataclass(eq=False)
@@ -173,9 +173,10 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     max_len, block_size = cfg.max_model_len or model.max_model_len, engine_config.block_size
 
     def lanes(role: str, n: int) -> list[Lane]:  # each its own engine, KV pool and clock; one cost model
-        runners = [SimRunner(cost_model, VirtualClock()) for _ in range(n)]
+        runners = [SimRunner(cost_model, VirtualClock(), cfg.spec_acceptance, cfg.workload.seed + k)
+                   for k in range(n)]
         return [Lane(f"{role}{k}", LLMEngine(engine_config, r, num_kv_blocks=blocks, max_model_len=max_len,
-                                             vocab_size=model.vocab_size, clock=r.clock), r)
+                                             vocab_size=model.vocab_size, clock=r.clock, proposer=SimProposer()), r)
                 for k, r in enumerate(runners)]
 
     ho = Handover()

@@ -9,12 +9,14 @@ discrete-event loop.
 """
 from __future__ import annotations
 
-from typing import Protocol
+import random
+from typing import Protocol, Sequence
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
+from conveyor.request import Request
 from conveyor.sim.shape import StepShape
 
 
@@ -45,10 +47,16 @@ class SimRunner:
     # A regular token id that no workload treats as a stop: workloads set ignore_eos anyway, and the
     # simulated engine is built with no EOS ids, so requests end at max_tokens as on the real one.
     TOKEN = FIRST_REGULAR_ID
+    supports_speculation = True  # speculative tokens are accepted at random (spec_acceptance)
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, spec_acceptance: float = 0.0,
+                 seed: int = 0) -> None:
+        """spec_acceptance: the chance that each speculative token is accepted, given that the
+        ones before it were (the workload's; measured ones are in docs/BENCHMARKS.md)."""
         self.cost_model = cost_model
         self.clock = clock
+        self.spec_acceptance = spec_acceptance
+        self._random = random.Random(seed)
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -59,4 +67,23 @@ class SimRunner:
         self.num_steps += 1
         self.busy_s += seconds
         stats.model_s = seconds
-        return SamplerOutput([self.TOKEN] * shape.sampled)
+        requests = out.sampling_requests()
+        if not any(r.spec_token_ids for r in requests):
+            return SamplerOutput([self.TOKEN] * len(requests))
+        accepted = []
+        for request in requests:
+            count = 0
+            while count < len(request.spec_token_ids) and self._random.random() < self.spec_acceptance:
+                count += 1
+            accepted.append(count)
+        return SamplerOutput([self.TOKEN] * len(requests), num_accepted=accepted)
+
+
+class SimProposer:
+    """Proposes `depth` placeholder tokens whenever asked: in the simulator, whether they are right
+    is the runner's draw (SimRunner.spec_acceptance), not the tokens'."""
+
+    cost_per_token = 0.0
+
+    def propose(self, requests: Sequence[Request], depths: Sequence[int]) -> list[list[int]]:
+        return [[SimRunner.TOKEN] * depth for depth in depths]

@@ -2,7 +2,9 @@
 
 Computed before the step's results are applied, so `num_computed_tokens` is each request's
 context before this step's tokens. A scheduled entry of one token is a decode row, as the real
-runner treats it (conveyor/runner/inputs.py): decode rows are attended in one padded batch.
+runner treats it (conveyor/runner/inputs.py): decode rows are attended in one padded batch. So is
+each row of a decode that verifies speculative tokens (each attends up to its own position), and
+all of its rows are sampled.
 """
 from __future__ import annotations
 
@@ -38,13 +40,13 @@ class StepShape:
         shape = cls(sampled=len(out.forks))
         for request, n in out.scheduled:
             start = request.num_computed_tokens
-            if start + n == request.num_tokens:
-                shape.sampled += 1
-            if n == 1:
-                shape.decode_tokens += 1
-                shape.decode_context += start + 1
-                if start + 1 > shape.max_decode_context:
-                    shape.max_decode_context = start + 1
+            if start + n == request.num_known_tokens:
+                shape.sampled += 1 + len(request.spec_token_ids)
+            if n == 1 or n == 1 + len(request.spec_token_ids):
+                shape.decode_tokens += n
+                shape.decode_context += n * start + n * (n + 1) // 2
+                if start + n > shape.max_decode_context:
+                    shape.max_decode_context = start + n
             else:
                 shape.prefill_tokens += n
                 shape.prefill_chunks += 1

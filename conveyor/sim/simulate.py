@@ -16,7 +16,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
 from conveyor.sim.disagg import run_deployment
-from conveyor.sim.runner import SimRunner, VirtualClock
+from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
 
 def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -> SimRun:
@@ -30,10 +30,10 @@ def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
     clock = VirtualClock()
-    runner = SimRunner(cost_model, clock)
+    runner = SimRunner(cost_model, clock, cfg.spec_acceptance, cfg.workload.seed)
     engine = LLMEngine(engine_config, runner, num_kv_blocks=blocks,
                        max_model_len=cfg.max_model_len or model.max_model_len,
-                       vocab_size=model.vocab_size, clock=clock)
+                       vocab_size=model.vocab_size, clock=clock, proposer=SimProposer())
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     arrivals = request_arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
     offline = run_offline(engine, requests, arrivals, sleep=clock.sleep)
