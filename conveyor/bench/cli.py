@@ -109,7 +109,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         rate_schedule=args.rate_schedule, slo_tpot_ms=args.slo_tpot_ms,
         policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
         model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
         output_dir=args.output_dir,
         percentiles=percentiles,
@@ -194,11 +194,15 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     cmp.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], metavar="R",
                      help="one or more rates (req/s); inf = all at once")
     cmp.add_argument("--policies", nargs="+", default=["static", "continuous-naive", "continuous-chunked"],
-                     choices=["static", "continuous", "continuous-naive", "continuous-chunked", "continuous-slo"])
+                     choices=["static", "continuous", "continuous-naive", "continuous-chunked", "continuous-slo",
+                              "continuous-spec"])
     cmp.add_argument("--slo-tpot-ms", type=float, default=None, help="the TPOT target of the continuous-slo policy")
     add_config_args(cmp, CompareConfig, only=("max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                                              "kv_cache_memory", "block_size", "enable_prefix_caching"), helps={
+                                              "kv_cache_memory", "block_size", "enable_prefix_caching",
+                                              "speculative_config"), helps={
         "max_num_batched_tokens": "token budget per step of static, continuous and (at least) continuous-naive",
+        "speculative_config": "continuous-spec's speculative decoding, a JSON object (default: n-gram lookup, "
+                              "the engine's defaults)",
         "chunk_size": "token budget per step of continuous-chunked"})
     cmp.add_argument("--output-dir", default="out/compare")
     cmp.add_argument("--no-plots", action="store_true")

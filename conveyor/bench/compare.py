@@ -37,7 +37,7 @@ from conveyor.bench.workloads import (
     parse_rate_schedule,
     request_arrivals,
 )
-from conveyor.config import EngineConfig, SchedulerConfig
+from conveyor.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 
 
 @dataclass
@@ -59,6 +59,8 @@ class CompareConfig:
     dtype: str = EngineConfig.dtype
     dequantize_weights: bool = EngineConfig.dequantize_weights
     num_threads: int | None = EngineConfig.num_threads
+    # The continuous-spec policy's speculative decoding (None: SpeculativeConfig's defaults, n-gram)
+    speculative_config: SpeculativeConfig | None = None
     output_dir: str = "out/compare"
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)
@@ -97,12 +99,17 @@ def _slo(c: CompareConfig, longest: int) -> dict[str, Any]:
     return dict(_continuous(c, longest), slo_tpot_ms=c.slo_tpot_ms)
 
 
+def _spec(c: CompareConfig, longest: int) -> dict[str, Any]:
+    return dict(_continuous(c, longest), speculative_config=asdict(c.speculative_config or SpeculativeConfig()))
+
+
 POLICIES: dict[str, Callable[[CompareConfig, int], dict[str, Any]]] = {
     "static": _static,
     "continuous": _continuous,
     "continuous-naive": _naive,
     "continuous-chunked": _chunked,
     "continuous-slo": _slo,
+    "continuous-spec": _spec,
 }
 
 
@@ -128,6 +135,8 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
     loaded = loaded or load_model(EngineConfig.from_kwargs(model=cfg.model, dtype=cfg.dtype,
                                                            dequantize_weights=cfg.dequantize_weights))
     cfg.workload.vocab_size = loaded.model.cfg.vocab_size
+    if cfg.workload.tokenizer is None:
+        cfg.workload.tokenizer = cfg.model or "smollm2-135m"  # the edit dataset's prompts are real text
     requests = generate_requests(cfg.workload)
     echo(f"workload {cfg.workload.dataset}: {describe(requests)}")
     results = []
