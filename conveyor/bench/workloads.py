@@ -27,7 +27,8 @@ think time (mean `--think-time` s) after turn k-1 finished. Only first turns fol
 process; later turns are released by the client (`follows`), as a chat user would send them.
 
 `edit` is real text, where the others are random ids: request i takes the source of a module that
-ships with Python (EDIT_MODULES[i % 16]) from its first top-level definition on, about L_in tokens of
+ships with Python (EDIT_MODULES[(i + seed * num_prompts) % 16], so another seed starts elsewhere
+and a round does not find the last round's prompts cached) from its first top-level definition on, about L_in tokens of
 whole lines, and asks, in the model's chat template, for the code back with that definition renamed
 (`name` -> `name_renamed`) and nothing else changed: what a coding assistant does all day, and the
 case where most of the answer is already in the prompt (speculative decoding's prompt lookup). It
@@ -222,7 +223,8 @@ def _edit_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
 
     requests = []
     for i in range(cfg.num_prompts):
-        snippet, name = _edit_snippet(EDIT_MODULES[i % len(EDIT_MODULES)], len_in, count)
+        module = EDIT_MODULES[(i + cfg.seed * cfg.num_prompts) % len(EDIT_MODULES)]
+        snippet, name = _edit_snippet(module, len_in, count)
         ask = (f"Rename `{name}` to `{name}_renamed` in this Python code. Reply with the whole code, changed in "
                f"that one place only, in a ```python block.\n\n```python\n{snippet}```")
         text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
