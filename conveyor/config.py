@@ -69,9 +69,11 @@ class SpeculativeConfig:
     acceptance so far, unless `adaptive` is false."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 8
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    # Deep by default: at one stream a verified row costs a fraction of the step, and a copied
+    # passage is accepted for dozens of tokens; the cost model cuts it down where rows cost more.
+    num_speculative_tokens: int = 24
+    prompt_lookup_max: int = 12
+    prompt_lookup_min: int = 3
     adaptive: bool = True
     model: str | None = None  # draft_model: the draft
 
