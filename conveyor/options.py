@@ -18,7 +18,7 @@ HELP = {
                         "dequantize-then-multiply, as the reference tests need)",
     "block_size": "tokens per KV block",
     "speculative_config": 'speculative decoding, as a JSON object: {"method": "ngram", '
-                          '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                          '"num_speculative_tokens": 24, "prompt_lookup_max": 12, "prompt_lookup_min": 3, '
                           '"adaptive": true} (fields optional; off by default)',
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
