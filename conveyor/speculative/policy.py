@@ -88,11 +88,19 @@ class _Acceptance:
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    def add(self, accepted: int, rejected: bool, forget: float) -> None:
+        self.accepted = forget * self.accepted + accepted
+        self.rejected = forget * self.rejected + rejected
+
 
 class Speculator:
     # Each verification counts this much less than the one after it: a request's text changes
     # kind (prose, a copied block) over its life, and the rate should follow within a few steps.
     FORGET = 0.8
+    # The rate over all requests (forgotten more slowly) is a new request's prior, weighted as this
+    # many verifications: requests of one workload resemble each other more than they resemble 0.5.
+    SERVER_FORGET = 0.98
+    PRIOR_WEIGHT = 2.0
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         """`proposer`: the draft model's (conveyor/engine/draft.py); None for prompt lookup."""
@@ -100,6 +108,7 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.cost = StepCostModel()
         self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
+        self._server_acceptance = _Acceptance()
         # Since start: proposals verified, accepted, and accepted at each depth (vLLM's metrics).
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -113,9 +122,11 @@ class Speculator:
         """A step verified num_drafted proposals of the request and kept the first num_accepted."""
         if not num_drafted:
             return
-        stats = self._acceptance.setdefault(request, _Acceptance())
-        stats.accepted = self.FORGET * stats.accepted + num_accepted
-        stats.rejected = self.FORGET * stats.rejected + (num_accepted < num_drafted)
+        stats = self._acceptance.get(request)
+        if stats is None:
+            stats = self._acceptance[request] = self._prior()
+        stats.add(num_accepted, num_accepted < num_drafted, self.FORGET)
+        self._server_acceptance.add(num_accepted, num_accepted < num_drafted, self.SERVER_FORGET)
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -135,13 +146,19 @@ class Speculator:
         if per_row == 0.0:
             return most
         token_value = step / max(1, tokens)
-        rate = self._acceptance.get(request, _Acceptance()).rate
+        stats = self._acceptance.get(request)
+        rate = (stats or self._prior()).rate
         if rate >= 1.0:
             return most
         if rate <= 0.0 or token_value < per_row:
             return 0
         # The deepest i with rate**i * token_value >= per_row.
         return max(0, min(most, math.floor(math.log(per_row / token_value) / math.log(rate))))
+
+    def _prior(self) -> _Acceptance:
+        # Bounded away from 0 and 1: a new request always gets a first proposal to measure itself by.
+        rate = min(0.9, max(0.1, self._server_acceptance.rate))
+        return _Acceptance(self.PRIOR_WEIGHT * rate, self.PRIOR_WEIGHT * (1.0 - rate))
 
     def propose(self, requests: Sequence[Request], rows: int) -> None:
         """Set the speculative tokens of each request that may have them, for the next step."""
