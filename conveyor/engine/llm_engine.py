@@ -362,7 +362,7 @@ class LLMEngine:
             self._retire_sample(request.group_id)
         if self.speculator is not None:
             base_rows = out.num_tokens - stats.num_draft_tokens
-            self.speculator.observe_step(out.num_tokens, t2 - t1)
+            self.speculator.observe_step(out.num_tokens, len(samplers) + stats.num_draft_tokens, t2 - t1)
             proposing = [r for r in samplers if not r.is_finished]
             self.speculator.propose(proposing, base_rows)
             for request in proposing:

@@ -1,13 +1,13 @@
 """How many tokens to propose, per request and per step: a cost model, not a constant.
 
-A proposed token costs one more row in the step (`StepCostModel`: step time = base + per_row *
-rows, fitted online to the engine's own steps) plus what proposing it took (a draft model's
+A proposed token costs one more row in the step, a sampled one (`StepCostModel`: step time = base +
+per_row * rows + per_sampled * sampled rows, fitted online to the engine's own steps) plus what proposing it took (a draft model's
 share of its own steps; nothing for a lookup), and is worth a token of output only if it and
 every proposal before it are accepted. With the request's acceptance rate a (accepted proposals
 over proposals verified, recent steps weighted most), the i-th proposal yields a^i tokens on
 average; one token is worth the step's time over the tokens the step yields. So a request gets the
 deepest i (up to num_speculative_tokens) where a^i * step_time / tokens_per_step >= per_row +
-proposal cost. One
+per_sampled + proposal cost. One
 stream, with its step mostly spent streaming weights, speculates deeply even at modest acceptance;
 a large batch, whose every row already pays for itself, speculates only where proposals are
 nearly always right. That is what keeps speculation from slowing a busy server.
@@ -47,36 +47,58 @@ def can_speculate(request: Request) -> bool:
 
 
 class StepCostModel:
-    """Least squares of step time on rows over recent steps (exponentially forgotten)."""
+    """Least squares of step time on the rows a step computes and the rows it samples, over recent
+    steps (exponentially forgotten): time = base + per_row * rows + per_sampled * sampled. A sampled
+    row (a decode, or a proposal being verified) also pays the vocabulary projection and the
+    sampler, which a prefill row does not; one slope for both would price a proposal at a prefill
+    row's cost. Steps that all sample every row (decodes only) cannot tell the two slopes apart: a
+    small ridge term then splits their sum, which is what a proposal costs, between them."""
+
+    RIDGE = 1e-6
 
     def __init__(self, memory: float = 0.98) -> None:
         self.memory = memory
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # Sums of x_i * x_j and of x_i * seconds, for x = (1, rows, sampled rows).
+        self._sums = [[0.0] * 4 for _ in range(3)]
 
-    def observe(self, rows: int, seconds: float) -> None:
-        m = self.memory
-        self._w = m * self._w + 1.0
-        self._x = m * self._x + rows
-        self._y = m * self._y + seconds
-        self._xx = m * self._xx + rows * rows
-        self._xy = m * self._xy + rows * seconds
+    def observe(self, rows: int, sampled: int, seconds: float) -> None:
+        x = (1.0, float(rows), float(sampled))
+        for i, row in enumerate(self._sums):
+            for j in range(3):
+                row[j] = self.memory * row[j] + x[i] * x[j]
+            row[3] = self.memory * row[3] + x[i] * seconds
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(base, per_row, per_sampled) seconds; None until steps of different sizes were seen."""
+        s = self._sums
+        n = s[0][0]
+        if n == 0 or s[1][1] / n - (s[0][1] / n) ** 2 < 0.25:  # every step had (almost) the same rows
+            return None
+        a = [row[:] for row in s]
+        ridge = self.RIDGE * (a[1][1] + a[2][2])
+        a[1][1] += ridge
+        a[2][2] += ridge
+        for col in range(3):  # Gaussian elimination with partial pivoting on the 3 x 4 system
+            pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+            if abs(a[pivot][col]) < 1e-300:
+                return None
+            a[col], a[pivot] = a[pivot], a[col]
+            for r in range(3):
+                if r != col:
+                    factor = a[r][col] / a[col][col]
+                    a[r] = [v - factor * w for v, w in zip(a[r], a[col])]
+        base, per_row, per_sampled = (a[i][3] / a[i][i] for i in range(3))
+        return base, max(0.0, per_row), max(0.0, per_sampled)
+
+    def step_time(self, rows: int, sampled: int) -> float | None:
+        fit = self.fit()
+        return None if fit is None else fit[0] + fit[1] * rows + fit[2] * sampled
 
     @property
-    def per_row(self) -> float | None:
-        """Seconds one more row adds to a step; None until steps of different sizes were seen."""
-        if self._w == 0:
-            return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        if var < 0.25:  # every step had (almost) the same rows: no slope to read
-            return None
-        return max(0.0, (self._xy / self._w - mean_x * mean_y) / var)
-
-    def step_time(self, rows: int) -> float | None:
-        slope = self.per_row
-        if slope is None:
-            return None
-        return (self._y - slope * self._x) / self._w + slope * rows
+    def per_proposal(self) -> float | None:
+        """Seconds one more proposed token adds to a step: a row, and a sampled one."""
+        fit = self.fit()
+        return None if fit is None else fit[1] + fit[2]
 
 
 @dataclass
@@ -115,8 +137,9 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        self.cost.observe(rows, seconds)
+    def observe_step(self, rows: int, sampled: int, seconds: float) -> None:
+        """A step computed `rows` rows, `sampled` of them sampled (proposals verified included)."""
+        self.cost.observe(rows, sampled, seconds)
 
     def observe_verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A step verified num_drafted proposals of the request and kept the first num_accepted."""
@@ -135,11 +158,12 @@ class Speculator:
 
     def depth(self, request: Request, rows: int, tokens: int) -> int:
         """How many tokens to propose for the request in a step like the last one (`rows` rows,
-        yielding `tokens` tokens), at most num_speculative_tokens; the module's cost rule."""
+        `tokens` of them sampled, yielding a token each), at most num_speculative_tokens; the
+        module's cost rule."""
         most = self.config.num_speculative_tokens
         if not self.config.adaptive:
             return most
-        per_row, step = self.cost.per_row, self.cost.step_time(rows)
+        per_row, step = self.cost.per_proposal, self.cost.step_time(rows, tokens)
         if per_row is None or step is None:
             return most
         per_row += self.proposer.cost_per_token

@@ -56,22 +56,33 @@ def test_the_incremental_index_equals_a_search_of_the_whole_sequence(
         assert proposer.propose_one(r, k) == brute_force(seq, min_n, min_n + extra, k)
 
 
-def test_the_cost_model_reads_the_slope_of_step_time_on_rows() -> None:
+def test_the_cost_model_tells_sampled_rows_from_prefill_rows() -> None:
     model = StepCostModel()
-    assert model.per_row is None
-    for rows in [1, 1, 1]:
-        model.observe(rows, 0.0195)
-    assert model.per_row is None  # one size seen: no slope yet
-    for rows in [4, 16, 32, 8, 1, 64]:
-        model.observe(rows, 0.018 + 0.0015 * rows)
-    assert model.per_row == pytest.approx(0.0015, rel=1e-6)
-    assert model.step_time(10) == pytest.approx(0.018 + 0.015, rel=1e-6)
+    assert model.fit() is None
+    for _ in range(3):
+        model.observe(1, 1, 0.0195)
+    assert model.fit() is None  # one size seen: no slope yet
+    # base 18 ms, 1 ms a row, 0.5 ms more a sampled row: prefills (few sampled), decodes, verifies.
+    for rows, sampled in [(512, 1), (4, 4), (16, 16), (300, 8), (40, 30), (64, 64), (1, 1), (128, 2)]:
+        model.observe(rows, sampled, 0.018 + 0.001 * rows + 0.0005 * sampled)
+    fit = model.fit()
+    assert fit is not None and fit == pytest.approx((0.018, 0.001, 0.0005), rel=1e-3, abs=1e-6)
+    assert model.per_proposal == pytest.approx(0.0015, rel=1e-3)
+    assert model.step_time(10, 10) == pytest.approx(0.018 + 0.015, rel=1e-3)
+
+
+def test_decodes_alone_still_price_a_proposal() -> None:
+    model = StepCostModel()  # every step samples every row: the slopes cannot be told apart, their sum can
+    for rows in [1, 2, 4, 8, 16, 32, 64]:
+        model.observe(rows, rows, 0.018 + 0.0015 * rows)
+    assert model.per_proposal == pytest.approx(0.0015, rel=1e-3)
+    assert model.step_time(10, 10) == pytest.approx(0.033, rel=1e-3)
 
 
 def speculator_at(per_row: float, base: float, **config: object) -> Speculator:
     speculator = Speculator(SpeculativeConfig(**config))  # type: ignore[arg-type]
     for rows in [1, 2, 4, 8, 16, 32, 64]:
-        speculator.observe_step(rows, base + per_row * rows)
+        speculator.observe_step(rows, rows, base + per_row * rows)
     return speculator
 
 
@@ -95,8 +106,8 @@ def test_depth_follows_the_rule() -> None:
     for _ in range(30):
         speculator.observe_verified(r, 10, 8)  # rate 8 / (8 + 1)
     rate = 8 / 9
-    token_value = 0.020 + 0.002 * 16  # a step of 16 rows yielding 1 token
-    depth = speculator.depth(r, rows=16, tokens=1)
+    token_value = (0.020 + 0.002 * 4) / 4  # a step of 4 decode rows yields 4 tokens
+    depth = speculator.depth(r, rows=4, tokens=4)
     assert rate ** depth * token_value >= 0.002 > rate ** (depth + 1) * token_value or depth == 24
 
 
