@@ -328,15 +328,7 @@ class LLMEngine:
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts:
                 num_rejected[request.request_id] = len(drafts) - num_accepted
-                stats.num_drafts += 1
-                stats.num_draft_tokens += len(drafts)
-                stats.num_accepted_tokens += num_accepted
-                for depth in range(num_accepted):
-                    if depth == len(stats.accepted_per_position):
-                        stats.accepted_per_position.append(0)
-                    stats.accepted_per_position[depth] += 1
-                if self.speculator is not None:
-                    self.speculator.observe_verified(request, len(drafts), num_accepted)
+                self._count_verified(request, len(drafts), num_accepted, stats)
             new_tokens: list[int] = []
             status = None
             for new_token in drafts[:num_accepted] + [token]:
@@ -372,6 +364,18 @@ class LLMEngine:
             self.slo.after_step(self.clock() - t0, samplers, [r for r, _, _, _ in finished], self.scheduler)
             stats.extra.update(self.slo.state.as_extra())
         return outputs
+
+    def _count_verified(self, request: Request, num_drafted: int, num_accepted: int, stats: StepStats) -> None:
+        """A step verified num_drafted proposed tokens of the request and kept num_accepted."""
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for depth in range(num_accepted):
+            if depth == len(stats.accepted_per_position):
+                stats.accepted_per_position.append(0)
+            stats.accepted_per_position[depth] += 1
+        if self.speculator is not None:
+            self.speculator.observe_verified(request, num_drafted, num_accepted)
 
     # --- failure isolation -----------------------------------------------------------------------
     def _run(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
