@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import load
 
-from conveyor.model.kernels import _COMMON_FLAGS, _MODULE_FLAGS, _SOURCE_DIR
+from conveyor.model.kernels import _SOURCE_DIR, _cflags
 
 
 def kernel_at(revision: str, name: str) -> object:
@@ -22,5 +22,5 @@ def kernel_at(revision: str, name: str) -> object:
         (folder / file).write_text(subprocess.check_output(["git", "show", f"{revision}:{relative / file}"], text=True, cwd=root))
     tag = subprocess.check_output(["git", "rev-parse", "--short", revision], text=True, cwd=root).strip()
     return load(name=f"conveyor_{name}_at_{tag}", sources=[str(folder / f"{name}.cpp")],
-                extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])], extra_ldflags=["-fopenmp"],
+                extra_cflags=_cflags(name), extra_ldflags=["-fopenmp"],
                 build_directory=str(folder))

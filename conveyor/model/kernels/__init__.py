@@ -25,9 +25,13 @@ _SOURCE_DIR = Path(__file__).parent
 _VECTOR_WIDTH_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 # Without it gcc keeps floor() a scalar call (it would have to preserve FP exception flags), so
 # no loop calling fast_exp vectorizes; nothing here reads those flags.
-_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", *_VECTOR_WIDTH_FLAGS]
+_COMMON_FLAGS = ["-march=native", "-fopenmp", "-fno-trapping-math", *_VECTOR_WIDTH_FLAGS]
 # fused_ops rounds its products and sums one by one, as the torch ops it replaces do.
 _MODULE_FLAGS = {"fused_ops": ["-ffp-contract=off"]}
+# The panel kernels are written with their loops unrolled by pragma, so -O3 adds nothing measurable
+# to them (docs/PERF.md, "Building the kernels") while taking 4-5x as long to compile their many
+# tile instantiations: most of a fresh install's first start. The rest gain from -O3's vectorizer.
+_OPTIMIZATION = {"panel_gemm": "-O2", "quant_gemm": "-O2"}
 
 
 def kernels_enabled() -> bool:
@@ -51,12 +55,17 @@ def _kernel_files(name: str) -> list[Path]:
     return [_SOURCE_DIR / f"{name}.cpp", *sorted(_SOURCE_DIR.glob("*.h"))]
 
 
+def _cflags(name: str) -> list[str]:
+    return [_OPTIMIZATION.get(name, "-O3"), *_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])]
+
+
 def _build_tag(name: str) -> str:
     """Short hash of what a build depends on beyond the CPU: the kernel's source and headers (torch's
     builder looks at neither the headers nor, across processes, the content: it rebuilds when the
     source's path changes) and where torch lies (its include paths are in the compile command, so a
     build made in another virtual environment would be rebuilt, and would then rebuild this one's)."""
     digest = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode() + b"\0")
+    digest.update(" ".join(_cflags(name)).encode() + b"\0")
     for file in _kernel_files(name):
         digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
@@ -142,7 +151,7 @@ def _load(name: str) -> object | None:
         module = load(
             name=extension_name,
             sources=[str(source)],
-            extra_cflags=[*_COMMON_FLAGS, *_MODULE_FLAGS.get(name, [])],
+            extra_cflags=_cflags(name),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -213,10 +222,11 @@ def build_kernels(dtype: torch.dtype) -> None:
     """Builds (or loads from the cache) every kernel a forward pass in `dtype` resolves, so that
     none is built inside a request: the matmul path resolves both panel kernels whatever the
     dtype (conveyor/model/linear.py), the fused ops and the attention kernels are fp32 only."""
-    kernels: list[Callable[[], object]] = [panel_gemm, quant_gemm, quant_int8]
+    kernels: list[Callable[[], object]] = [quant_int8, quant_gemm, panel_gemm]
     if dtype == torch.float32:
-        kernels += [fused_ops, paged_decode_kernel, paged_prefill_kernel]
-    # A cold build compiles each kernel's one source on one core: build them side by side.
+        kernels += [paged_decode_kernel, paged_prefill_kernel, fused_ops]
+    # A cold build compiles each kernel's one source on one core: build them side by side, the
+    # longest builds first so that no core idles at the end.
     with ThreadPoolExecutor(max_workers=max(1, min(len(kernels), os.cpu_count() or 1))) as pool:
         for built in [pool.submit(kernel) for kernel in kernels]:
             built.result()

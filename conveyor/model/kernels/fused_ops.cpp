@@ -3,8 +3,7 @@
 // In torch each is 2-16 ops on tensors of a few KiB, so at decode sizes their dispatch costs more
 // than their arithmetic. Built with -ffp-contract=off: products and sums round as torch's
 // separate ops round them (rotary embedding matches torch bit for bit).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cmath>

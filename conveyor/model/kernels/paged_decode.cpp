@@ -9,8 +9,7 @@
 // and values are read once and shared by the query heads of their group (GQA). A sliding window
 // (Gemma's local layers) starts each row at its window's first token: blocks before it are never read.
 // Rows that share their first block with another row take a register-blocked span (VectorSpan).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <array>

@@ -13,8 +13,7 @@
 // are masked. Keys and values are first copied out of the blocks into one run per KV head, so a
 // step addresses its 16 keys from one pointer (the head dimension is compiled in). Tasks are split
 // between the threads by their number of keys, since later positions see more.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -139,9 +138,9 @@ void run_tile(const Chunk& c, const Task& t, Scratch& w) {
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                       const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                       int64_t num_cached, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_prefill_attention: q must be [n, heads, d] fp32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "paged_prefill_attention: q must be [n, heads, d] fp32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_prefill_attention: caches must be contiguous fp32 [blocks, block_size, kv_heads, d]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
@@ -149,7 +148,7 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
               " unsupported (64, 128 or 256)");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: heads not a multiple of KV heads");
   TORCH_CHECK(num_cached >= 0 && window >= 0, "paged_prefill_attention: negative num_cached or window");
-  const auto table = block_table.to(torch::kInt64).contiguous();
+  const auto table = block_table.to(torch::kLong).contiguous();
   const int64_t context = num_cached + n;
   TORCH_CHECK(table.dim() == 1 && table.size(0) * block_size >= context, "paged_prefill_attention: block table too short");
   const auto qc = q.contiguous();

@@ -11,8 +11,7 @@
 // of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (faster at 4-32 rows,
 // docs/PERF.md; at 1-2 rows the core is waiting on memory anyway and gains nothing).
 // Sums run over k in order, one FMA per step: results differ from MKL/oneDNN in rounding only.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include "panel_tile.h"
 
@@ -20,7 +19,7 @@ using namespace conveyor_panels;
 
 // [N, K] fp32 -> [ceil(N/16), K, 16]; the columns past N in the last panel are zero.
 torch::Tensor pack_panels(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_panels: weight must be 2-D fp32");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "pack_panels: weight must be 2-D fp32");
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k_dim = w.size(1), panels = (n + kPanel - 1) / kPanel;
   auto packed = torch::zeros({panels, k_dim, kPanel}, w.options());
@@ -41,7 +40,7 @@ torch::Tensor pack_panels(const torch::Tensor& weight) {
 
 torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "panel_matmul: x must be 2-D fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "panel_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "panel_matmul: bad packed weight");
   TORCH_CHECK(packed.size(1) == x.size(1), "panel_matmul: x has ", x.size(1), " features, the weight ", packed.size(1));
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
@@ -51,7 +50,7 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& packed, 
   torch::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == out_features, "panel_matmul: bad bias");
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "panel_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), k_dim = xs.size(1), x_stride = xs.stride(0);

@@ -11,8 +11,7 @@
 // as the fp32 panel kernel's, so the results are bit-identical to it; only the bytes read per step
 // shrink. Few rows expand each panel in registers; more rows expand it once into an L2 buffer.
 // (An infinite fp16 scale would give NaN where gguf gives inf: no quantiser writes one.)
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -629,12 +628,13 @@ void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, in
   }();
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 approx[R], bound[R];
-  for (int r = 0; r < R; ++r) approx[r] = bound[r] = _mm512_setzero_ps();
+  // the per-row arrays live in registers only when these loops are unrolled: -O3 does it on its own
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) approx[r] = bound[r] = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u, panel += Q8_0Unit::kBytes) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));
     const __m512 abs_d = _mm512_abs_ps(d);
     __m512i acc[R], code_sum = _mm512_setzero_si512();
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* codes = panel + 32;
     _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
       const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + 64 * g));
@@ -646,7 +646,7 @@ void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, in
       }
     }
     const __m512i offset = _mm512_slli_epi32(code_sum, 7);  // sum (xq + 128) q - 128 sum q = sum xq q
-    for (int r = 0; r < R; ++r) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset));
       approx[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(rows[r].scale[u])), approx[r]);
       bound[r] = _mm512_fmadd_ps(abs_d, _mm512_set1_ps(rows[r].beta[u]), bound[r]);
@@ -693,7 +693,7 @@ torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % f.gguf_bytes == 0,
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.size(1) % f.gguf_bytes == 0,
               "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   const auto b = blocks.contiguous();
   const int64_t n = b.size(0), units = b.size(1) / f.gguf_bytes, panels = (n + kPanel - 1) / kPanel;
@@ -711,11 +711,11 @@ torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
 
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                const c10::optional<torch::Tensor>& bias, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quantized_matmul: x must be 2-D fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantized_matmul: x must be 2-D fp32");
   TORCH_CHECK(known(qtype), "quantized_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
   TORCH_CHECK(packed.size(1) * f.unit_k == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
               packed.size(1) * f.unit_k);
@@ -726,7 +726,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == out_features, "quantized_matmul: bad bias");
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "quantized_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1), x_stride = xs.stride(0);
@@ -772,9 +772,9 @@ void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t
 // approximate logits overflow (the caller then takes the full product). x must be finite.
 torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           int64_t max_candidates) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_0_argmax: x must be 2-D fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "q8_0_argmax: x must be 2-D fp32");
   const Format f = format_of(QType::kQ8_0);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
               "q8_0_argmax: out_features does not match the packed weight");
@@ -840,7 +840,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
   TORCH_CHECK(known(qtype), "dequantize_rows: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "dequantize_rows: ids must be 1-D int64");
   const auto idx = ids.contiguous();
@@ -848,7 +848,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < out_features, "dequantize_rows: row ", ip[i], " out of range [0, ", out_features, ")");
-  auto out = torch::empty({n, units * f.unit_k}, torch::kFloat32);
+  auto out = torch::empty({n, units * f.unit_k}, torch::kFloat);
   if (n == 0) return out;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

@@ -20,8 +20,7 @@
 //
 // Non-finite x: a group holding inf or NaN gets a NaN scale, so the row's outputs are NaN. A group
 // whose max |x| is below 1e-30 quantises to zero (its share of any output is below 32e-30 |w|).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <array>
@@ -150,7 +149,7 @@ void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, in
     const float* xg = x + g * 32;
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps(), finite = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xg + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
       finite = _mm256_or_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
@@ -161,7 +160,7 @@ void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, in
     else if (max_abs < kTinyAmax) dx = 0.f;
     const __m256 mul = _mm256_set1_ps(id);
     __m256i q[4];
-    for (int i = 0; i < 4; ++i) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
       // round to nearest, ties to even (the default rounding mode); |x| id <= 127 (up to rounding)
       q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], mul));
       q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
@@ -172,7 +171,7 @@ void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, in
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     alignas(32) int32_t words[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(words), packed);
-    for (int s = 0; s < 8; ++s) std::memcpy(xt + ((g * 8 + s) * rows + r) * 4, &words[s], 4);
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s) std::memcpy(xt + ((g * 8 + s) * rows + r) * 4, &words[s], 4);
     Meta& mg = meta[g * rows + r];
     mg.dx = dx;
     mg.cmin = dx * static_cast<float>(sum_a + sum_b);
@@ -197,7 +196,7 @@ inline __m256 i8_ps(const uint8_t* p) {
 // Group g (of 32 k) of a unit's scales into out[32]; the same fp32 values gguf's dequantiser forms
 // (d, m, d * sc, dmin * m: exact products), per half of 8 columns.
 void unpack_scales(QType t, const uint8_t* unit, int64_t g, float* out) {
-  for (int h = 0; h < 2; ++h) {
+  _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
     const uint8_t* u = unit + 16 * h;  // column 8h's fp16 field (2 bytes a column)
     const int64_t c = 8 * h;           // column 8h's byte in a K-quant scale row
     __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
@@ -260,12 +259,12 @@ inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Ta
   if constexpr (kBits == 8) {
     const uint8_t* src = codes + g * 32 * 16;
     const __m512i perm = table(tb.q8), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int s = 0; s < 8; ++s)
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s)
       _mm512_storeu_si512(out + 64 * s, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 64 * s)), flip));
   } else {
     const uint8_t* chunk = codes + g * kChunkBytes(kBits);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int h = 0; h < 4; ++h) {  // 8 k a step
+    _Pragma("GCC unroll 4") for (int h = 0; h < 4; ++h) {  // 8 k a step
       const __m512i v = _mm512_loadu_si512(chunk + 64 * h);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       __m512i a = _mm512_permutex2var_epi8(lo, table(tb.nibble_a), hi);
@@ -524,11 +523,11 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
 
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const c10::optional<torch::Tensor>& bias, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "int8_matmul: x must be 2-D fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_matmul: x must be 2-D fp32");
   TORCH_CHECK(known(qtype), "int8_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Layout l = layout_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               packed.size(2) == l.unit_bytes, "int8_matmul: bad packed weight (not pack_quantized's for this qtype)");
   TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), "int8_matmul: x has ", x.size(1), " features, the weight ",
               packed.size(1) * l.unit_k);
@@ -539,7 +538,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == out_features, "int8_matmul: bad bias");
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "int8_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
@@ -561,12 +560,12 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
 // x [M, K] -> the codes and scales the product multiplies: (int8 [M, K], fp32 dx [M, K / 32]), for
 // tests and for callers that bound the quantisation error.
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 32 == 0,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % 32 == 0,
               "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
   const auto xs = x.contiguous();
   const int64_t m = xs.size(0), k_dim = xs.size(1), groups = k_dim / 32;
-  auto codes = torch::empty({m, k_dim}, torch::kInt8);
-  auto scales = torch::empty({m, groups}, torch::kFloat32);
+  auto codes = torch::empty({m, k_dim}, torch::kChar);
+  auto scales = torch::empty({m, groups}, torch::kFloat);
   std::vector<uint8_t> words(static_cast<size_t>(k_dim));
   std::vector<Meta> meta(static_cast<size_t>(groups));
   for (int64_t r = 0; r < m; ++r) {  // a tile of one row: its words in k order
