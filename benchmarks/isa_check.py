@@ -2,11 +2,12 @@
 checks they agree.
 
 The kernels compile with -march=native, so a machine with AVX-512 never runs the code an AVX2-only
-machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp, paged_decode.cpp and
-paged_prefill.cpp for `--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can
+machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp, quant_int8.cpp, paged_decode.cpp
+and paged_prefill.cpp for `--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can
 run too, and checks on random blocks of every GGUF type the kernel reads that both builds give
 gguf's dequantised weights exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows,
-with and without bias, on a partial last panel; that both builds' decode attention matches a
+with and without bias, on a partial last panel, and bit-identical int8-activation products
+(VNNI against vpmaddubsw); that both builds' decode attention matches a
 float64 reference (1e-5) over head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens,
 sliding windows, one row and many, rows with blocks of their own and rows sharing their first
 block (its two spans); and that both builds' prefill attention matches one too (2e-5): fresh
@@ -130,6 +131,7 @@ def main() -> None:
     if native_panels is None or native_quant is None:
         raise SystemExit("the native kernels are not built here")
     other_panels, other_quant = build("panel_gemm", args.march), build("quant_gemm", args.march)
+    native_int8, other_int8 = _load("quant_int8"), build("quant_int8", args.march)
     rng = np.random.default_rng(0)
     failures = 0
     for qtype in KERNEL_TYPES:
@@ -154,10 +156,18 @@ def main() -> None:
                        other_quant.quantized_matmul(x, packed[args.march], n, b, code),
                        other_panels.panel_matmul(x, other_panels.pack_panels(weight), n, b)]
                 identical &= all(torch.equal(want, g) for g in got)
-        ok = same_packing and exact and identical
+        # int8 activations: the integer sums are exact in both builds and the scales apply in the same order
+        int8_identical = True
+        for rows in (1, 3, 4, 17, 33, 131):
+            x = torch.randn(rows, k)
+            for b in (None, bias):
+                int8_identical &= torch.equal(native_int8.int8_matmul(x, packed["native"], n, b, code),  # type: ignore[attr-defined]
+                                              other_int8.int8_matmul(x, packed[args.march], n, b, code))  # type: ignore[attr-defined]
+        ok = same_packing and exact and identical and int8_identical
         failures += not ok
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
-              f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}")
+              f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}, "
+              f"int8 products bit-identical ({native_int8.isa()} / {other_int8.isa()}) {int8_identical}")  # type: ignore[attr-defined]
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")
