@@ -15,7 +15,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from conveyor.model.linear import Embedding, Linear, Matmul, PackedWeight, WeightSource, matmul_path, screened_argmax
 from conveyor.model.ops import LayerOps, layer_ops
-from conveyor.model.rope import rope_tables
+from conveyor.model.rope import inverse_frequencies, rope_at
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -83,13 +83,11 @@ class LlamaModel(nn.Module):
     def _build_rope(self) -> None:
         # Plain fp32 tensors, not buffers: they must stay fp32 through .to(bf16).
         cfg = self.cfg
-        self.rope_cos, self.rope_sin = rope_tables(
-            cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32
-        )
+        self.rope_inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # Gemma's sliding-window layers rotate with their own base (and no scaling).
-        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_local_inv_freq: torch.Tensor | None = None
         if cfg.rope_local_theta is not None and any(layer.window is not None for layer in self.layers):
-            self.rope_local = rope_tables(cfg.head_dim, self.max_positions, cfg.rope_local_theta, None, torch.float32)
+            self.rope_local_inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta, None)
 
     @classmethod
     def from_weights(
@@ -133,9 +131,9 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids).to(self.dtype)
         if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as HF's Gemma does
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
-        local = None if self.rope_local is None else tuple(t[positions].to(x.dtype) for t in self.rope_local)
+        cos, sin = (t.to(x.dtype) for t in rope_at(self.rope_inv_freq, positions))
+        local = None if self.rope_local_inv_freq is None else tuple(
+            t.to(x.dtype) for t in rope_at(self.rope_local_inv_freq, positions))
         ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype)
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables, computed once for every position the engine can reach."""
+"""Rotary position embedding: cos and sin at the positions a step computes, as HF computes them."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import torch
 from conveyor.errors import UnsupportedModelError
 
 
-def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The head_dim / 2 rotation frequencies (fp32), with the checkpoint's scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -30,14 +31,22 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | 
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
 
 
+def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), head_dim] in the rotate-half layout HF Llama uses, computed as
+    HF's rotary embedding computes them (fp32 angles, then cos and sin of [angles, angles]). Per step
+    rather than a table over every reachable position: such a table costs 2 x positions x head_dim
+    floats a base (128 MiB for Gemma 3's two bases at 32,768 positions), a step's share microseconds."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def rope_tables(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_positions, head_dim], in the rotate-half layout HF Llama uses."""
-    inv_freq = _inverse_frequencies(head_dim, theta, scaling)
-    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_at(inverse_frequencies(head_dim, theta, scaling), torch.arange(max_positions))
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
