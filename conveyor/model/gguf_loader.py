@@ -72,19 +72,21 @@ class GGUFFile:
     buffer: mmap.mmap
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF v2/v3 header; tensor data stays memory-mapped."""
+def read_gguf(path: str | Path, with_arrays: bool = True) -> GGUFFile:
+    """Parse a GGUF v2/v3 header; tensor data stays memory-mapped. `with_arrays` False leaves the
+    metadata's arrays (the vocabulary, its merges and scores: 10^5 values, tens of MiB as Python
+    objects) out of `metadata`, for a caller that needs only the tensors."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             # ACCESS_COPY gives a writable (copy-on-write) buffer, which torch.frombuffer accepts silently.
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return _parse(path, buf)
+        return _parse(path, buf, with_arrays)
     except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
-def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
+def _parse(path: Path, buf: mmap.mmap, with_arrays: bool = True) -> GGUFFile:
     if buf[:4] != b"GGUF":
         raise ValueError("not a GGUF file (bad magic)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -113,6 +115,9 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
         if vtype != _ARRAY:
             return read(_SCALARS[vtype])
         itype, count = read("<I"), read("<Q")
+        if not with_arrays:
+            skip_array(itype, count)
+            return None
         if itype in _SCALARS:  # one unpack for the whole array (a vocabulary's token types, scores)
             fmt = f"<{count}{_SCALARS[itype][1]}"
             values = list(struct.unpack_from(fmt, buf, pos))
@@ -127,10 +132,25 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
             return strings
         return [read_value(itype) for _ in range(count)]
 
+    def skip_array(itype: int, count: int) -> None:
+        nonlocal pos
+        if itype in _SCALARS:
+            pos += count * struct.calcsize(_SCALARS[itype])
+        elif itype == _STRING:
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+        elif itype == _ARRAY:
+            for _ in range(count):
+                skip_array(read("<I"), read("<Q"))
+        else:
+            raise ValueError(f"unknown GGUF array element type {itype}")
+
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = read_str()
-        metadata[key] = read_value(read("<I"))
+        value = read_value(read("<I"))
+        if value is not None or with_arrays:
+            metadata[key] = value
     infos = []
     for _ in range(n_tensors):
         name, ndim = read_str(), read("<I")

