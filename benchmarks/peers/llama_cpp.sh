@@ -260,8 +260,8 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 GGUF=$(model_file)
 NAME=$(basename "$GGUF" .gguf)
 [[ $MODEL == smollm2-135m ]] && NAME=smollm2-135m
-VOCAB=$("$CONVEYOR_PY" -c "import sys, gguf; r = gguf.GGUFReader(sys.argv[1]); \
-f = r.fields['tokenizer.ggml.tokens']; print(len(f.data))" "$GGUF")
+VOCAB=$("$CONVEYOR_PY" -c "import sys; from conveyor.model.gguf_loader import read_gguf; \
+print(len(read_gguf(sys.argv[1]).metadata['tokenizer.ggml.tokens']))" "$GGUF")
 log "model $GGUF ($VOCAB tokens); workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, $SLOTS slots," \
     "$CTX_PER_SLOT tokens a slot, $THREADS threads"
 if ((ROUNDS == 1)); then  # one server at a time, as always
