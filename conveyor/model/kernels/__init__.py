@@ -28,9 +28,10 @@ _VECTOR_WIDTH_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x
 _COMMON_FLAGS = ["-march=native", "-fopenmp", "-fno-trapping-math", *_VECTOR_WIDTH_FLAGS]
 # fused_ops rounds its products and sums one by one, as the torch ops it replaces do.
 _MODULE_FLAGS = {"fused_ops": ["-ffp-contract=off"]}
-# The panel kernels are written with their loops unrolled by pragma, so -O3 adds nothing measurable
-# to them (docs/PERF.md, "Building the kernels") while taking 4-5x as long to compile their many
-# tile instantiations: most of a fresh install's first start. The rest gain from -O3's vectorizer.
+# The panel kernels are written with their loops unrolled by pragma, so -O3 adds little to them
+# (within noise but for the fp32 vocabulary projection at 32+ rows: docs/PERF.md, "Building the
+# kernels") while taking 4-5x as long to compile their many tile instantiations, most of a fresh
+# install's first start. The others gain from -O3's vectorizer and build quickly either way.
 _OPTIMIZATION = {"panel_gemm": "-O2", "quant_gemm": "-O2"}
 
 
