@@ -41,14 +41,6 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
     return emb.cos(), emb.sin()
 
 
-def rope_tables(
-    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_positions, head_dim], in the rotate-half layout HF Llama uses."""
-    cos, sin = rope_at(inverse_frequencies(head_dim, theta, scaling), torch.arange(max_positions))
-    return cos.to(dtype), sin.to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (already gathered at each token's position)."""
     half = x.shape[-1] // 2

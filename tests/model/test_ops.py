@@ -9,7 +9,7 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.model.kernels import fused_ops
 from conveyor.model.ops import FusedOps, ReferenceOps, layer_ops
-from conveyor.model.rope import rope_tables
+from conveyor.model.rope import inverse_frequencies, rope_at
 from tests.helpers import make_tiny_hf_checkpoint
 
 
@@ -43,9 +43,8 @@ def test_rms_norm_and_residual_add(fused: FusedOps, rows: int) -> None:
 def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int, heads: int, kv_heads: int) -> None:
     rows, block_size, blocks = 11, 4, 8
     qkv = _rand(rows, (heads + 2 * kv_heads) * head_dim)
-    cos_table, sin_table = rope_tables(head_dim, 64, 10000.0, None, torch.float32)
     positions = torch.tensor([0, 5, 63, 1, 2, 3, 4, 30, 31, 32, 7])
-    cos, sin = cos_table[positions], sin_table[positions]
+    cos, sin = rope_at(inverse_frequencies(head_dim, 10000.0, None), positions)
     slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows]
     results = []
     for ops in (fused, ReferenceOps()):
@@ -64,9 +63,8 @@ def test_rope_and_cache_with_qk_norms_matches_torch(fused: FusedOps, head_dim: i
     to torch's within fp32 rounding (the norm's sum runs in another order), the cache rows alike."""
     rows, block_size, blocks = 7, 4, 4
     qkv = _rand(rows, (heads + 2 * kv_heads) * head_dim) * 3
-    cos_table, sin_table = rope_tables(head_dim, 64, 1_000_000.0, None, torch.float32)
     positions = torch.tensor([0, 9, 63, 1, 2, 40, 5])
-    cos, sin = cos_table[positions], sin_table[positions]
+    cos, sin = rope_at(inverse_frequencies(head_dim, 1_000_000.0, None), positions)
     slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(4))[:rows]
     qk_norm = (_rand(head_dim, seed=5) + 1.0, _rand(head_dim, seed=6) + 1.0, 1e-6)
     results = []
@@ -167,3 +165,18 @@ def test_whole_models_generate_what_transformers_generates(
         monkeypatch.setenv("CONVEYOR_KERNELS", kernels)
         got = [list(out.token_ids) for out in LLM(str(folder), max_num_seqs=4).generate(prompts, params)]
         assert got == want, f"CONVEYOR_KERNELS={kernels}"
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_at_equals_transformers_rotary_embedding(scaling: dict | None) -> None:
+    """cos and sin at a step's positions, bit for bit as HF's rotary embedding computes them."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=512, num_attention_heads=8, rope_theta=500_000.0, rope_scaling=scaling,
+                         max_position_embeddings=131072)
+    positions = torch.tensor([0, 1, 17, 4095, 8191, 100_000])
+    want_cos, want_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, 1, dtype=torch.float32), positions[None])
+    cos, sin = rope_at(inverse_frequencies(64, 500_000.0, scaling), positions)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
