@@ -1,5 +1,6 @@
 """Every relative link in the project's markdown resolves: the file exists and a #fragment names a
-heading of it (GitHub's anchor rule). Docs move between files; a link left behind is caught here."""
+heading of it (GitHub's anchor rule), inside the repository. Docs move between files; a link left
+behind is caught here."""
 from __future__ import annotations
 
 import re
@@ -41,7 +42,9 @@ def broken_links(path: Path) -> list[str]:
             continue
         file, _, fragment = target.partition("#")
         dest = (path.parent / file).resolve() if file else path
-        if not dest.exists():
+        if not dest.is_relative_to(ROOT):  # exists on the author's machine, not in a clone
+            broken.append(f"{target}: outside the repository")
+        elif not dest.exists():
             broken.append(f"{target}: no such file")
         elif fragment and (dest.suffix != ".md" or fragment not in anchors(dest)):
             broken.append(f"{target}: no such heading")
