@@ -1,5 +1,6 @@
 """What the process holds, and what the machine has: the numbers a load is checked against before it
-allocates, and glibc's allocator told to give freed weights back to the system."""
+allocates, and glibc's allocator told to give freed weights back to the system while a model loads,
+then to keep a step's freed activations for the next step once it serves."""
 from __future__ import annotations
 
 import ctypes
@@ -7,11 +8,17 @@ import ctypes.util
 import functools
 from pathlib import Path
 
+from conveyor.model.config import ModelConfig
+
 # Allocations from this size up get their own mapping, returned to the system when freed. glibc
 # otherwise raises the threshold as large blocks are freed, and a load that frees one tensor for
 # every two it keeps (raw blocks, fused projections) leaves the freed ones stranded in its heap.
 _OWN_MAPPING_FROM = 1 << 20
-_M_MMAP_THRESHOLD = -3
+# mallopt's parameters and glibc's defaults for the two a load puts back.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+
+_kept_free_bytes = 0  # the largest reuse_freed_memory asked for in this process
 
 
 @functools.cache
@@ -27,7 +34,47 @@ def _libc() -> ctypes.CDLL | None:
 def keep_large_allocations_returnable() -> None:
     """Call before a load: large blocks freed while it runs go back to the system (glibc only)."""
     if (libc := _libc()) is not None:
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
         libc.mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING_FROM)
+
+
+def reuse_freed_memory(keep_bytes: int) -> None:
+    """Call once a model is loaded and its KV pool allocated: from then on every allocation comes
+    from the heap, and up to `keep_bytes` of freed heap stay there for the next step (glibc only).
+
+    A step's activations are megabytes each (a 2,048-token prefill's MLP output alone is 80 MB on
+    a 0.5B model). Given their own mappings, as during a load, every step mapped them again and
+    the kernel faulted in and zeroed each page anew: a third of a prefill's time went to page
+    faults (docs/PERF.md, "Memory"). Kept, the process holds its largest step's working set, which
+    it needs at that step's peak anyway; a rarer larger one (prompt logprobs over a long prompt)
+    is trimmed back when freed. Only the largest `keep_bytes` asked for in the process counts, so
+    a draft model's runner does not shrink its target's."""
+    global _kept_free_bytes
+    _kept_free_bytes = max(_kept_free_bytes, keep_bytes)
+    if (libc := _libc()) is not None:
+        libc.mallopt(_M_MMAP_MAX, 0)
+        libc.mallopt(_M_TRIM_THRESHOLD, min(_kept_free_bytes, 2**31 - 1))
+
+
+def step_working_set_bytes(cfg: ModelConfig, rows: int, sampled_rows: int) -> int:
+    """About what a step of `rows` tokens holds at once in fp32: a layer's residual, normed input,
+    q/k/v and attention output, the MLP's gate/up and their product (and its int8 codes), and the
+    logits and probabilities of the rows it samples."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_row = 4 * (3 * cfg.hidden_size + 2 * q_dim + 2 * kv_dim + 3 * cfg.intermediate_size) + cfg.intermediate_size
+    return rows * per_row + 2 * 4 * sampled_rows * cfg.vocab_size
+
+
+def share_one_heap() -> None:
+    """Every thread allocates from the process's main heap, which keeps what reuse_freed_memory
+    keeps (glibc only). A thread of its own (the server's engine thread) would allocate from an
+    arena of 64 MiB heaps, which glibc unmaps whenever one falls empty, and the page faults came
+    back (docs/PERF.md, "Memory"). It holds only for threads that have not allocated yet and only
+    while no other thread has an arena of its own, so `import conveyor` calls it before anything
+    else; the other threads (the event loop, OpenMP's) allocate little."""
+    if (libc := _libc()) is not None:
+        libc.mallopt(_M_ARENA_MAX, 1)
 
 
 def return_freed_memory() -> None:

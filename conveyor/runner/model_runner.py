@@ -13,7 +13,8 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.llama import KVCache, LlamaModel, model_bytes
 from conveyor.model.loader import checkpoint_bytes, load_checkpoint, resolve_model_path
-from conveyor.model.memory import available_memory, keep_large_allocations_returnable, return_freed_memory
+from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
+                                   reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
 from conveyor.model.tokenizer import Tokenizer
 from conveyor.runner.inputs import build_inputs
@@ -134,8 +135,12 @@ class ModelRunner:
                    "lower it with --kv-cache-memory (or --num-kv-blocks)")
         logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, config.block_size,
                     num_blocks * block_bytes / 2**20)
-        return cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
-                   config.activation_dtype)
+        runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
+                     config.activation_dtype)
+        # Twice the estimate: steps of the configured budget never hand their memory back.
+        reuse_freed_memory(2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
+                                                      config.scheduler.max_num_seqs))
+        return runner
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:

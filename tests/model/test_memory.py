@@ -1,0 +1,84 @@
+"""glibc's allocator as conveyor sets it: freed weights go back to the system while a model loads,
+and once it serves, a step's freed activations are reused by the next step instead of being mapped
+and faulted in again. Each case runs in a fresh interpreter, whose allocator this test may change."""
+from __future__ import annotations
+
+import ctypes.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.memory import step_working_set_bytes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
+                                reason="glibc's mallopt")
+
+# Runs the products and frees of two MLP layers over a 512-token prefill (gate/up 20 MB, their
+# product 10 MB, down 2 MB), `ROUNDS` times, on the main thread or on another thread (the server
+# steps its engine on one), and prints each round's page faults.
+PROBE = r"""
+import json, resource, sys, threading
+import conveyor  # first, as the server does
+import torch
+from conveyor.model import memory
+
+mode, where = sys.argv[1], sys.argv[2]
+memory.keep_large_allocations_returnable()
+if mode == "reuse":
+    memory.reuse_freed_memory(256 * 2**20)
+x = torch.ones(512, 896)
+gate_up, down = torch.randn(9728, 896) * 0.01, torch.randn(896, 4864) * 0.01
+faults = []
+
+def rounds():
+    for _ in range(8):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _layer in range(2):
+            h = torch.nn.functional.linear(x, gate_up)
+            a = h[:, :4864] * h[:, 4864:]
+            del h
+            y = torch.nn.functional.linear(a, down)
+            del a, y
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+if where == "thread":
+    thread = threading.Thread(target=rounds)
+    thread.start()
+    thread.join()
+else:
+    rounds()
+print(json.dumps(faults))
+"""
+LAYER_PAGES = 512 * (9728 + 4864 + 896) * 4 // 4096  # what one layer's outputs span
+
+
+def page_faults(mode: str, where: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, where], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_while_loading_freed_memory_goes_back_and_every_round_faults_again() -> None:
+    faults = page_faults("load", "main")
+    assert all(f >= LAYER_PAGES for f in faults), faults
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_once_serving_freed_activations_are_reused_without_faults(where: str) -> None:
+    faults = page_faults("reuse", where)
+    assert faults[0] >= LAYER_PAGES // 2, faults  # the first round takes new memory
+    # the heap may grow over a few rounds (freed blocks sit between live ones), then holds
+    assert all(f < LAYER_PAGES // 20 for f in faults[-3:]), faults
+
+
+def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    one = step_working_set_bytes(cfg, 1, 0)
+    # 4 bytes a float: residual, normed input and attention output (hidden), q and its output,
+    # k and v, gate/up and their product; one byte for the product's int8 codes
+    assert one == 4 * (3 * 64 + 2 * 64 + 2 * 32 + 3 * 256) + 256
+    assert step_working_set_bytes(cfg, 10, 0) == 10 * one
+    assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
