@@ -114,14 +114,31 @@ constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside th
 #else
 constexpr int kTileRows = 4;
 #endif
-// A block of rows stays in L2 while a thread's panels pass (its codes: rows x K bytes).
-constexpr int64_t kRowBlock = 8 * kTileRows;
+// A block of rows stays in L2 while a thread's panels pass: its codes, rows x K bytes, up to this
+// many (a quarter of the smallest L2 the kernel meets, 512 KiB on AVX2-only EPYCs). Each panel's
+// codes are unpacked once a block, so short K (most of a small model's products) takes long blocks.
+constexpr int64_t kBlockCodeBytes = 128 * 1024;
 
-// Calls f(r0, rows) for the tiles of m rows: balanced blocks of at most kRowBlock rows, each in
-// balanced tiles of at most kTileRows. The quantiser and the product walk the same tiles.
+int64_t row_block(int64_t k_dim) {
+  return std::max<int64_t>(8 * kTileRows, kBlockCodeBytes / k_dim / kTileRows * kTileRows);
+}
+
+// Calls f(b0, rows) for balanced blocks of at most `most` rows over [0, m).
 template <class F>
-void for_tiles(int64_t m, F&& f) {
-  for_balanced_tiles<kRowBlock>(m, [&](int64_t b0, int64_t block_rows) {
+void for_blocks(int64_t m, int64_t most, F&& f) {
+  const int64_t blocks = (m + most - 1) / most;
+  for (int64_t b0 = 0, b = 0; b < blocks; ++b) {
+    const int64_t rows = (m - b0) / (blocks - b);
+    f(b0, rows);
+    b0 += rows;
+  }
+}
+
+// Calls f(r0, rows) for the tiles of m rows: balanced blocks of at most row_block(k_dim) rows, each
+// in balanced tiles of at most kTileRows. The quantiser and the product walk the same tiles.
+template <class F>
+void for_tiles(int64_t m, int64_t k_dim, F&& f) {
+  for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
     for_balanced_tiles<kTileRows>(block_rows, [&](int64_t t0, int64_t rows) { f(b0 + t0, rows); });
   });
 }
@@ -488,7 +505,7 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
   std::vector<uint8_t> xq(static_cast<size_t>(m * k_dim));
   std::vector<Meta> meta(static_cast<size_t>(m * groups));
   std::vector<std::pair<int64_t, int64_t>> tiles;
-  for_tiles(m, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
+  for_tiles(m, k_dim, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
   const int32_t offset = code_offset(T);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (const auto& [r0, rows] : tiles)
@@ -501,7 +518,7 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     thread_local std::vector<float> scales;
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
     scales.resize(static_cast<size_t>(groups * kGroupScales));
-    for_balanced_tiles<kRowBlock>(m, [&](int64_t b0, int64_t block_rows) {
+    for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
         K::unpack(w + p * units * K::L.unit_bytes, units, codes.data(), scales.data());
