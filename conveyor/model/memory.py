@@ -45,10 +45,11 @@ def reuse_freed_memory(keep_bytes: int) -> None:
 
     A step's activations are megabytes each (a 2,048-token prefill's MLP output alone is 80 MB on
     a 0.5B model). Given their own mappings, as during a load, every step mapped them again and
-    the kernel faulted in and zeroed each page anew: a third of a prefill's time went to page
-    faults (docs/PERF.md, "Memory"). Kept, the process holds its largest step's working set, which
-    it needs at that step's peak anyway; a rarer larger one (prompt logprobs over a long prompt)
-    is trimmed back when freed. Only the largest `keep_bytes` asked for in the process counts, so
+    the kernel faulted in and zeroed each page anew, which a prefill then waited for (docs/PERF.md,
+    "Steps keep their memory"). Kept, the process holds its largest step's working set, which
+    it needs at that step's peak anyway. A rarer, larger block stays too unless it lies at the
+    heap's top: the runner hands prompt logits larger than `keep_bytes` back (return_freed_memory)
+    after their step. Only the largest `keep_bytes` asked for in the process counts, so
     a draft model's runner does not shrink its target's."""
     global _kept_free_bytes
     _kept_free_bytes = max(_kept_free_bytes, keep_bytes)
@@ -70,9 +71,9 @@ def share_one_heap() -> None:
     """Every thread allocates from the process's main heap, which keeps what reuse_freed_memory
     keeps (glibc only). A thread of its own (the server's engine thread) would allocate from an
     arena of 64 MiB heaps, which glibc unmaps whenever one falls empty, and the page faults came
-    back (docs/PERF.md, "Memory"). It holds only for threads that have not allocated yet and only
-    while no other thread has an arena of its own, so `import conveyor` calls it before anything
-    else; the other threads (the event loop, OpenMP's) allocate little."""
+    back (docs/PERF.md, "Steps keep their memory"). It holds only for threads that have not
+    allocated yet and only while no other thread has an arena of its own, so `import conveyor`
+    calls it before anything else; the other threads (the event loop, OpenMP's) allocate little."""
     if (libc := _libc()) is not None:
         libc.mallopt(_M_ARENA_MAX, 1)
 

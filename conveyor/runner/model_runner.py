@@ -106,6 +106,9 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # The freed memory steps keep for the next (from_config sets it); larger prompt logits are
+        # handed back after their step. None: nothing is kept beyond glibc's defaults.
+        self.keep_free_bytes: int | None = None
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
@@ -138,8 +141,9 @@ class ModelRunner:
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
                      config.activation_dtype)
         # Twice the estimate: steps of the configured budget never hand their memory back.
-        reuse_freed_memory(2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
-                                                      config.scheduler.max_num_seqs))
+        runner.keep_free_bytes = 2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
+                                                            config.scheduler.max_num_seqs)
+        reuse_freed_memory(runner.keep_free_bytes)
         return runner
 
     @torch.inference_mode()
@@ -175,6 +179,11 @@ class ModelRunner:
             sampled = self.sampler(logits[:num_sampling], requests) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
             sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
+            if self.keep_free_bytes is not None and logits.nbytes > self.keep_free_bytes:
+                # Logits of a long prompt, larger than what steps keep free: hand them back now
+                # rather than hold them in the heap (model/memory.py, reuse_freed_memory).
+                del logits
+                return_freed_memory()
         t3 = time.perf_counter()
         stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2
         return sampled

@@ -82,3 +82,31 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
     assert one == 4 * (3 * 64 + 2 * 64 + 2 * 32 + 3 * 256) + 256
     assert step_working_set_bytes(cfg, 10, 0) == 10 * one
     assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
+
+
+SPIKE = r"""
+import re
+import conveyor
+import torch
+from conveyor.model import memory
+
+def resident():
+    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+memory.keep_large_allocations_returnable()
+memory.reuse_freed_memory(64 * 2**20)
+spike = torch.ones(256 * 2**20 // 4)  # 256 MiB of logits, say
+fence = [bytearray(100_000) for _ in range(4)]  # allocated after it and still alive: no trim from the top
+held = resident()
+del spike
+freed = resident()
+memory.return_freed_memory()
+print(held, freed, resident())
+"""
+
+
+def test_a_freed_spike_stays_in_the_heap_until_handed_back() -> None:
+    out = subprocess.run([sys.executable, "-c", SPIKE], check=True, capture_output=True, text=True)
+    held, freed, handed_back = map(int, out.stdout.split())
+    assert freed > held - 64 * 2**20  # freeing alone keeps it: it is not at the heap's top
+    assert handed_back < freed - 192 * 2**20
