@@ -79,7 +79,8 @@ def share_one_heap() -> None:
 
 
 def return_freed_memory() -> None:
-    """Hands the heap's free pages back to the system (glibc's malloc_trim), after a load."""
+    """Hands the heap's free pages back to the system (glibc's malloc_trim): after a load, and after
+    a step that freed more than steps keep (ModelRunner.execute's prompt logits)."""
     if (libc := _libc()) is not None:
         libc.malloc_trim(0)
 
