@@ -35,7 +35,8 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
     """cos and sin [len(positions), head_dim] in the rotate-half layout HF Llama uses, computed as
     HF's rotary embedding computes them (fp32 angles, then cos and sin of [angles, angles]). Per step
     rather than a table over every reachable position: such a table costs 2 x positions x head_dim
-    floats a base (128 MiB for Gemma 3's two bases at 32,768 positions), a step's share microseconds."""
+    floats a base (128 MiB for Gemma 3's two bases at 32,768 positions), while a step needs only its
+    own rows (their cost: docs/PERF.md, "Memory")."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
