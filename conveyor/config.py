@@ -11,6 +11,9 @@ POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
 DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
 ACTIVATION_DTYPES = ("int8", "float32")
+# "auto": float16 for an fp32 model (half the bytes a token's KV takes, as llama.cpp's default
+# cache), the model's own dtype for a bf16 one.
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -127,6 +130,8 @@ class EngineConfig:
     # much; the vocabulary projection keeps fp32 activations so greedy argmax stays exact); "float32":
     # fp32 activations throughout, bit-identical to dequantize-then-multiply (the reference tests)
     activation_dtype: str = "int8"
+    # What the KV cache stores keys and values in (KV_CACHE_DTYPES); attention computes in fp32 either way
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
@@ -144,6 +149,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise ConfigError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {self.activation_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         parse_memory(self.kv_cache_memory)

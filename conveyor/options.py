@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any, Iterable
 
-from conveyor.config import ACTIVATION_DTYPES, DTYPES, POLICIES, SCHEDULING_POLICIES
+from conveyor.config import ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
@@ -16,6 +16,8 @@ HELP = {
     "activation_dtype": "int8 (default): products on GGUF blocks quantize activations to int8 and multiply in "
                         "integers, as llama.cpp does; float32: exact fp32 activations (results equal to "
                         "dequantize-then-multiply, as the reference tests need)",
+    "kv_cache_dtype": "what the KV cache stores: auto (default: float16 for an fp32 model, as llama.cpp's "
+                      "cache; a bf16 model's own dtype), float16, or float32 (exact: the reference tests)",
     "block_size": "tokens per KV block",
     "speculative_config": 'speculative decoding, as a JSON object: {"method": "ngram", '
                           '"num_speculative_tokens": 24, "prompt_lookup_max": 12, "prompt_lookup_min": 3, '
@@ -34,7 +36,7 @@ HELP = {
     "slo_ttft_ms": "TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)",
 }
 CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
-                                       "activation_dtype": ACTIVATION_DTYPES}
+                                       "activation_dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def _scalar_type(annotation: Any) -> type:

@@ -53,7 +53,7 @@ def _rate_schedule(text: str) -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The in-process engine's model options (compare, roofline)."""
-    add_config_args(p, EngineConfig, only=("model", "dtype", "dequantize_weights", "num_threads"))
+    add_config_args(p, EngineConfig, only=("model", "dtype", "dequantize_weights", "kv_cache_dtype", "num_threads"))
 
 
 def _workload(args: argparse.Namespace, vocab_size: int = 49152):  # noqa: ANN202 - WorkloadConfig
@@ -110,7 +110,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         policies=args.policies, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_size=args.chunk_size, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
-        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, kv_cache_dtype=args.kv_cache_dtype,
+        num_threads=args.num_threads,
         output_dir=args.output_dir,
         percentiles=percentiles,
         goodput=parse_goodput(args.goodput), warmup=not args.no_warmup, plots=not args.no_plots,
@@ -127,7 +128,8 @@ def _run_roofline(args: argparse.Namespace) -> int:
     from conveyor.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, kv_cache_dtype=args.kv_cache_dtype,
+        num_threads=args.num_threads,
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, args.context * max(args.batch_sizes)),
     ))
     result = run_roofline(engine, sorted(args.batch_sizes), args.context, args.steps)
@@ -138,13 +140,18 @@ def _run_roofline(args: argparse.Namespace) -> int:
 
 
 def _run_quality(args: argparse.Namespace) -> int:
+    import torch
+
     from conveyor.bench.quality import report, run_quality
     from conveyor.config import EngineConfig
     from conveyor.runner.model_runner import load_model
 
     loaded = load_model(EngineConfig(model=args.model, num_threads=args.num_threads))
-    results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window)
-    print(report(args.model or "smollm2-135m", args.activation_dtype, results))
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    if args.activation_dtype == "float32" and kv_dtype == torch.float32:
+        raise SystemExit("bench quality: float32 activations with a float32 KV cache is the reference itself")
+    results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window, kv_dtype)
+    print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype))
     return 0
 
 
@@ -157,7 +164,8 @@ def _run_steps(args: argparse.Namespace) -> int:
                       hf=args.hf, activation_dtypes=args.activation_dtypes or [], prefill=args.prefill)
     longest = max(max(cfg.batch_sizes) * max(cfg.contexts), cfg.prefill)
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, num_threads=args.num_threads,
+        model=args.model, dtype=args.dtype, dequantize_weights=args.dequantize_weights, kv_cache_dtype=args.kv_cache_dtype,
+        num_threads=args.num_threads,
         max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(args.max_num_batched_tokens, min(longest, 8192)),
     ))
     run_steps(engine, cfg, load_hf_reference(args.dtype) if cfg.hf else None)
@@ -219,10 +227,13 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     roof.add_argument("--output-dir", default="out/roofline")
     roof.set_defaults(func=_run_roofline)
 
-    quality = sub.add_parser("quality", help="perplexity and top-1 agreement of int8 activations against fp32, "
-                                            "teacher-forced on standard-library code and prose")
+    quality = sub.add_parser("quality", help="perplexity and top-1 agreement of int8 activations and a float16 KV "
+                                            "cache against fp32, teacher-forced on standard-library code and prose")
     add_config_args(quality, EngineConfig, only=("model", "num_threads"))
-    quality.add_argument("--activation-dtype", choices=["int8"], default="int8", help="the activations to score")
+    quality.add_argument("--activation-dtype", choices=list(ACTIVATION_DTYPES), default="int8",
+                         help="the activations to score")
+    quality.add_argument("--kv-cache-dtype", choices=["float16", "float32"], default="float16",
+                         help="the KV cache to score")
     quality.add_argument("--max-tokens", type=int, default=4096, help="tokens of each text scored")
     quality.add_argument("--window", type=int, default=512, help="tokens a teacher-forced window holds")
     quality.set_defaults(func=_run_quality)

@@ -58,6 +58,7 @@ class CompareConfig:
     model: str | None = EngineConfig.model
     dtype: str = EngineConfig.dtype
     dequantize_weights: bool = EngineConfig.dequantize_weights
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     num_threads: int | None = EngineConfig.num_threads
     # The continuous-spec policy's speculative decoding (None: SpeculativeConfig's defaults, n-gram)
     speculative_config: SpeculativeConfig | None = None
@@ -117,7 +118,7 @@ def engine_kwargs(cfg: CompareConfig, policy: str, requests: list[BenchRequest])
     longest = max(r.prompt_len + r.output_len for r in requests)
     return dict(
         model=cfg.model, dtype=cfg.dtype, dequantize_weights=cfg.dequantize_weights, num_threads=cfg.num_threads,
-        max_num_seqs=cfg.max_num_seqs,
+        kv_cache_dtype=cfg.kv_cache_dtype, max_num_seqs=cfg.max_num_seqs,
         kv_cache_memory=cfg.kv_cache_memory, block_size=cfg.block_size,
         enable_prefix_caching=cfg.enable_prefix_caching, **POLICIES[policy](cfg, longest),
     )

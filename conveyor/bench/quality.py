@@ -2,9 +2,10 @@
 
 The model reads a fixed text that needs no download (Python standard-library modules for code, the
 standard library's own prose docstrings and the Python license for text), teacher-forced in windows,
-once with fp32 activations (the path whose greedy tokens equal transformers') and once with the
-activation dtype under test. Reported per text: perplexity of each, their ratio, and top-1 agreement
-(the share of positions whose argmax is the same in both).
+once exactly (fp32 activations and an fp32 KV cache: the path whose greedy tokens equal
+transformers') and once with the activation and KV cache dtypes under test (by default the
+engine's: int8 and float16). Reported per text: perplexity of each, their ratio, and top-1
+agreement (the share of positions whose argmax is the same in both).
 """
 from __future__ import annotations
 
@@ -61,16 +62,21 @@ class QualityResult:
         return self.ppl / self.reference_ppl
 
 
+# (activation dtype, KV cache dtype): how a path computes.
+Arithmetic = tuple[str, torch.dtype]
+EXACT: Arithmetic = ("float32", torch.float32)
+
+
 def score(model: torch.nn.Module, ids: list[int], window: int,
-          activation_dtypes: tuple[str, str]) -> tuple[list[float], list[float], float]:
-    """Negative log-likelihoods of every next token under each activation dtype, and the share of
-    positions where their argmaxes agree. Windows of `window` tokens, each from an empty cache."""
+          paths: tuple[Arithmetic, Arithmetic]) -> tuple[list[float], list[float], float]:
+    """Negative log-likelihoods of every next token on each path, and the share of positions where
+    their argmaxes agree. Windows of `window` tokens, each from an empty cache (a cache per path)."""
     from conveyor.model.attention import AttentionMetadata, PrefillChunk
     from conveyor.runner.model_runner import allocate_kv_cache
 
     block_size = 16
     blocks = -(-window // block_size)
-    kv = allocate_kv_cache(model.cfg, blocks, block_size, torch.float32)  # type: ignore[arg-type]
+    caches = [allocate_kv_cache(model.cfg, blocks, block_size, kv_dtype) for _, kv_dtype in paths]  # type: ignore[arg-type]
     table = torch.arange(blocks)
     nll: tuple[list[float], list[float]] = ([], [])
     agree = total = 0
@@ -80,10 +86,10 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
         if n < 2:
             break
         argmaxes = []
-        for which, dtype in enumerate(activation_dtypes):
+        for which, (dtype, _) in enumerate(paths):
             model.activation_dtype = dtype  # type: ignore[assignment]
             meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)])
-            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, kv, torch.arange(n))
+            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, caches[which], torch.arange(n))
             logprobs = torch.log_softmax(logits.double(), dim=-1)
             target = torch.tensor(chunk[1:])
             nll[which].extend((-logprobs[torch.arange(n), target]).tolist())
@@ -94,13 +100,13 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
 
 
 def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str, max_tokens: int,
-                window: int) -> list[QualityResult]:
+                window: int, kv_cache_dtype: torch.dtype = torch.float16) -> list[QualityResult]:
     results = []
     saved = getattr(model, "activation_dtype", "float32")
     try:
         for name, text in (("code (stdlib source)", code_text()), ("prose (stdlib docs, license)", prose_text())):
             ids = tokenizer.encode(text)[:max_tokens]  # type: ignore[attr-defined]
-            ref, test, agreement = score(model, ids, window, ("float32", activation_dtype))
+            ref, test, agreement = score(model, ids, window, (EXACT, (activation_dtype, kv_cache_dtype)))
             results.append(QualityResult(name, len(ref), math.exp(sum(ref) / len(ref)), math.exp(sum(test) / len(test)),
                                          agreement))
     finally:
@@ -108,9 +114,12 @@ def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str
     return results
 
 
-def report(model_name: str, activation_dtype: str, results: list[QualityResult]) -> str:
-    lines = [f"{model_name}: {activation_dtype} activations against fp32 (teacher-forced)",
-             f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl ' + activation_dtype:>10} {'ratio':>7} {'top-1 agree':>11}"]
+def report(model_name: str, activation_dtype: str, results: list[QualityResult],
+           kv_cache_dtype: torch.dtype = torch.float16) -> str:
+    kv = str(kv_cache_dtype).removeprefix("torch.")
+    lines = [f"{model_name}: {activation_dtype} activations, {kv} KV cache, against fp32 with an fp32 KV cache "
+             "(teacher-forced)",
+             f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl tested':>10} {'ratio':>7} {'top-1 agree':>11}"]
     for r in results:
         lines.append(f"{r.text:<30} {r.tokens:>7} {r.reference_ppl:>9.4f} {r.ppl:>10.4f} {r.ppl_ratio:>7.4f} "
                      f"{r.top1_agreement:>11.4f}")

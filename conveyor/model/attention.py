@@ -59,15 +59,16 @@ PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    """k, v [T, kv_heads, d] into the cache slots, in the cache's dtype (rounded to nearest even)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim] in `dtype` (the queries')."""
     num_blocks, block_size, kv_heads, head_dim = cache.shape
     # index_select on whole blocks as rows: several times faster than advanced indexing on CPU.
-    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten()).to(dtype)
     flat = rows.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, head_dim)
     return flat.transpose(-3, -2)
 
@@ -105,8 +106,8 @@ def attend(
                                       window or 0)
         else:  # gathers every row's blocks and pads them to the longest context
             qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
-            kd = _gather(k_cache, tables)
-            vd = _gather(v_cache, tables)
+            kd = _gather(k_cache, tables, q.dtype)
+            vd = _gather(v_cache, tables, q.dtype)
             mask = meta.decode_mask(k_cache.shape[1], window)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
             out[:num_decode] = od.squeeze(2)
@@ -122,16 +123,17 @@ def attend(
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         fits_window = window is None or chunk.num_cached + chunk.num_tokens <= window
         if chunk.num_cached == 0 and fits_window:
-            # Fresh prompt: its own keys are all the context, no need to read the cache back.
-            kc = k[rows].transpose(0, 1).unsqueeze(0)
-            vc = v[rows].transpose(0, 1).unsqueeze(0)
+            # Fresh prompt: its own keys are all the context, no need to read the cache back (but
+            # rounded as the cache holds them, so a later hit on these blocks sees the same values).
+            kc = k[rows].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vc = v[rows].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
             oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             context = chunk.num_cached + chunk.num_tokens
             # The first block any query of the chunk can see: block 0 unless a window hides earlier ones.
             first = 0 if window is None else max(0, chunk.num_cached - window + 1) // block_size
-            kc = _gather(k_cache, chunk.block_table[first:])[:, : context - first * block_size].unsqueeze(0)
-            vc = _gather(v_cache, chunk.block_table[first:])[:, : context - first * block_size].unsqueeze(0)
+            kc = _gather(k_cache, chunk.block_table[first:], q.dtype)[:, : context - first * block_size].unsqueeze(0)
+            vc = _gather(v_cache, chunk.block_table[first:], q.dtype)[:, : context - first * block_size].unsqueeze(0)
             query_pos = torch.arange(chunk.num_cached, context).unsqueeze(1)
             key_pos = torch.arange(first * block_size, context).unsqueeze(0)
             mask = key_pos <= query_pos  # causal, offset by the cache

@@ -26,6 +26,13 @@ from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype as a torch dtype ("auto": float16 for an fp32 model)."""
+    if name == "auto":
+        return torch.float16 if model_dtype == torch.float32 else model_dtype
+    return {"float16": torch.float16, "float32": torch.float32}[name]
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +103,7 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         activation_dtype: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         # Engines may share one loaded model (tests, benchmarks): each runs its own activation dtype,
@@ -110,7 +118,7 @@ class ModelRunner:
         # handed back after their step. None: nothing is kept beyond glibc's defaults.
         self.keep_free_bytes: int | None = None
         dtype = next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, kv_dtype or dtype)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=layer_ops(torch.float32).argmax_rows)
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
@@ -127,19 +135,19 @@ class ModelRunner:
             raise ConfigError(
                 f"max_model_len {max_model_len} exceeds the model's context length {loaded.model.max_positions}"
             )
-        dtype = next(loaded.model.parameters()).dtype
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
         num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(
-            cfg, config.block_size, dtype
+            cfg, config.block_size, kv_dtype
         )
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
-        block_bytes = kv_block_bytes(cfg, config.block_size, dtype)
+        block_bytes = kv_block_bytes(cfg, config.block_size, kv_dtype)
         check_fits(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens)", num_blocks * block_bytes,
                    "lower it with --kv-cache-memory (or --num-kv-blocks)")
-        logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, config.block_size,
-                    num_blocks * block_bytes / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, config.block_size,
+                    str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**20)
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
-                     config.activation_dtype)
+                     config.activation_dtype, kv_dtype)
         # Twice the estimate: steps of the configured budget never hand their memory back.
         runner.keep_free_bytes = 2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
                                                             config.scheduler.max_num_seqs)

@@ -15,11 +15,13 @@ def default_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def make_engine(default_model: LoadedModel):
-    """Engines on exact fp32 activations unless a test asks for int8: the outputs these tests expect
-    are the reference's (dequantize-then-multiply). tests/engine/test_int8_activations.py runs the
-    default, int8."""
+    """Engines on exact fp32 activations and an fp32 KV cache unless a test asks otherwise: the
+    outputs these tests expect are the reference's (dequantize-then-multiply), and equal across
+    paths that compute the same keys in different batches. tests/engine/test_int8_activations.py
+    runs int8, tests/engine/test_kv_cache_dtype.py the float16 cache."""
     def make(**kwargs: object) -> LLMEngine:
-        return LLMEngine.from_config(EngineConfig.from_kwargs(**{"activation_dtype": "float32", **kwargs}),
+        exact = {"activation_dtype": "float32", "kv_cache_dtype": "float32"}
+        return LLMEngine.from_config(EngineConfig.from_kwargs(**{**exact, **kwargs}),
                                      default_model)
 
     return make

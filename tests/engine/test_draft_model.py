@@ -23,7 +23,8 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(default_model: object, spec: dict | None, params: SamplingParams) -> tuple[list[list[int]], LLMEngine]:
-    config = EngineConfig.from_kwargs(activation_dtype="float32", num_kv_blocks=128, max_model_len=512,
+    config = EngineConfig.from_kwargs(activation_dtype="float32", kv_cache_dtype="float32", num_kv_blocks=128,
+                                      max_model_len=512,
                                       speculative_config=spec)
     engine = LLMEngine.from_config(config, default_model)
     outputs = LLM.from_engine(engine).generate(PROMPTS, params)

@@ -115,7 +115,8 @@ def test_batched_greedy_tokens_equal_transformers(gemma3: LoadedModel, hf_model:
     prompts = [gemma3.tokenizer.encode(p) for p in PROMPTS]
     assert len(prompts) >= 8 and min(map(len, prompts)) < 5 and max(map(len, prompts)) > 100
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=MODEL, max_num_seqs=len(prompts),
-                                                            activation_dtype="float32"), gemma3)
+                                                            activation_dtype="float32", kv_cache_dtype="float32"),
+                                   gemma3)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in prompts]
     got: dict[str, list[int]] = {}

@@ -98,7 +98,7 @@ def test_batched_greedy_tokens_equal_transformers(qwen: LoadedModel, hf_model: A
     our next token."""
     prompts = [qwen.tokenizer.encode(p) for p in PROMPTS]
     engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=MODEL, max_num_seqs=len(prompts), activation_dtype="float32",
-                                                            num_kv_blocks=128), qwen)
+                                                            kv_cache_dtype="float32", num_kv_blocks=128), qwen)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in prompts]
     got: dict[str, list[int]] = {}

@@ -101,7 +101,8 @@ def test_gguf_blocks_give_the_dense_fp32_results_bit_for_bit(make_engine, defaul
     assert model.layers[0].qkv.packed.layout == "Q4_1" and model.head.packed.layout == "Q8_0"
     dense_model = LlamaModel.from_weights(model.cfg, default_checkpoint.weights, torch.float32)
     assert dense_model.layers[0].qkv.packed.layout == "panels"
-    dense = LLMEngine.from_config(EngineConfig(), LoadedModel(dense_model, default_model.tokenizer))
+    dense = LLMEngine.from_config(EngineConfig(activation_dtype="float32", kv_cache_dtype="float32"),
+                                  LoadedModel(dense_model, default_model.tokenizer))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 
     def logprobs(engine: LLMEngine) -> list:

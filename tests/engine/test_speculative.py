@@ -43,7 +43,7 @@ def gemma() -> LoadedModel:
 
 def generate(loaded: LoadedModel, spec: dict | None, prompts: list, params: object,
              **options: object) -> tuple[list[list[int]], LLMEngine]:
-    config = EngineConfig.from_kwargs(**{"activation_dtype": "float32", "num_kv_blocks": 256,
+    config = EngineConfig.from_kwargs(**{"activation_dtype": "float32", "kv_cache_dtype": "float32", "num_kv_blocks": 256,
                                          "speculative_config": spec, **options})
     engine = LLMEngine.from_config(config, loaded)
     outputs = LLM.from_engine(engine).generate(prompts, params)  # type: ignore[arg-type]
@@ -75,7 +75,7 @@ def test_greedy_gemma3(gemma: LoadedModel) -> None:
 
 def test_greedy_qwen_in_fp32_and_int8_with_the_default_config(qwen: LoadedModel) -> None:
     assert_unchanged(qwen, [COPY, PLAIN], GREEDY)
-    assert_unchanged(qwen, [COPY], GREEDY, spec={"method": "ngram"}, activation_dtype="int8")
+    assert_unchanged(qwen, [COPY], GREEDY, spec={"method": "ngram"}, activation_dtype="int8", kv_cache_dtype="auto")
 
 
 @pytest.mark.parametrize("options", [
@@ -94,7 +94,8 @@ def test_prefix_cache_holds_only_verified_tokens(default_model: LoadedModel) -> 
     # The second prompt extends the first's text and output: it hits blocks the first computed while
     # speculating, which must hold what a plain run writes.
     first, _ = generate(default_model, FORCED, [COPY], GREEDY)
-    config = EngineConfig.from_kwargs(activation_dtype="float32", num_kv_blocks=256, speculative_config=FORCED)
+    config = EngineConfig.from_kwargs(activation_dtype="float32", kv_cache_dtype="float32", num_kv_blocks=256,
+                                      speculative_config=FORCED)
     engine = LLMEngine.from_config(config, default_model)
     llm = LLM.from_engine(engine)
     prompt_ids = default_model.tokenizer.encode(COPY)
@@ -114,7 +115,8 @@ def test_stops_end_where_they_would(default_model: LoadedModel) -> None:
     stop = text[40:46]
     outputs = {}
     for spec in (None, FORCED):
-        config = EngineConfig.from_kwargs(activation_dtype="float32", num_kv_blocks=256, speculative_config=spec)
+        config = EngineConfig.from_kwargs(activation_dtype="float32", kv_cache_dtype="float32", num_kv_blocks=256,
+                                          speculative_config=spec)
         llm = LLM.from_engine(LLMEngine.from_config(config, default_model))
         outputs[spec is None] = llm.generate(COPY, SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
     assert outputs[True].text == outputs[False].text == text[:40]
@@ -162,7 +164,8 @@ def test_sampled_tokens_keep_the_models_distribution(default_model: LoadedModel)
     first = Counter(o[0] for o in outputs).most_common(1)[0][0]
     seconds = Counter(o[1] for o in outputs if o[0] == first)
     prompt_ids = default_model.tokenizer.encode(prompt) + [first]
-    engine = LLMEngine.from_config(EngineConfig.from_kwargs(activation_dtype="float32"), default_model)
+    engine = LLMEngine.from_config(EngineConfig.from_kwargs(activation_dtype="float32", kv_cache_dtype="float32"),
+                                   default_model)
     top = LLM.from_engine(engine).generate([prompt_ids], SamplingParams(max_tokens=1, logprobs=3))[0].logprobs
     assert top is not None
     logprobs = sorted(top[0].items(), key=lambda kv: -kv[1])[:3]

@@ -157,3 +157,57 @@ def test_shared_and_copied_prefix_blocks_give_identical_outputs(kernel, head_dim
     assert torch.equal(shared, copied)
     torch.testing.assert_close(shared, _reference(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale,
                                                   window or None), rtol=1e-5, atol=1e-5)
+
+
+# A float16 cache: the kernel reads the stored halves into fp32, so its output is the reference's over
+# the same (exactly representable) values. Rows of their own blocks (the token walk), rows sharing
+# their first blocks (the register-blocked span), sliced long rows, windows, compiled-in and generic
+# head dims.
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1), (16, 6, 2), (24, 2, 1)])
+@pytest.mark.parametrize("context_lens, window, share", [([1], 0, False), ([5, 1, 17, 8], 0, False), ([1000, 7], 0, False),
+                                                         ([300, 290, 37], 0, True), ([300, 290], 50, True),
+                                                         ([64, 3, 33, 4, 4, 120], 7, False)])
+def test_float16_cache_matches_reference(kernel, head_dim, heads, kv_heads, context_lens, window, share):
+    q, k_cache, v_cache, tables, lens = _decode_batch(context_lens, block_size=16, heads=heads, kv_heads=kv_heads,
+                                                      head_dim=head_dim)
+    if share:  # every row starts with row 0's first block
+        tables[1:, 0] = tables[0, 0]
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    scale = head_dim**-0.5
+    out = kernel(q, k_cache, v_cache, tables, lens, scale, window)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, scale, window or None),
+                               rtol=1e-5, atol=1e-5)
+    # the same values held in fp32 give the same result (only the reads differ)
+    torch.testing.assert_close(out, kernel(q, k_cache.float(), v_cache.float(), tables, lens, scale, window),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_refuses_mixed_or_bf16_caches(kernel):
+    q, k_cache, v_cache, tables, lens = _decode_batch([8, 3])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel(q, k_cache.half(), v_cache, tables, lens, 0.5)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        kernel(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_float16_cache_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch, window):
+    """write_kv rounds new keys and values into a float16 cache; attend's kernel and its torch fallback
+    (which widens the gathered blocks to the queries' dtype) then read the same values."""
+    q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
+    new_k, new_v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+
+    def run() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        meta = AttentionMetadata(slots, 4, tables, lens, prefills=[])
+        caches = k_cache.clone(), v_cache.clone()
+        write_kv(*caches, new_k, new_v, slots)
+        return attend(q, new_k, new_v, *caches, meta, 0.125, window=window), caches
+
+    with_kernel, caches = run()
+    assert caches[0].dtype == torch.float16
+    assert torch.equal(caches[0].view(-1, 2, 16)[slots], new_k.half())
+    torch.testing.assert_close(with_kernel, _reference(q, *caches, tables, lens, 0.125, window), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("CONVEYOR_KERNELS", "0")
+    torch.testing.assert_close(with_kernel, run()[0], rtol=1e-5, atol=1e-5)

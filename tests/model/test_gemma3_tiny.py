@@ -45,7 +45,7 @@ def test_tiny_gemma3_generates_what_transformers_generates(
                             max_new_tokens=20, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
                 for p in prompts]
     monkeypatch.setenv("CONVEYOR_KERNELS", kernels)
-    llm = LLM(str(tiny_gemma3), max_num_seqs=6, max_num_batched_tokens=5, block_size=4)
+    llm = LLM(str(tiny_gemma3), max_num_seqs=6, max_num_batched_tokens=5, block_size=4, kv_cache_dtype="float32")
     got = [list(out.token_ids) for out in llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0,
                                                                                 ignore_eos=True))]
     assert got == want

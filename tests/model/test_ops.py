@@ -39,8 +39,12 @@ def test_rms_norm_and_residual_add(fused: FusedOps, rows: int) -> None:
     torch.testing.assert_close(h_fused, h_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
-def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int, heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8), (6, 2, 1)])
+def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int, heads: int, kv_heads: int,
+                                                  cache_dtype: torch.dtype) -> None:
+    """A float16 cache holds what tensor.to(torch.float16) makes (nearest even), head dims on and off
+    the kernel's 8-wide conversion steps."""
     rows, block_size, blocks = 11, 4, 8
     qkv = _rand(rows, (heads + 2 * kv_heads) * head_dim)
     positions = torch.tensor([0, 5, 63, 1, 2, 3, 4, 30, 31, 32, 7])
@@ -48,7 +52,7 @@ def test_rope_and_cache_matches_torch_bit_for_bit(fused: FusedOps, head_dim: int
     slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows]
     results = []
     for ops in (fused, ReferenceOps()):
-        caches = [torch.zeros(blocks, block_size, kv_heads, head_dim) for _ in range(2)]
+        caches = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
         rows_in = qkv.clone()
         q, k, v = ops.rope_and_cache(rows_in, cos, sin, *caches, slots, heads, kv_heads)
         results.append((q, k, v, *caches))
@@ -163,7 +167,8 @@ def test_whole_models_generate_what_transformers_generates(
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for kernels in ("1", "0"):
         monkeypatch.setenv("CONVEYOR_KERNELS", kernels)
-        got = [list(out.token_ids) for out in LLM(str(folder), max_num_seqs=4).generate(prompts, params)]
+        llm = LLM(str(folder), max_num_seqs=4, kv_cache_dtype="float32")
+        got = [list(out.token_ids) for out in llm.generate(prompts, params)]
         assert got == want, f"CONVEYOR_KERNELS={kernels}"
 
 

@@ -128,3 +128,17 @@ def test_bad_arguments_are_refused(kernel):
         kernel(q[:, :3], k_cache, v_cache, table, 10, 0.1, 0)
     with pytest.raises(RuntimeError, match="head dim"):
         kernel(q[..., :60], k_cache[..., :60].contiguous(), v_cache[..., :60].contiguous(), table, 10, 0.1, 0)
+
+
+# A float16 cache is widened to fp32 as the kernel copies it out of the blocks: the result is causal
+# attention over the stored halves, in float64 here.
+@pytest.mark.parametrize("num_cached, num_tokens, window", [(0, 33, 0), (45, 70, 0), (300, 3, 0), (30, 20, 16)])
+@pytest.mark.parametrize("d, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1)])
+def test_float16_cache(kernel, num_cached, num_tokens, window, d, heads, kv_heads):
+    q, k_cache, v_cache, table, keys, values, _ = _chunk(num_cached, num_tokens, 16, heads, kv_heads, d)
+    k_half, v_half = k_cache.half(), v_cache.half()
+    out = kernel(q, k_half, v_half, table, num_cached, d**-0.5, window)
+    torch.testing.assert_close(out, _reference(q, keys.half(), values.half(), num_cached, d**-0.5, window),
+                               rtol=2e-5, atol=2e-5)
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+        kernel(q, k_half, v_cache, table, num_cached, d**-0.5, window)

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "fast_math.h"
+#include "kv_half.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -106,9 +107,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
     torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
     const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double norm_eps) {
   check_rows(qkv, "qkv");
+  const bool half_cache = k_cache.scalar_type() == at::kHalf;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "caches must be contiguous float32 [blocks, block_size, kv_heads, d]");
+                  v_cache.is_contiguous() && (half_cache || k_cache.scalar_type() == at::kFloat) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, d]");
   const int64_t rows = qkv.size(0), d = k_cache.size(3), half = d / 2, stride = qkv.stride(0);
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && d % 2 == 0 && d <= kMaxHeadDim, "cache head layout mismatch");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv row size must be (heads + 2 kv_heads) * d");
@@ -134,8 +137,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
   float* q_ptr = q.data_ptr<float>();
   const float* cos_ptr = cos.data_ptr<float>();
   const float* sin_ptr = sin.data_ptr<float>();
-  float* k_cache_ptr = k_cache.data_ptr<float>();
-  float* v_cache_ptr = v_cache.data_ptr<float>();
+  void* k_cache_ptr = k_cache.data_ptr();
+  void* v_cache_ptr = v_cache.data_ptr();
+  // A row's keys and values into its slot, as the cache stores them (fp16: rounded to nearest even).
+  auto store = [&](void* cache, int64_t slot, const float* src) {
+    if (half_cache) conveyor_kv::from_floats(src, static_cast<conveyor_kv::Half*>(cache) + slot * kv_row, kv_row);
+    else std::memcpy(static_cast<float*>(cache) + slot * kv_row, src, kv_row * sizeof(float));
+  };
   at::parallel_for(0, rows, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
     float rotated[kMaxHeadDim];
     for (int64_t r = begin; r < end; ++r) {
@@ -152,8 +160,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
         rotate(keys + h * d, rotated, c, s, half);
         std::memcpy(keys + h * d, rotated, d * sizeof(float));
       }
-      std::memcpy(k_cache_ptr + slot_ptr[r] * kv_row, keys, kv_row * sizeof(float));
-      std::memcpy(v_cache_ptr + slot_ptr[r] * kv_row, keys + kv_row, kv_row * sizeof(float));
+      store(k_cache_ptr, slot_ptr[r], keys);
+      store(v_cache_ptr, slot_ptr[r], keys + kv_row);
     }
   });
   auto k = qkv.narrow(1, num_heads * d, kv_row).view({rows, num_kv_heads, d});

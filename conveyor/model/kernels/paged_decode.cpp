@@ -20,6 +20,9 @@
 #include <vector>
 
 #include "fast_math.h"
+#include "kv_half.h"
+
+using conveyor_kv::Half;
 
 namespace {
 
@@ -31,20 +34,21 @@ namespace {
 constexpr int64_t kPrefetchTokens = 4;
 
 // D is the head dimension when known at compile time (fully unrolled, no remainder), else 0.
-template <int64_t D>
-inline float dot(const float* a, const float* b, int64_t n) {
+// T: the cache's element, float or Half (read into fp32).
+template <int64_t D, class T>
+inline float dot(const float* a, const T* b, int64_t n) {
   if constexpr (D > 0) n = D;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * conveyor_kv::to_float(b[i]);
   return acc;
 }
 
-template <int64_t D>
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <int64_t D, class T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
   if constexpr (D > 0) n = D;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * conveyor_kv::to_float(x[i]);
 }
 
 }  // namespace
@@ -80,23 +84,23 @@ inline __m256 sum_lanes(const __m256 (&v)[kTile]) {
 // Prefetches the next block of a pass a few lines at a time, spread over the current block's work:
 // issued all at once per tile, prefetches filled the core's miss buffers and stalled it.
 struct Prefetcher {
-  const float *next = nullptr, *end = nullptr;
+  const char *next = nullptr, *end = nullptr;
   int64_t lines_per_step = 0;
 
-  void aim(const float* block, int64_t floats, int64_t steps) {
-    next = block;
-    end = block ? block + floats : nullptr;
-    lines_per_step = (floats / 16 + steps - 1) / std::max<int64_t>(1, steps);
+  void aim(const void* block, int64_t bytes, int64_t steps) {
+    next = static_cast<const char*>(block);
+    end = block ? next + bytes : nullptr;
+    lines_per_step = (bytes / 64 + steps - 1) / std::max<int64_t>(1, steps);
   }
   void step() {
-    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 16) __builtin_prefetch(next, 0, 3);
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 3);
   }
 };
 
 // out[h] += sum over the block's tokens [j0, j1) of p[h][t] * value_t, for GC heads of one KV group
 // and the head's dimensions [d0, d0 + vectors * kWidth).
-template <int GC>
-inline void values_pass(const float* block, int64_t j0, int64_t j1, int64_t token_stride, const float* const* probs,
+template <int GC, class T>
+inline void values_pass(const T* block, int64_t j0, int64_t j1, int64_t token_stride, const float* const* probs,
                         float* const* outs, int64_t d0, int64_t vectors, Prefetcher& prefetcher) {
   Vec acc[GC][kVectorsPerPass];
   for (int g = 0; g < GC; ++g)
@@ -104,7 +108,7 @@ inline void values_pass(const float* block, int64_t j0, int64_t j1, int64_t toke
       if (c < vectors) acc[g][c] = load(outs[g] + d0 + c * kWidth);
   for (int64_t j = j0; j < j1; ++j) {
     prefetcher.step();
-    const float* value = block + j * token_stride + d0;
+    const T* value = block + j * token_stride + d0;
     Vec v[kVectorsPerPass];
     for (int64_t c = 0; c < kVectorsPerPass; ++c)
       if (c < vectors) v[c] = load(value + c * kWidth);
@@ -123,8 +127,8 @@ inline bool handles(int64_t head_dim) { return head_dim % kWidth == 0 && head_di
 
 // One dot product summed exactly as one lane of sum_lanes: the walk below and the tiles of
 // VectorSpan then give a token the same score, bit for bit.
-template <int64_t D>  // the head dimension when compiled in (unrolled), else 0
-inline float dot(const float* a, const float* b, int64_t n) {
+template <int64_t D, class T>  // the head dimension when compiled in (unrolled), else 0
+inline float dot(const float* a, const T* b, int64_t n) {
   if constexpr (D > 0) n = D;
   Vec acc = zero();
   for (int64_t d = 0; d < n; d += kWidth) acc = fma(load(a + d), load(b + d), acc);
@@ -134,8 +138,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-template <int64_t D>
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <int64_t D, class T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
   if constexpr (D > 0) n = D;
   const Vec a = splat(alpha);
   for (int64_t d = 0; d < n; d += kWidth) store(y + d, fma(a, load(x + d), load(y + d)));
@@ -181,9 +185,10 @@ inline void softmax_rows(float* scores, int64_t row_stride, int64_t n, int64_t n
 // One task: query row `row` against its cached tokens [first_block * block_size, ...) over
 // `num_blocks` blocks, all KV heads, skipping tokens before the row's first visible one (`starts`). Leaves per head the running max and sum of exp(score - max)
 // and the unnormalised weighted sum of values: [max, sum, out[head_dim]].
-template <int64_t D>
+template <int64_t D, class T>
 struct Span {
-  const float *q, *k, *v;
+  const float* q;
+  const T *k, *v;
   const int64_t* tables;
   const int64_t* lens;
   const int64_t* starts;  // first visible token of each row: 0, or where its sliding window begins
@@ -203,19 +208,20 @@ struct Span {
 
     // Walks the span block by block, handing each (token, query head) pair the token's key or
     // value vector for that head's KV group: the score and the value passes.
-    auto for_each_token_head = [&](const float* cache, auto&& visit) {
+    auto for_each_token_head = [&](const T* cache, auto&& visit) {
+      constexpr int64_t kPerLine = 64 / sizeof(T);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* block = cache + table[b] * block_stride;
+        const T* block = cache + table[b] * block_stride;
         const int64_t t0 = b * block_size, count = std::min(block_size, end - t0);
-        const float* next_block = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
+        const T* next_block = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
         for (int64_t j = std::max<int64_t>(0, skip - t0); j < count; ++j) {
           const int64_t a = j + kPrefetchTokens;
-          const float* ahead = a < block_size ? block + a * token_stride
-                               : next_block ? next_block + (a - block_size) * token_stride : nullptr;
+          const T* ahead = a < block_size ? block + a * token_stride
+                           : next_block ? next_block + (a - block_size) * token_stride : nullptr;
           if (ahead)
-            for (int64_t line = 0; line < token_stride; line += 16) __builtin_prefetch(ahead + line, 0, 3);
+            for (int64_t line = 0; line < token_stride; line += kPerLine) __builtin_prefetch(ahead + line, 0, 3);
           for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
-            const float* vec = block + j * token_stride + kv * head_dim;
+            const T* vec = block + j * token_stride + kv * head_dim;
             for (int64_t g = 0; g < group; ++g, ++h) visit(t0 + j - skip, h, vec);
           }
         }
@@ -223,21 +229,21 @@ struct Span {
     };
 #if defined(__AVX2__) && defined(__FMA__)
     if (vec::handles(head_dim)) {  // VectorSpan's arithmetic, so either span may take any task
-      for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
+      for_each_token_head(k, [&](int64_t t, int64_t h, const T* key) {
         scores[h * n + t] = vec::dot<D>(q_row + h * head_dim, key, head_dim) * scale;
       });
       softmax_rows(scores.data(), n, n, num_heads, head_dim, result);
-      for_each_token_head(v, [&](int64_t t, int64_t h, const float* value) {
+      for_each_token_head(v, [&](int64_t t, int64_t h, const T* value) {
         vec::axpy<D>(scores[h * n + t], value, result + h * (head_dim + 2) + 2, head_dim);
       });
       return;
     }
 #endif
-    for_each_token_head(k, [&](int64_t t, int64_t h, const float* key) {
+    for_each_token_head(k, [&](int64_t t, int64_t h, const T* key) {
       scores[h * n + t] = dot<D>(q_row + h * head_dim, key, head_dim) * scale;
     });
     softmax_rows(scores.data(), n, n, num_heads, head_dim, result);
-    for_each_token_head(v, [&](int64_t t, int64_t h, const float* value) {
+    for_each_token_head(v, [&](int64_t t, int64_t h, const T* value) {
       axpy<D>(scores[h * n + t], value, result + h * (head_dim + 2) + 2, head_dim);
     });
   }
@@ -251,18 +257,20 @@ struct Span {
 // values pass keeps up to 4 heads x 4 vectors of output in registers over a block's tokens. The
 // hardware prefetcher does not follow this walk, so the next block is prefetched a few lines at a
 // time. Every score, softmax sum and output sum is formed as in the walk above: same bits.
+template <class T>
 struct VectorSpan {
-  const float *q, *k, *v;
+  const float* q;
+  const T *k, *v;
   const int64_t* tables;
   const int64_t* lens;
   const int64_t* starts;
   int64_t num_heads, head_dim, group, block_size, kv_heads, table_width, token_stride, block_stride;
   float scale;
-  const float* zero_token;  // token_stride zeros: the keys of a partial tile's missing slots
+  const T* zero_token;  // token_stride zeros: the keys of a partial tile's missing slots
 
   // `then`: the first keys block the thread reads after this span (the next task's), or null.
   void operator()(int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores,
-                  float* result, const float* then) const {
+                  float* result, const T* then) const {
     using namespace vec;
     const int64_t t_begin = first_block * block_size;
     const int64_t end = std::min(num_blocks * block_size, lens[row] - t_begin);
@@ -276,13 +284,13 @@ struct VectorSpan {
 
     Prefetcher prefetcher;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const float* block = k + table[b] * block_stride;
+      const T* block = k + table[b] * block_stride;
       const int64_t t0 = b * block_size, count = std::min(block_size, end - t0);
       const int64_t j_first = skip > t0 ? (skip - t0) / kTile * kTile : 0;
-      prefetcher.aim(b + 1 < num_blocks ? k + table[b + 1] * block_stride : v + table[0] * block_stride, block_stride,
-                     (count - j_first + kTile - 1) / kTile * num_heads);
+      prefetcher.aim(b + 1 < num_blocks ? k + table[b + 1] * block_stride : v + table[0] * block_stride,
+                     block_stride * sizeof(T), (count - j_first + kTile - 1) / kTile * num_heads);
       for (int64_t j = j_first; j < count; j += kTile) {
-        const float* tokens[kTile];
+        const T* tokens[kTile];
         for (int64_t t = 0; t < kTile; ++t) tokens[t] = j + t < count ? block + (j + t) * token_stride : zero_token;
         for (int64_t kv = 0, h = 0; kv < kv_heads; ++kv) {
           for (int64_t g = 0; g < group; ++g, ++h) {
@@ -307,9 +315,9 @@ struct VectorSpan {
     const int64_t passes = kv_heads * ((group + kHeadsPerPass - 1) / kHeadsPerPass) *
                            ((vectors + kVectorsPerPass - 1) / kVectorsPerPass);  // values_pass calls a block
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const float* block = v + table[b] * block_stride;
+      const T* block = v + table[b] * block_stride;
       const int64_t t0 = b * block_size, count = std::min(block_size, end - t0), j0 = std::max<int64_t>(0, skip - t0);
-      prefetcher.aim(b + 1 < num_blocks ? v + table[b + 1] * block_stride : then, block_stride,
+      prefetcher.aim(b + 1 < num_blocks ? v + table[b + 1] * block_stride : then, block_stride * sizeof(T),
                      std::max<int64_t>(1, count - j0) * passes);
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
         for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
@@ -323,7 +331,7 @@ struct VectorSpan {
           }
           for (int64_t c = 0; c < vectors; c += kVectorsPerPass) {
             const int64_t n = std::min(kVectorsPerPass, vectors - c);
-            const float* values = block + kv * head_dim;
+            const T* values = block + kv * head_dim;
             switch (heads) {
               case 1: values_pass<1>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
               case 2: values_pass<2>(values, j0, count, token_stride, probs, outs, c * kWidth, n, prefetcher); break;
@@ -338,12 +346,11 @@ struct VectorSpan {
 };
 #endif
 
-template <int64_t D>
+template <int64_t D, class T>
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                const torch::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs only");
@@ -360,7 +367,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   if (window > 0)
     for (int64_t row = 0; row < num_rows; ++row) starts[row] = std::max<int64_t>(0, lens[row] - window);
 
-  const Span<D> span{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  const Span<D, T> span{q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
+                        static_cast<const T*>(v_cache.data_ptr()),
                      block_tables.data_ptr<int64_t>(), lens, starts.data(), num_heads, head_dim, num_heads / kv_heads,
                      block_size, kv_heads, table_width, kv_heads * head_dim, block_size * kv_heads * head_dim,
                      static_cast<float>(scale)};
@@ -369,7 +377,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   // streaming blocks of its own from memory is bound by the walk, which the token-by-token span
   // keeps in the order the hardware prefetcher follows (docs/PERF.md). Both give the same bits.
 #if defined(__AVX2__) && defined(__FMA__)
-  const std::vector<float> zero_token(kv_heads * head_dim, 0.f);  // must outlive the tasks
+  const std::vector<T> zero_token(kv_heads * head_dim, T{});  // must outlive the tasks (T{}: +0)
   std::vector<bool> shares_blocks(num_rows, false);
   if (vec::handles(head_dim)) {
     std::vector<std::pair<int64_t, int64_t>> firsts(num_rows);  // (first block, row)
@@ -378,17 +386,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     for (int64_t i = 1; i < num_rows; ++i)
       if (firsts[i].first == firsts[i - 1].first) shares_blocks[firsts[i].second] = shares_blocks[firsts[i - 1].second] = true;
   }
-  const VectorSpan vector_span{span.q, span.k, span.v, span.tables, span.lens, span.starts, span.num_heads,
+  const VectorSpan<T> vector_span{span.q, span.k, span.v, span.tables, span.lens, span.starts, span.num_heads,
                                span.head_dim, span.group, span.block_size, span.kv_heads, span.table_width,
                                span.token_stride, span.block_stride, span.scale, zero_token.data()};
   auto run_span = [&](int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores, float* result,
-                      const float* then) {
+                      const T* then) {
     if (shares_blocks[row]) vector_span(row, first_block, num_blocks, scores, result, then);
     else span(row, first_block, num_blocks, scores, result);
   };
 #else
   auto run_span = [&](int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores, float* result,
-                      const float*) { span(row, first_block, num_blocks, scores, result); };
+                      const T*) { span(row, first_block, num_blocks, scores, result); };
 #endif
   const int64_t stride = head_dim + 2, threads = at::get_num_threads();
   auto out = torch::empty_like(q);
@@ -428,7 +436,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     for (int64_t task = bounds[group_begin]; task < bounds[group_end]; ++task) {
       const auto [row, first_block, num_blocks] = tasks[task];
       float* result = sliced ? results.data() + task * num_heads * stride : own.data();
-      const float* then = nullptr;
+      const T* then = nullptr;
       if (task + 1 < bounds[group_end]) {
         const auto& next = tasks[task + 1];
         then = span.k + span.tables[next[0] * table_width + next[1]] * span.block_stride;
@@ -470,21 +478,33 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
+template <class T>
+torch::Tensor decode_attention_of(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                  const torch::Tensor& context_lens, double scale, int64_t window) {
+  switch (q.size(-1)) {
+    case 64: return decode_attention<64, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case 128: return decode_attention<128, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    case 256: return decode_attention<256, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    default: return decode_attention<0, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+  }
+}
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale, int64_t window) {
-  switch (q.size(-1)) {
-    case 64: return decode_attention<64>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
-    case 128: return decode_attention<128>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
-    case 256: return decode_attention<256>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
-    default: return decode_attention<0>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
-  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache must have one dtype");
+  if (k_cache.scalar_type() == at::kFloat)
+    return decode_attention_of<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+  TORCH_CHECK(k_cache.scalar_type() == at::kHalf, "the KV cache must be float32 or float16");
+  return decode_attention_of<Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window);
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (fp32); window > 0: each row sees its last `window` tokens",
+        "decode attention over a paged KV cache (fp32 or fp16; fp32 q and arithmetic); window > 0: each row sees its last `window` tokens",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
 }

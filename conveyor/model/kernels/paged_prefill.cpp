@@ -11,7 +11,8 @@
 // the values weighted by its probabilities. A tile visits only the keys its rows can see (causal,
 // and a sliding window's start), so the upper triangle costs nothing; only steps on a row's edge
 // are masked. Keys and values are first copied out of the blocks into one run per KV head, so a
-// step addresses its 16 keys from one pointer (the head dimension is compiled in). Tasks are split
+// step addresses its 16 keys from one pointer (the head dimension is compiled in); a float16 cache
+// is widened to fp32 in that copy, so the tiles read fp32 whatever the cache holds. Tasks are split
 // between the threads by their number of keys, since later positions see more.
 #include "torch_api.h"
 
@@ -26,6 +27,21 @@
 namespace {
 
 using namespace conveyor_simd;
+using conveyor_kv::Half;
+
+// Positions [begin, end) of the context, all KV heads, out of the cache's blocks into the runs.
+template <class T>
+void copy_runs(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+               int64_t d, int64_t key_base, int64_t run, int64_t begin, int64_t end, float* keys, float* values) {
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const int64_t from = (slot * kv_heads + g) * d, to = (g * run + pos - key_base) * d;
+      conveyor_kv::to_floats(k_cache + from, keys + to, d);
+      conveyor_kv::to_floats(v_cache + from, values + to, d);
+    }
+  }
+}
 
 constexpr int kKeys = static_cast<int>(kWidth);  // keys per step: one score register each
 constexpr int kMaxRows = static_cast<int>(kWidth);
@@ -139,9 +155,11 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
                                       const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                       int64_t num_cached, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "paged_prefill_attention: q must be [n, heads, d] fp32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_prefill_attention: caches must be contiguous fp32 [blocks, block_size, kv_heads, d]");
+  const bool half = k_cache.scalar_type() == torch::kHalf;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  (half || k_cache.scalar_type() == torch::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_prefill_attention: caches must be contiguous fp32 or fp16 [blocks, block_size, kv_heads, d]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && (d == 64 || d == 128 || d == 256), "paged_prefill_attention: head dim ", d,
@@ -167,16 +185,13 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   std::vector<float> keys(kv_heads * c.run * d, 0.f), values(kv_heads * c.run * d, 0.f);
   c.keys = keys.data();
   c.values = values.data();
-  const float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   at::parallel_for(c.key_base, context, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const int64_t slot = tp[pos / block_size] * block_size + pos % block_size;
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const int64_t from = (slot * kv_heads + g) * d, to = (g * c.run + pos - c.key_base) * d;
-        std::memcpy(keys.data() + to, kp + from, d * sizeof(float));
-        std::memcpy(values.data() + to, vp + from, d * sizeof(float));
-      }
-    }
+    if (half)
+      copy_runs(static_cast<const Half*>(k_cache.data_ptr()), static_cast<const Half*>(v_cache.data_ptr()), tp,
+                block_size, kv_heads, d, c.key_base, c.run, begin, end, keys.data(), values.data());
+    else
+      copy_runs(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, block_size, kv_heads, d, c.key_base, c.run,
+                begin, end, keys.data(), values.data());
   });
 
   // Tiles: a KV group's query heads (in parts of at most kMaxRows) times as many positions as fit.
@@ -215,7 +230,7 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
 // The op runs without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of one prefill chunk over a paged KV cache (fp32); window > 0: each query sees its "
+        "causal attention of one prefill chunk over a paged KV cache (fp32 or fp16); window > 0: each query sees its "
         "last `window` positions",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("num_cached"),
         py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kv_half.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the vector kernels need AVX2 and FMA"
 #endif
@@ -18,6 +20,7 @@ using Vec = __m512;
 constexpr int64_t kWidth = 16;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const conveyor_kv::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
@@ -42,6 +45,7 @@ using Vec = __m256;
 constexpr int64_t kWidth = 8;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const conveyor_kv::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
