@@ -7,7 +7,7 @@ conveyor decode step streams (conveyor.bench.roofline.model_costs) against the f
     .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
 
 Both servers get room for SLOTS x CTX tokens: llama-server `-c SLOTS*CTX --parallel SLOTS` (its f16
-KV cache), conveyor `--num-kv-blocks SLOTS*CTX/16 --max-num-seqs SLOTS` (fp32 KV). The servers run
+KV cache), conveyor `--num-kv-blocks SLOTS*CTX/16 --max-num-seqs SLOTS` (its default float16 KV cache). The servers run
 one after the other, each alone on the machine. llama-server comes from benchmarks/peers/llama_cpp.sh
 (`--setup-only` builds it); without it only conveyor is measured.
 """
