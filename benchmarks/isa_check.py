@@ -11,13 +11,15 @@ with and without bias, on a partial last panel, and bit-identical int8-activatio
 float64 reference (1e-5) over head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens,
 sliding windows, one row and many, rows with blocks of their own and rows sharing their first
 block (its two spans); and that both builds' prefill attention matches one too (2e-5): fresh
-prompts and cache hits, GQA groups 1-32, blocks of 5 and 16 tokens, windows.
+prompts and cache hits, GQA groups 1-32, blocks of 5 and 16 tokens, windows; both attention
+kernels on an fp32 cache and on a float16 one.
 
     python benchmarks/isa_check.py [--march haswell]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 import torch
@@ -70,12 +72,14 @@ def attention_agrees(native: object, other: object) -> bool:
             scale = head_dim**-0.5
             # Each row's own blocks (the token-by-token span), then every row's first block row 0's
             # (a prefix-cache hit: the register-blocked span).
-            for shared_first in (False, True):
+            # An fp32 cache and a float16 one (read into fp32: the reference takes the same halves).
+            for shared_first, dtype in itertools.product((False, True), (torch.float32, torch.float16)):
                 rows = [[tables[0][0], *t[1:]] if shared_first else t for t in tables]
                 table_tensor = torch.tensor(rows)
-                want = attention_reference(q, k_cache, v_cache, table_tensor, lens, scale, window)
+                kc, vc = k_cache.to(dtype), v_cache.to(dtype)
+                want = attention_reference(q, kc, vc, table_tensor, lens, scale, window)
                 for kernel in (native, other):
-                    got = kernel.paged_decode_attention(q, k_cache, v_cache, table_tensor, torch.tensor(lens), scale,  # type: ignore[attr-defined]
+                    got = kernel.paged_decode_attention(q, kc, vc, table_tensor, torch.tensor(lens), scale,  # type: ignore[attr-defined]
                                                         window)
                     ok &= torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     return ok
@@ -89,11 +93,11 @@ def prefill_attention_agrees(native: object, other: object) -> bool:
     cases = ((0, 1, 0), (0, 37, 0), (0, 300, 0), (45, 70, 0), (1024, 9, 0), (30, 20, 17), (100, 7, 40), (0, 50, 1))
     for head_dim, heads, kv_heads, block_size in ((64, 9, 3, 16), (128, 32, 4, 16), (256, 4, 1, 16), (64, 8, 8, 5),
                                                   (128, 32, 1, 16)):
-        for num_cached, num_tokens, window in cases:
+        for (num_cached, num_tokens, window), dtype in itertools.product(cases, (torch.float32, torch.float16)):
             total = num_cached + num_tokens
             used = -(-total // block_size)
-            k_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen)
-            v_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen)
+            k_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
             table = torch.randperm(used + 2, generator=gen)[:used]
             slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
             keys = k_cache.view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
