@@ -620,7 +620,7 @@ struct Candidates {
 // One panel's 16 columns against R rows: approximate logits and bounds, then each row's candidates.
 template <int R>
 void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, int64_t col0, int64_t cols,
-                  Candidates* found) {
+                  Candidates* found, NextPanel& ahead) {
   const __m512i perm = [] {
     alignas(64) uint8_t idx[64];
     for (int t = 0; t < 64; ++t) idx[t] = static_cast<uint8_t>((t % 4) * 16 + t / 4);  // lane c: k0..k3 of column c
@@ -631,6 +631,7 @@ void screen_panel(const uint8_t* panel, int64_t units, const ScreenRow* rows, in
   // the per-row arrays live in registers only when these loops are unrolled: -O3 does it on its own
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) approx[r] = bound[r] = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u, panel += Q8_0Unit::kBytes) {
+    ahead.step();
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel)));
     const __m512 abs_d = _mm512_abs_ps(d);
     __m512i acc[R], code_sum = _mm512_setzero_si512();
@@ -790,12 +791,15 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
   std::vector<std::vector<Candidates>> found(threads, std::vector<Candidates>(m));
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidates>& mine = found[at::get_thread_num()];
+    const int64_t panel_bytes = units * Q8_0Unit::kBytes;
+    NextPanel ahead;  // a few lines a unit of each row tile
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+      ahead.aim(p + 1 < end ? wp + (p + 1) * panel_bytes : nullptr, panel_bytes, units * ((m + kRowTile - 1) / kRowTile));
       for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const uint8_t* panel = wp + p * units * Q8_0Unit::kBytes;
+        const uint8_t* panel = wp + p * panel_bytes;
         with_rows<kRowTile>(std::min<int64_t>(kRowTile, m - r0), [&](auto tile_rows) {
-          screen_panel<decltype(tile_rows)::value>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0);
+          screen_panel<decltype(tile_rows)::value>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0, ahead);
         });
       }
     }

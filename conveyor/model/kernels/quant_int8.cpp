@@ -307,10 +307,11 @@ inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Ta
 // integer sum); kMin: a minimum a group.
 template <int R, bool kHalves, bool kMin>
 void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
-          const float* bias, float* y, int64_t y_stride, int64_t cols) {
+          const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
   __m512 sums[R];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, xt += 32 * R, meta += R) {
+    ahead.step();
     const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
     __m512 part[R];
     _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
@@ -403,13 +404,14 @@ inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out) {
 // 2 steps; 4 for 5-bit, 8 for 4-bit; Q8_0 signed, |code| <= 128: 1).
 template <int R, bool kHalves, bool kMin, int kSteps16, bool kSigned>
 void tile_half(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
-               int half_cols, const float* bias, float* y, int64_t y_stride, int64_t cols) {
+               int half_cols, const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 sums[R];
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
   codes += 32 * half_cols;
   scales += 8 * half_cols;
   for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, xt += 32 * R, meta += R) {
+    ahead.step();
     const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
     __m256 part[R];
     _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
@@ -454,9 +456,10 @@ void tile_half(const uint8_t* codes, const float* scales, const uint8_t* xt, con
 
 template <int R, bool kHalves, bool kMin, int kSteps16, bool kSigned>
 void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
-          const float* bias, float* y, int64_t y_stride, int64_t cols) {
-  tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 0, bias, y, y_stride, cols);
-  if (cols > 8) tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 1, bias, y, y_stride, cols);
+          const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
+  tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 0, bias, y, y_stride, cols, ahead);
+  if (cols > 8)
+    tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 1, bias, y, y_stride, cols, ahead);
 }
 #endif
 
@@ -486,12 +489,12 @@ struct Kind {
 
   template <int R>
   static void run_tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
-                       const float* bias, float* y, int64_t y_stride, int64_t cols) {
+                       const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
 #if defined(CONVEYOR_INT8_512)
-    tile<R, kHalves, kMin>(codes, scales, xt, meta, groups, bias, y, y_stride, cols);
+    tile<R, kHalves, kMin>(codes, scales, xt, meta, groups, bias, y, y_stride, cols, ahead);
 #else
     constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
-    tile<R, kHalves, kMin, kSteps16, L.bits == 8>(codes, scales, xt, meta, groups, bias, y, y_stride, cols);
+    tile<R, kHalves, kMin, kSteps16, L.bits == 8>(codes, scales, xt, meta, groups, bias, y, y_stride, cols, ahead);
 #endif
   }
 };
@@ -518,17 +521,21 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     thread_local std::vector<float> scales;
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
     scales.resize(static_cast<size_t>(groups * kGroupScales));
+    const int64_t panel_bytes = units * K::L.unit_bytes;
+    NextPanel ahead;  // a few lines a group of each tile
     for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
+      const int64_t tiles = (block_rows + kTileRows - 1) / kTileRows;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-        K::unpack(w + p * units * K::L.unit_bytes, units, codes.data(), scales.data());
+        K::unpack(w + p * panel_bytes, units, codes.data(), scales.data());
+        ahead.aim(p + 1 < end ? w + (p + 1) * panel_bytes : nullptr, panel_bytes, tiles * groups);
         for_balanced_tiles<kTileRows>(block_rows, [&](int64_t t0, int64_t rows) {
           const int64_t r0 = b0 + t0;
           with_rows<kTileRows>(rows, [&](auto tile_rows) {
             K::template run_tile<decltype(tile_rows)::value>(codes.data(), scales.data(), xq.data() + r0 * k_dim,
                                                              meta.data() + r0 * groups, groups,
                                                              bias ? bias + col0 : nullptr, y + r0 * out_features + col0,
-                                                             out_features, cols);
+                                                             out_features, cols, ahead);
           });
         });
       }
