@@ -21,6 +21,7 @@
 
 #include "fast_math.h"
 #include "kv_half.h"
+#include "spread_prefetch.h"
 
 using conveyor_kv::Half;
 
@@ -81,21 +82,8 @@ inline __m256 sum_lanes(const __m256 (&v)[kTile]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// Prefetches the next block of a pass a few lines at a time, spread over the current block's work:
-// issued all at once per tile, prefetches filled the core's miss buffers and stalled it.
-struct Prefetcher {
-  const char *next = nullptr, *end = nullptr;
-  int64_t lines_per_step = 0;
-
-  void aim(const void* block, int64_t bytes, int64_t steps) {
-    next = static_cast<const char*>(block);
-    end = block ? next + bytes : nullptr;
-    lines_per_step = (bytes / 64 + steps - 1) / std::max<int64_t>(1, steps);
-  }
-  void step() {
-    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 3);
-  }
-};
+// Prefetches the next block of a pass a few lines at a time, spread over the current block's work.
+using Prefetcher = conveyor_prefetch::SpreadPrefetcher<3>;
 
 // out[h] += sum over the block's tokens [j0, j1) of p[h][t] * value_t, for GC heads of one KV group
 // and the head's dimensions [d0, d0 + vectors * kWidth).

@@ -12,6 +12,8 @@
 
 #include <immintrin.h>
 
+#include "spread_prefetch.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the panel kernels need AVX2 and FMA"  // the loader then falls back to oneDNN / MKL
 #endif
@@ -21,24 +23,10 @@ namespace conveyor_panels {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kPrefetchAhead = 32;  // k steps: 32 cache lines of the panel stream
 
-// The next panel's bytes into L2, a few lines at each step of the current panel's work: the hardware
-// prefetcher follows the weight stream only while it is read, so where a panel's arithmetic is short
-// (decode batches) and its reading comes in bursts (an unpack, a screening pass), each panel would
-// otherwise start by waiting on memory. aim() at the next panel (null: none) with the number of
-// steps the current one takes, then step() once a step.
-struct NextPanel {
-  const char *next = nullptr, *end = nullptr;
-  int64_t lines_per_step = 0;
-
-  void aim(const void* panel, int64_t bytes, int64_t steps) {
-    next = static_cast<const char*>(panel);
-    end = panel ? next + bytes : nullptr;
-    lines_per_step = (bytes / 64 + steps - 1) / std::max<int64_t>(1, steps);
-  }
-  void step() {
-    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
+// The next panel's bytes into L2, a few lines at each step of the current panel's work: where a
+// panel's arithmetic is short (decode batches) and its reading comes in bursts (an unpack, a
+// screening pass), each panel would otherwise start by waiting on memory.
+using NextPanel = conveyor_prefetch::SpreadPrefetcher<2>;
 
 // A tile's sums: row r's 16 columns in lo[r] (columns 0-7) and hi[r] (8-15). Full unrolling
 // keeps the arrays in registers.
