@@ -26,6 +26,7 @@ from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -33,7 +34,6 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return torch.float16 if model_dtype == torch.float32 else model_dtype
     return {"float16": torch.float16, "float32": torch.float32}[name]
-logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -29,10 +30,8 @@ inline float to_float(Half h) { return c10::detail::fp16_ieee_to_fp32_value(h.bi
 inline Half to_half(float x) { return Half{c10::detail::fp16_ieee_from_fp32_value(x)}; }
 #endif
 
-// n elements of a cache row into fp32, and back (rounded to nearest even).
-inline void to_floats(const float* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-}
+// n elements of a cache row into fp32, and fp32 into a float16 row (rounded to nearest even).
+inline void to_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_floats(const Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
@@ -40,9 +39,6 @@ inline void to_floats(const Half* src, float* dst, int64_t n) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = to_float(src[i]);
-}
-inline void from_floats(const float* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
 }
 inline void from_floats(const float* src, Half* dst, int64_t n) {
   int64_t i = 0;
