@@ -112,7 +112,9 @@ def test_request_sent_to_a_dead_replica_is_retried_on_the_live_one(replicas) -> 
     # is the dead replica, and the add itself discovers the death.
     workers = [WorkerHandle(w.name, w.role, w.actor, w.info) for w in deployment.workers]
     prompts = make_prompts(2, shortest=20)
-    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
+    # Outputs long enough to be decoding still when the next request is added (8 tokens could end
+    # on the live replica within an add, and a finished request has no placement).
+    params = [SamplingParams(max_tokens=128, temperature=0, ignore_eos=True) for _ in prompts]
     expected = reference_outputs(config, prompts, params)
 
     async def main():
@@ -122,15 +124,14 @@ def test_request_sent_to_a_dead_replica_is_retried_on_the_live_one(replicas) -> 
         placed = {}
         for (rid, p, sp) in zip(sinks, prompts, params):
             await client.add_request(rid, p, sp, sinks[rid])
-            # Read at once: a short request can finish on the live replica while the next is added.
-            placed[rid] = client.placement(rid)
+            placed[rid] = client.placement(rid)  # None: already finished (on the live one: see below)
         outcomes = {rid: await collect(q, 1) for rid, q in sinks.items()}
         running = client.is_running  # one replica left is still a service
         client.detach()
         return placed, outcomes, client, running
 
     placed, outcomes, client, running = asyncio.run(main())
-    assert set(placed.values()) == {"replica-1"}
+    assert "replica-1" in placed.values() and set(placed.values()) <= {"replica-1", None}
     assert {rid: o.tokens for rid, o in outcomes.items()} == expected
     assert client.cluster.retries == 1 and client.cluster.worker_failures == 1
     assert running
