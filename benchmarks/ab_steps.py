@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,7 +43,10 @@ from conveyor.model.ops import ReferenceOps
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.sampler import torch_argmax
 
-from kernels.kernel_at import kernel_at
+# benchmarks/kernels by its path: an installed package named `kernels` (transformers depends on one)
+# would win over the directory as a namespace package.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+from kernel_at import kernel_at  # noqa: E402
 
 CHAT_CONTEXTS = [124, 140, 160, 185, 185, 200, 250, 300, 519]
 

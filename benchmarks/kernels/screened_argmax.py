@@ -68,7 +68,7 @@ def main() -> None:
     if screen is None:
         raise SystemExit("no q8_0_argmax in this build (it needs AVX-512 VNNI and VBMI)")
     llm = LLM(args.model, num_kv_blocks=256)
-    packed = llm.engine.runner.model.head_packed
+    packed = llm.engine.runner.model.head.packed
     if packed is None or packed.layout != "Q8_0":
         raise SystemExit(f"the head is not in Q8_0 blocks here ({None if packed is None else packed.layout})")
     hidden = final_hidden_states(llm, args.tokens)

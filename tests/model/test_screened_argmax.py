@@ -40,6 +40,15 @@ def test_random_blocks_and_rows(rows: int) -> None:
     assert torch.equal(got, full_argmax(x, weight, packed))
 
 
+@pytest.mark.parametrize("n", [993, 1005, 1007])  # a last panel of 1, 13 and 15 columns
+def test_last_panel_partly_filled(n: int) -> None:
+    weight, packed = packed_head(random_blocks("Q8_0", n, K, seed=n))
+    x = torch.cat([weight[[n - 1, n - 2, 0]], torch.randn(3, K)])  # the first rows' maxima in the last panel
+    expected = full_argmax(x, weight, packed)
+    assert expected[0] == n - 1 and expected[1] == n - 2
+    assert torch.equal(screened_argmax(x, packed), expected)
+
+
 def test_exact_ties_go_to_the_first_column() -> None:
     q = random_blocks("Q8_0", N, K, seed=1)
     blocks = q.blocks.clone()
