@@ -43,9 +43,10 @@ def test_the_activation_codes_are_ggml_s_q8_0() -> None:
     assert np.array_equal(scales.numpy(), want_scales)
 
 
-# Rows through one tile, balanced tiles, and (with K = 4096, 96-row blocks) several row blocks.
+# Rows through one tile, balanced tiles, and (with K = 4096, 96-row blocks) several row blocks; 1-4
+# rows also through AVX2's fused path (codes multiplied as they are unpacked).
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-@pytest.mark.parametrize("rows,k", [(1, 512), (5, 512), (13, 512), (40, 512), (230, 4096)])
+@pytest.mark.parametrize("rows,k", [(1, 512), (2, 512), (3, 512), (4, 512), (5, 512), (13, 512), (40, 512), (230, 4096)])
 def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -> None:
     out_features = 37  # a partial last panel
     q = random_blocks(qtype, out_features, k, seed=rows)
@@ -63,6 +64,21 @@ def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -
         magnitude = (codes.double().abs().reshape(rows, -1, 32) * scales.double()[..., None]).reshape(rows, k)
         bound = (magnitude @ weight.double().abs().T) * 1e-6 * np.sqrt(k / 32) + 1e-7
         assert ((y.double() - want).abs() <= bound).all(), (qtype, rows, (y.double() - want).abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> None:
+    # Greedy equality under batching, chunked prefill and speculation rests on it: a few rows (AVX2:
+    # the fused path) and many (the buffered tiles) give each row the same bits.
+    k, out_features = 512, 37
+    q = random_blocks(qtype, out_features, k, seed=3)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
+    many = quant_int8().int8_matmul(x, packed, out_features, bias, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    for rows in (1, 2, 3, 4, 5):
+        few = quant_int8().int8_matmul(x[:rows], packed, out_features, bias, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+        assert torch.equal(few, many[:rows]), (qtype, rows)
 
 
 def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others() -> None:

@@ -113,6 +113,9 @@ struct Meta {
 constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside them in 32 zmm registers
 #else
 constexpr int kTileRows = 4;
+// Up to this many rows multiply each panel's codes as they are unpacked, in registers (AVX2; the
+// VBMI unpacking is cheap enough for the buffer at every row count).
+constexpr int kFusedRows = 4;
 #endif
 // A block of rows stays in L2 while a thread's panels pass: its codes, rows x K bytes, up to this
 // many (a quarter of the smallest L2 the kernel meets, 512 KiB on AVX2-only EPYCs). Each panel's
@@ -351,10 +354,10 @@ inline __m256i transpose4x8(__m256i v) {
   return transpose4x4(_mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
 }
 
+// Step s (4 k) of group g: columns 0-7 in `lo`, 8-15 in `hi`, dword c = the column's 4 codes.
 template <int kBits>
-inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out) {
-  for (int s = 0; s < 8; ++s) {  // 4 k a step: columns 0-7 in out's first 32 bytes, 8-15 in the next
-    __m256i lo, hi;
+inline void codes_step(const uint8_t* codes, int64_t g, int s, __m256i& lo, __m256i& hi) {
+  {
     if constexpr (kBits == 8) {  // 16 signed codes a k
       const uint8_t* src = codes + (g * 32 + 4 * s) * 16;
       const __m256i k01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -394,6 +397,14 @@ inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out) {
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_hi, left), right), bits));
       }
     }
+  }
+}
+
+template <int kBits>
+inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out) {
+  for (int s = 0; s < 8; ++s) {  // 4 k a step: columns 0-7 in out's first 32 bytes, 8-15 in the next
+    __m256i lo, hi;
+    codes_step<kBits>(codes, g, s, lo, hi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * s), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * s + 32), hi);
   }
@@ -461,6 +472,75 @@ void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Me
   if (cols > 8)
     tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 1, bias, y, y_stride, cols, ahead);
 }
+
+// A few rows against a whole panel, its codes unpacked a step at a time into registers and
+// multiplied there: with so few rows to share them, unpacking into the buffer and reading back
+// (above) costs as much as the products. The same sums in the same order as tile<R>, so the same
+// results.
+template <int R, int kBits, bool kHalves, bool kMin, int kSteps16, bool kSigned>
+void rows_times_panel(QType t, const uint8_t* panel, int64_t units, int64_t unit_bytes, int64_t header,
+                      int64_t unit_groups, const uint8_t* xt, const Meta* meta, const float* bias, float* y,
+                      int64_t y_stride, int64_t cols, NextPanel& ahead) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 sums[R][2];
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  alignas(32) float scales[kGroupScales];
+  for (int64_t u = 0; u < units; ++u, panel += unit_bytes)
+    for (int64_t g = 0; g < unit_groups; ++g, xt += 32 * R, meta += R) {
+      ahead.step();
+      unpack_scales(t, panel, g, scales);
+      const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
+      __m256 part[R][2];
+      _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
+        __m256i acc[R][2];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+          acc[r][0] = acc[r][1] = _mm256_set1_epi32(half ? meta[r].init_b : meta[r].init_a);
+        constexpr int kSteps = kHalves ? 4 : 8;
+        _Pragma("GCC unroll 8") for (int s0 = half * kSteps; s0 < (half + 1) * kSteps; s0 += kSteps16) {
+          __m256i pairs[R][2];
+          _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+          _Pragma("GCC unroll 8") for (int s = s0; s < s0 + kSteps16; ++s) {
+            __m256i w[2];
+            codes_step<kBits>(panel + header, g, s, w[0], w[1]);
+            _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c) {
+              const __m256i w_abs = kSigned ? _mm256_sign_epi8(w[c], w[c]) : w[c];
+              _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+                __m256i xv = _mm256_set1_epi32(xw[s * R + r]);
+                if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w[c]);
+                pairs[r][c] = _mm256_add_epi16(pairs[r][c], _mm256_maddubs_epi16(w_abs, xv));
+              }
+            }
+          }
+          _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c)
+              acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs[r][c], ones));
+        }
+        _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c) {
+          const __m256 scale = _mm256_loadu_ps(scales + 16 * half + 8 * c);
+          _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+            part[r][c] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), scale, part[r][c])
+                              : _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][c]), scale);
+        }
+      }
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+        _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c)
+          sums[r][c] = _mm256_fmadd_ps(part[r][c], _mm256_set1_ps(meta[r].dx), sums[r][c]);
+      if constexpr (kMin) {
+        _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c) {
+          const __m256 minimum = _mm256_loadu_ps(scales + 16 + 8 * c);
+          _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+            sums[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(meta[r].cmin), minimum, sums[r][c]);
+        }
+      }
+    }
+  alignas(32) float row[16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(row, sums[r][0]);
+    _mm256_store_ps(row + 8, sums[r][1]);
+    float* out = y + r * y_stride;
+    for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[c] : row[c];
+  }
+}
 #endif
 
 // Everything the product needs for one block type, at compile time.
@@ -493,10 +573,19 @@ struct Kind {
 #if defined(CONVEYOR_INT8_512)
     tile<R, kHalves, kMin>(codes, scales, xt, meta, groups, bias, y, y_stride, cols, ahead);
 #else
-    constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
     tile<R, kHalves, kMin, kSteps16, L.bits == 8>(codes, scales, xt, meta, groups, bias, y, y_stride, cols, ahead);
 #endif
   }
+
+#if !defined(CONVEYOR_INT8_512)
+  static constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
+  template <int R>
+  static void run_rows(const uint8_t* panel, int64_t units, const uint8_t* xt, const Meta* meta, const float* bias,
+                       float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
+    rows_times_panel<R, L.bits, kHalves, kMin, kSteps16, L.bits == 8>(T, panel, units, L.unit_bytes, L.header,
+                                                                      L.unit_k / 32, xt, meta, bias, y, y_stride, cols, ahead);
+  }
+#endif
 };
 
 template <QType T>
@@ -516,6 +605,23 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
         quantize_row(x + r * x_stride, k_dim, offset, K::kHalves, rows, r - r0, xq.data() + r0 * k_dim,
                      meta.data() + r0 * groups);
   });
+#if !defined(CONVEYOR_INT8_512)
+  if (m <= kFusedRows) {  // one tile (kFusedRows <= kTileRows): its codes at xq, its Meta at meta
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      const int64_t panel_bytes = units * K::L.unit_bytes;
+      NextPanel ahead;  // a few lines a group
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        ahead.aim(p + 1 < end ? w + (p + 1) * panel_bytes : nullptr, panel_bytes, groups);
+        with_rows<kFusedRows>(m, [&](auto tile_rows) {
+          K::template run_rows<decltype(tile_rows)::value>(w + p * panel_bytes, units, xq.data(), meta.data(),
+                                                           bias ? bias + col0 : nullptr, y + col0, out_features, cols, ahead);
+        });
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<float> scales;
