@@ -440,9 +440,15 @@ void tile_half(const uint8_t* codes, const float* scales, const uint8_t* xt, con
             __m256i xv = _mm256_set1_epi32(xw[s * R + r]);
             if constexpr (kSigned) xv = _mm256_sign_epi8(xv, w);
             pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w_abs, xv));
+            // Each sum in a register as it stands: GCC otherwise regroups a row's additions over the
+            // unrolled steps into a tree, whose partial sums no longer fit in the 16 ymm registers.
+            __asm__("" : "+x"(pairs[r]));
           }
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], ones));
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], ones));
+          __asm__("" : "+x"(acc[r]));
+        }
       }
       const __m256 scale = _mm256_loadu_ps(scales + 16 * half);
       _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
