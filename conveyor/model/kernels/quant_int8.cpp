@@ -357,45 +357,43 @@ inline __m256i transpose4x8(__m256i v) {
 // Step s (4 k) of group g: columns 0-7 in `lo`, 8-15 in `hi`, dword c = the column's 4 codes.
 template <int kBits>
 inline void codes_step(const uint8_t* codes, int64_t g, int s, __m256i& lo, __m256i& hi) {
-  {
-    if constexpr (kBits == 8) {  // 16 signed codes a k
-      const uint8_t* src = codes + (g * 32 + 4 * s) * 16;
-      const __m256i k01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i k23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      // columns 0-7 of k 0, 2 | 1, 3 (qwords), then columns 8-15
-      lo = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
-      hi = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
-    } else {
-      const uint8_t* chunk = codes + g * kChunkBytes(kBits);
-      const __m256i v = transpose4x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * s)));
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      lo = _mm256_and_si256(v, low4);
-      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if constexpr (kBits == 5) {
-        // 4 uint16 (bit c: column c); dword c's byte j tests bit c of k j's byte 0 (columns 0-7) or 1
-        uint64_t bits8;
-        std::memcpy(&bits8, chunk + 256 + 8 * s, 8);
-        const __m256i h = _mm256_set1_epi64x(static_cast<int64_t>(bits8));
-        const __m256i mask = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x10101010, 0x20202020,
-                                               0x40404040, static_cast<int32_t>(0x80808080));
-        const __m256i bit = _mm256_set1_epi8(0x10);
-        const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x06040200));
-        const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x07050301));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_lo, mask), mask), bit));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_hi, mask), mask), bit));
-      } else if constexpr (kBits == 6) {
-        // 4 uint32 (bits 2c, 2c + 1: column c); dword c's byte j <- k j's byte (c / 4, or 2 + c / 4 for
-        // columns 8-15), shifted so that bits 2 (c % 4), +1 land on bits 4-5 without leaving the byte
-        const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 256 + 16 * s)));
-        const __m256i left = _mm256_setr_epi32(4, 2, 0, 0, 4, 2, 0, 0), right = _mm256_setr_epi32(0, 0, 0, 2, 0, 0, 0, 2);
-        const __m256i bits = _mm256_set1_epi8(0x30);
-        const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12,
-                                                                        1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13));
-        const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_setr_epi8(2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14,
-                                                                        3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_lo, left), right), bits));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_hi, left), right), bits));
-      }
+  if constexpr (kBits == 8) {  // 16 signed codes a k
+    const uint8_t* src = codes + (g * 32 + 4 * s) * 16;
+    const __m256i k01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i k23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    // columns 0-7 of k 0, 2 | 1, 3 (qwords), then columns 8-15
+    lo = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
+    hi = transpose4x4(_mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(k01, k23), _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
+  } else {
+    const uint8_t* chunk = codes + g * kChunkBytes(kBits);
+    const __m256i v = transpose4x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * s)));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(v, low4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (kBits == 5) {
+      // 4 uint16 (bit c: column c); dword c's byte j tests bit c of k j's byte 0 (columns 0-7) or 1
+      uint64_t bits8;
+      std::memcpy(&bits8, chunk + 256 + 8 * s, 8);
+      const __m256i h = _mm256_set1_epi64x(static_cast<int64_t>(bits8));
+      const __m256i mask = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x10101010, 0x20202020,
+                                             0x40404040, static_cast<int32_t>(0x80808080));
+      const __m256i bit = _mm256_set1_epi8(0x10);
+      const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x06040200));
+      const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_set1_epi32(0x07050301));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_lo, mask), mask), bit));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(from_hi, mask), mask), bit));
+    } else if constexpr (kBits == 6) {
+      // 4 uint32 (bits 2c, 2c + 1: column c); dword c's byte j <- k j's byte (c / 4, or 2 + c / 4 for
+      // columns 8-15), shifted so that bits 2 (c % 4), +1 land on bits 4-5 without leaving the byte
+      const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 256 + 16 * s)));
+      const __m256i left = _mm256_setr_epi32(4, 2, 0, 0, 4, 2, 0, 0), right = _mm256_setr_epi32(0, 0, 0, 2, 0, 0, 0, 2);
+      const __m256i bits = _mm256_set1_epi8(0x30);
+      const __m256i from_lo = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12,
+                                                                      1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13, 1, 5, 9, 13));
+      const __m256i from_hi = _mm256_shuffle_epi8(h, _mm256_setr_epi8(2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14, 2, 6, 10, 14,
+                                                                      3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15, 3, 7, 11, 15));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_lo, left), right), bits));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(_mm256_sllv_epi32(from_hi, left), right), bits));
     }
   }
 }
