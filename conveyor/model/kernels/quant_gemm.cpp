@@ -292,7 +292,7 @@ inline bool fuses(int64_t m, int64_t k_dim) { return m <= 2 * kFusedRows || (k_d
 // A fused tile reads its R rows interleaved k by k ([K][R], see interleave_rows in panel_tile.h).
 template <class U, int R>
 void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float* bias, float* y, int64_t y_stride,
-                int64_t cols) {
+                int64_t cols, NextPanel& ahead) {
 #if defined(__AVX512F__)
   __m512 sums[R];
   _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
@@ -313,6 +313,7 @@ void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float*
   __m256 lo[R], hi[R];
   zero_sums<R>(lo, hi);
   for (int64_t u = 0; u < units; ++u, src += U::kBytes) {
+    ahead.step();  // AVX2 builds only: measured there (docs/PERF.md), not on AVX-512 CPUs
     const U unit{src};
     for (int64_t g = 0; g < U::kUnitK / U::kGroupK; ++g) {
       const Scales s = unit.group(g);
@@ -335,12 +336,12 @@ void fused_tile(const float* xt, const uint8_t* src, int64_t units, const float*
 // m rows (interleaved) against one quantised panel in fused tiles, each expanding it.
 template <class U>
 void fused_rows(const float* interleaved, int64_t m, const uint8_t* src, int64_t units, const float* bias, float* y,
-                int64_t y_stride, int64_t cols) {
+                int64_t y_stride, int64_t cols, NextPanel& ahead) {
   for_balanced_tiles<kFusedRows>(m, [&](int64_t r0, int64_t rows) {
     const float* xt = interleaved + r0 * units * U::kUnitK;
     float* yr = y + r0 * y_stride;
     with_rows<kFusedRows>(rows, [&](auto tile_rows) {
-      fused_tile<U, decltype(tile_rows)::value>(xt, src, units, bias, yr, y_stride, cols);
+      fused_tile<U, decltype(tile_rows)::value>(xt, src, units, bias, yr, y_stride, cols, ahead);
     });
   });
 }
@@ -521,8 +522,11 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
     }
     const float* xt = m > 1 ? interleaved.data() : x;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      const int64_t panel_bytes = units * U::kBytes;
+      NextPanel ahead;  // the next panel into L2, a few lines a unit of each tile
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel;
+        ahead.aim(p + 1 < end ? w + (p + 1) * panel_bytes : nullptr, panel_bytes, units * ((m + kFusedRows - 1) / kFusedRows));
 #if defined(__AVX512F__)
         if (m <= kFusedPairMaxRows && p + 1 < end) {
           fused_pair_rows<U>(xt, m, w + p * units * U::kBytes, w + (p + 1) * units * U::kBytes, units,
@@ -533,7 +537,7 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
         }
 #endif
         fused_rows<U>(xt, m, w + p * units * U::kBytes, units, bias ? bias + col0 : nullptr, y + col0,
-                      out_features, std::min(kPanel, out_features - col0));
+                      out_features, std::min(kPanel, out_features - col0), ahead);
       }
     });
     return;
