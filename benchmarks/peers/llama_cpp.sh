@@ -8,6 +8,7 @@
 #   benchmarks/peers/llama_cpp.sh --dataset prefix --num-prompts 64 --request-rate 2 --slots 32
 #   benchmarks/peers/llama_cpp.sh --model gemma3-270m --slots 1 --num-prompts 8
 #   benchmarks/peers/llama_cpp.sh --model gemma3-270m --slots 1 --num-prompts 8 --max-concurrency 1 --rounds 5
+#   benchmarks/peers/llama_cpp.sh --model qwen2.5-coder-0.5b --quality
 #
 # By default (one round) llama-server is started, warmed up, benchmarked and stopped, then conveyor's
 # server likewise, so the two measurements are a minute or more apart. With --rounds N (N > 1) both
@@ -39,15 +40,27 @@
 #   --rounds N             [ROUNDS=1] N > 1: both servers up at once, N rounds alternating which goes
 #                          first (above); results in OUT_DIR/llama-I.json, conveyor-I.json and the
 #                          same .txt for round I (one round: llama.json, conveyor.json, .txt)
-#   --setup-only           build llama-server, then stop
+#   --quality              no servers: what each one's fast arithmetic costs in accuracy, on the same
+#                          file and texts. conveyor: `conveyor bench quality` (int8 activations and a
+#                          float16 KV cache against fp32 activations with an fp32 cache; 4,096
+#                          positions of each text, windows of 512). llama.cpp: llama-perplexity
+#                          --kl-divergence, its default path (int8 activations, Q8_0/Q8_1/Q8_K as
+#                          the weight's block type asks, a float16 cache) against the same weights
+#                          dequantized to F32 (llama-quantize --allow-requantize ... F32: fp32
+#                          products) with an F32 cache; 16 windows of 512, the second half of each
+#                          scored (4,096 positions). Both texts come from conveyor.bench.quality.
+#                          Prints each side's perplexity ratio and top-1 agreement ("Same top p").
+#                          Needs free disk for the F32 copy and the logits (~2 GB for a 262k vocabulary)
+#   --setup-only           build llama.cpp's tools, then stop
 #   -- ARGS...             passed to both `conveyor bench serve` runs
 # Also: LLAMA_DIR (default benchmarks/peers/.llama-cpp: the source and the build, ~20 min on two
 # cores the first time, reused after), CONVEYOR_PY (default .venv/bin/python), LLAMA_PORT=8111,
 # CONVEYOR_PORT=8112, THREADS=2, KV_CACHE_GIB=1 (conveyor), CONVEYOR_EXTRA_ARGS, LLAMA_EXTRA_ARGS.
 #
 # Where llama.cpp comes from: the PyPI source distribution of llama-cpp-python 0.3.36 vendors
-# llama.cpp (commit 0c1e57098) under vendor/llama.cpp; only the server is built, with its web UI
-# and network features off (the build would otherwise try to download the UI).
+# llama.cpp (commit 0c1e57098) under vendor/llama.cpp; only llama-server, llama-bench,
+# llama-perplexity and llama-quantize are built, with the web UI and network features off (the
+# build would otherwise try to download the UI).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -65,6 +78,7 @@ OUT_DIR=${OUT_DIR:-$ROOT/out/peers/llama_cpp}
 ONLY=${ONLY:-}
 ROUNDS=${ROUNDS:-1}
 SETUP_ONLY=0
+QUALITY=0
 BENCH_EXTRA=()
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -92,6 +106,7 @@ while [[ $# -gt 0 ]]; do
         --only) ONLY=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --setup-only) SETUP_ONLY=1; shift ;;
+        --quality) QUALITY=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -111,18 +126,24 @@ log() { printf '[llama_cpp.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 source "$HERE/common.sh"
 
 SERVER_BIN=$LLAMA_DIR/build/bin/llama-server
+TOOLS=(llama-server llama-bench llama-perplexity llama-quantize)
 SERVER_PGIDS=()
+
+QUALITY_SCRATCH=()  # --quality's F32 copy and logits, gigabytes: removed however the script ends
 
 cleanup() {
     local pgid
     for pgid in "${SERVER_PGIDS[@]}"; do stop_server "$pgid"; done
+    ((${#QUALITY_SCRATCH[@]} == 0)) || rm -f "${QUALITY_SCRATCH[@]}"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- 1. llama-server from the vendored source (idempotent) ---------------------------------------
 build_server() {
-    if [[ -x $SERVER_BIN && -x $LLAMA_DIR/build/bin/llama-bench ]]; then
+    local tool missing=0
+    for tool in "${TOOLS[@]}"; do [[ -x $LLAMA_DIR/build/bin/$tool ]] || missing=1; done
+    if ((missing == 0)); then
         log "reusing $SERVER_BIN"
         return
     fi
@@ -140,12 +161,12 @@ build_server() {
         rm -rf "$dl"
     fi
     command -v cmake >/dev/null || { echo "cmake is needed (apt-get install cmake)" >&2; exit 1; }
-    log "building llama-server and llama-bench (commit $LLAMA_COMMIT; 7-20 min on two cores, once)"
+    log "building ${TOOLS[*]} (commit $LLAMA_COMMIT; 7-20 min on two cores, once)"
     cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_COMMIT="$LLAMA_COMMIT" >/dev/null
-    cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target llama-server llama-bench
-    log "built $SERVER_BIN and llama-bench (prompt and generation speed: llama-bench -m FILE -t 2 -p 512 -n 64)"
+    cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target "${TOOLS[@]}"
+    log "built ${TOOLS[*]} in $LLAMA_DIR/build/bin (prompt and generation speed: llama-bench -m FILE -t 2 -p 512 -n 64)"
 }
 
 model_file() {  # the GGUF both servers read
@@ -250,6 +271,40 @@ print(median[0])
 PYEOF
 }
 
+quality() {  # both sides' fast path against their own fp32 path, on the same texts (--quality above)
+    local dir=$OUT_DIR/quality bin=$LLAMA_DIR/build/bin text
+    mkdir -p "$dir"
+    QUALITY_SCRATCH=("$dir/f32.gguf" "$dir/code.kld" "$dir/prose.kld")
+    "$CONVEYOR_PY" -c "import sys; from conveyor.bench.quality import code_text, prose_text; \
+open(sys.argv[1], 'w').write(code_text()); open(sys.argv[2], 'w').write(prose_text())" "$dir/code.txt" "$dir/prose.txt"
+    log "llama.cpp's fp32 path: $GGUF dequantized to F32 ($dir/f32.gguf, removed afterwards)"
+    "$bin/llama-quantize" --allow-requantize "$GGUF" "$dir/f32.gguf" F32 >"$dir/quantize.log" 2>&1
+    for text in code prose; do
+        log "llama.cpp, $text: the F32 copy's logits, then the file's own path against them"
+        "$bin/llama-perplexity" -m "$dir/f32.gguf" -f "$dir/$text.txt" -c 512 --chunks 16 -t "$THREADS" \
+            -ctk f32 -ctv f32 --kl-divergence-base "$dir/$text.kld" >"$dir/llama-base-$text.log" 2>&1
+        "$bin/llama-perplexity" -m "$GGUF" -f "$dir/$text.txt" -t "$THREADS" \
+            --kl-divergence-base "$dir/$text.kld" --kl-divergence >"$dir/llama-$text.log" 2>&1
+        rm -f "$dir/$text.kld"
+    done
+    rm -f "${QUALITY_SCRATCH[@]}"
+    log "conveyor: conveyor bench quality --model $GGUF"
+    "$CONVEYOR_PY" -m conveyor.cli bench quality --model "$GGUF" --num-threads "$THREADS" | tee "$dir/conveyor.txt"
+    "$CONVEYOR_PY" - "$dir" <<'PYEOF'
+import re, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+ours = [line.split() for line in (d / "conveyor.txt").read_text().splitlines()
+        if line.startswith(("code", "prose"))]
+print(f"\n{'text':<6} {'conveyor ppl ratio':>18} {'top-1':>7}   {'llama.cpp ppl ratio':>19} {'top-1':>16}")
+for text, row in zip(("code", "prose"), ours):
+    log = (d / f"llama-{text}.log").read_text()
+    ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log).group(1)
+    same = re.search(r"Same top p:\s*([\d.]+ ± [\d.]+)", log).group(1)
+    print(f"{text:<6} {float(row[-2]):>18.4f} {100 * float(row[-1]):>6.2f}%   {float(ratio):>19.4f} {same + ' %':>16}")
+PYEOF
+}
+
 build_server
 if [[ $SETUP_ONLY == 1 ]]; then
     log "setup done"
@@ -262,6 +317,10 @@ NAME=$(basename "$GGUF" .gguf)
 [[ $MODEL == smollm2-135m ]] && NAME=smollm2-135m
 VOCAB=$("$CONVEYOR_PY" -c "import sys; from conveyor.model.gguf_loader import read_gguf; \
 print(len(read_gguf(sys.argv[1]).metadata['tokenizer.ggml.tokens']))" "$GGUF")
+if [[ $QUALITY == 1 ]]; then
+    quality
+    exit 0
+fi
 log "model $GGUF ($VOCAB tokens); workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, $SLOTS slots," \
     "$CTX_PER_SLOT tokens a slot, $THREADS threads"
 if ((ROUNDS == 1)); then  # one server at a time, as always
