@@ -116,6 +116,10 @@ if [[ ! $ROUNDS =~ ^[1-9][0-9]*$ ]]; then
     echo "--rounds (ROUNDS) must be a whole number of at least 1, not '$ROUNDS'" >&2
     exit 2
 fi
+if ((QUALITY == 1)) && { ((ROUNDS > 1)) || [[ -n $ONLY ]]; }; then
+    echo "--quality runs no servers: --rounds and --only do not apply to it" >&2
+    exit 2
+fi
 if ((ROUNDS > 1)) && [[ -n $ONLY ]]; then
     echo "--only $ONLY runs one server, --rounds $ROUNDS alternates both: use one or the other" >&2
     exit 2
@@ -315,12 +319,12 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 GGUF=$(model_file)
 NAME=$(basename "$GGUF" .gguf)
 [[ $MODEL == smollm2-135m ]] && NAME=smollm2-135m
-VOCAB=$("$CONVEYOR_PY" -c "import sys; from conveyor.model.gguf_loader import read_gguf; \
-print(len(read_gguf(sys.argv[1]).metadata['tokenizer.ggml.tokens']))" "$GGUF")
 if [[ $QUALITY == 1 ]]; then
     quality
     exit 0
 fi
+VOCAB=$("$CONVEYOR_PY" -c "import sys; from conveyor.model.gguf_loader import read_gguf; \
+print(len(read_gguf(sys.argv[1]).metadata['tokenizer.ggml.tokens']))" "$GGUF")
 log "model $GGUF ($VOCAB tokens); workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, $SLOTS slots," \
     "$CTX_PER_SLOT tokens a slot, $THREADS threads"
 if ((ROUNDS == 1)); then  # one server at a time, as always
