@@ -2,41 +2,123 @@
 checks they agree.
 
 The kernels compile with -march=native, so a machine with AVX-512 never runs the code an AVX2-only
-machine (CI, a laptop) gets. This builds panel_gemm.cpp, quant_gemm.cpp, quant_int8.cpp, paged_decode.cpp
-and paged_prefill.cpp for `--march` (default haswell: AVX2, FMA, F16C, no AVX-512), which this CPU can
-run too, and checks on random blocks of every GGUF type the kernel reads that both builds give
-gguf's dequantised weights exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows,
-with and without bias, on a partial last panel, and bit-identical int8-activation products
-(VNNI against vpmaddubsw); that both builds' decode attention matches a
-float64 reference (1e-5) over head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens,
+machine (CI, a laptop) gets, and an AVX2-only machine never runs the AVX-512 code. This builds
+panel_gemm.cpp, quant_gemm.cpp, quant_int8.cpp, paged_decode.cpp and paged_prefill.cpp for `--march`:
+by default haswell (AVX2, FMA, F16C, no AVX-512) where the native build has AVX-512, and
+`avx512-emulated` where it has not: the AVX-512 paths built for AVX2 with SIMDe's portable AVX-512
+intrinsics (benchmarks/kernels/avx512_on_avx2.h; SIMDe's headers are fetched once from Debian's
+archive, pinned by hash, into ~/.cache/conveyor), slow but with the instructions' results.
+
+It checks on random blocks of every GGUF type the kernel reads that both builds give gguf's
+dequantised weights exactly (one-hot rows) and bit-identical products at 1-33 and 131 rows, with
+and without bias, on a partial last panel, and bit-identical int8-activation products (VNNI against
+vpmaddubsw, rows with features carried exactly among them); that both builds' decode attention
+matches a float64 reference (1e-5) over head sizes 16-256, GQA groups 1-8, blocks of 4 and 16 tokens,
 sliding windows, one row and many, rows with blocks of their own and rows sharing their first
 block (its two spans); and that both builds' prefill attention matches one too (2e-5): fresh
 prompts and cache hits, GQA groups 1-32, blocks of 5 and 16 tokens, windows; both attention
 kernels on an fp32 cache and on a float16 one.
 
-    python benchmarks/isa_check.py [--march haswell]
+    python benchmarks/isa_check.py [--march haswell | avx512-emulated | another -march target]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import itertools
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from torch.utils.cpp_extension import load
+from torch.utils.cpp_extension import _get_build_directory, load
 
 from conveyor.model.kernels import _SOURCE_DIR, _load, panel_gemm, quant_gemm
+from conveyor.model.loader import model_cache_dir
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES
+
+EMULATED = "avx512-emulated"
+EMULATION_HEADER = Path(__file__).parent / "kernels" / "avx512_on_avx2.h"
+# SIMDe 0.7.4 (header-only, MIT), as Debian 12 packages it.
+SIMDE_DEB = "http://deb.debian.org/debian/pool/main/s/simde/libsimde-dev_0.7.4~rc2-2_all.deb"
+SIMDE_SHA256 = "471b66fdc79e0a479c4d11dc85c2b6313df1704b737ea2f7266753335c5d062b"
+# The native build's int8 product takes its AVX-512 path with all four (quant_int8.cpp).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
 
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
+def native_has_avx512() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split() for line in cpuinfo if line.startswith("flags")), [])
+    return all(flag in flags for flag in AVX512_FLAGS)
+
+
+def simde_include_dir() -> Path:
+    """SIMDe's headers, fetched from Debian's archive and unpacked on first use."""
+    target = model_cache_dir() / "simde-0.7.4"
+    include = target / "usr" / "include"
+    if (include / "simde" / "x86" / "avx512.h").is_file():
+        return include
+    print(f"isa_check: fetching SIMDe's headers ({SIMDE_DEB}) into {target}", flush=True)
+    with urllib.request.urlopen(SIMDE_DEB, timeout=120) as response:
+        deb = response.read()
+    if hashlib.sha256(deb).hexdigest() != SIMDE_SHA256:
+        raise SystemExit(f"isa_check: {SIMDE_DEB} does not have the expected sha256 {SIMDE_SHA256}")
+    # A .deb is an ar archive (8-byte magic, then 60-byte member headers: name, ..., size at 48-58).
+    data, offset = None, 8
+    while offset + 60 <= len(deb):
+        name, size = deb[offset : offset + 16].decode().strip(), int(deb[offset + 48 : offset + 58].decode())
+        if name.startswith("data.tar"):
+            data = deb[offset + 60 : offset + 60 + size]
+        offset += 60 + size + size % 2
+    if data is None:
+        raise SystemExit(f"isa_check: {SIMDE_DEB} holds no data.tar")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".simde-"))
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        archive.extractall(staging, members=[m for m in archive.getmembers() if m.name.startswith("./usr/include/simde")],
+                           filter="data")
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return include
+
+
 def build(name: str, march: str) -> object:
-    return load(name=f"conveyor_{name}_march_{march.replace('-', '_')}", sources=[str(_SOURCE_DIR / f"{name}.cpp")],
-                extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
+    """`name`.cpp built for `march`; EMULATED: its AVX-512 code on this AVX2 CPU (at -O1: the
+    emulated intrinsics take minutes to compile at -O3 and run slowly at any level)."""
+    if march != EMULATED:
+        return load(name=f"conveyor_{name}_march_{march.replace('-', '_')}", sources=[str(_SOURCE_DIR / f"{name}.cpp")],
+                    extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
+    # Named and staged by content, as the server's kernels are (kernels._load): every checkout of the
+    # same sources shares one build.
+    files = [_SOURCE_DIR / f"{name}.cpp", *sorted(_SOURCE_DIR.glob("*.h")), EMULATION_HEADER]
+    digest = hashlib.sha1()
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    include = simde_include_dir()
+    digest.update(str(include).encode())
+    extension = f"conveyor_{name}_avx512_emulated_{digest.hexdigest()[:12]}"
+    folder = Path(_get_build_directory(extension, verbose=False)) / "src"
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        if not (folder / file.name).is_file():
+            partial = folder / f".{file.name}.{os.getpid()}.partial"
+            partial.write_bytes(file.read_bytes())
+            os.replace(partial, folder / file.name)
+    flags = ["-O1", "-march=haswell", f"-I{include}", "-include", str(folder / EMULATION_HEADER.name)]
+    return load(name=extension, sources=[str(folder / f"{name}.cpp")], extra_cflags=[*flags, "-fopenmp", "-fno-trapping-math"],
+                extra_ldflags=["-fopenmp"])
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -129,8 +211,12 @@ def random_blocks(qtype: str, rows: int, k: int, rng: np.random.Generator) -> np
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--march", default="haswell")
+    parser.add_argument("--march", default=None,
+                        help=f"the other build's target (default: haswell on an AVX-512 machine, else {EMULATED})")
     args = parser.parse_args()
+    if args.march is None:
+        args.march = "haswell" if native_has_avx512() else EMULATED
+    print(f"isa_check: the native build against a {args.march} build", flush=True)
     native_panels, native_quant = panel_gemm(), quant_gemm()
     if native_panels is None or native_quant is None:
         raise SystemExit("the native kernels are not built here")
@@ -164,6 +250,7 @@ def main() -> None:
         int8_identical = True
         for rows in (1, 3, 4, 17, 33, 131):
             x = torch.randn(rows, k)
+            x.view(-1)[torch.randperm(x.numel())[: x.numel() // 64]] *= 100.0  # lone large features, carried exactly
             for b in (None, bias):
                 int8_identical &= torch.equal(native_int8.int8_matmul(x, packed["native"], n, b, code),  # type: ignore[attr-defined]
                                               other_int8.int8_matmul(x, packed[args.march], n, b, code))  # type: ignore[attr-defined]
