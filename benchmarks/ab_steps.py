@@ -15,6 +15,8 @@ alike. Switches:
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 - `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
   `--baseline REV` (same packed layout)
+- `int8-kernel-at`: the int8-activation matmul (quant_int8.cpp) of this tree vs its source at
+  `--baseline REV`
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
@@ -22,6 +24,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
     python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
+    python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch
 
 from conveyor import LLM
 from conveyor.bench.decode import start_decode_batch
+from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
 from conveyor.model.ops import ReferenceOps
@@ -95,7 +99,13 @@ def _quant_kernel_at(revision: str) -> Callable[[bool], None]:
     return _patch_switch(linear, "quant_gemm", lambda: old)
 
 
-AT_REVISION = {"decode-kernel-at": _decode_kernel_at, "quant-kernel-at": _quant_kernel_at}
+def _int8_kernel_at(revision: str) -> Callable[[bool], None]:
+    old = kernel_at(revision, "quant_int8")
+    return _patch_switch(linear, "int8_matmul_kernel", lambda: old)
+
+
+AT_REVISION = {"decode-kernel-at": _decode_kernel_at, "quant-kernel-at": _quant_kernel_at,
+               "int8-kernel-at": _int8_kernel_at}
 
 
 def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -131,16 +141,35 @@ def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: lis
               f"| {min(off):.1f} / {statistics.median(off):.1f} | {statistics.median(off) / statistics.median(on):.2f}x |")
 
 
+def ab_prefill(engine: LLMEngine, switch: Callable[[bool], None], tokens: int, repeats: int,
+               labels: tuple[str, str] = ("on", "off")) -> None:
+    """A fresh `tokens`-token prompt's prefill (distinct tokens each time: nothing cached), the
+    feature switched every prompt."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for repeat in range(repeats):
+        for on in (True, False):
+            switch(on)
+            times[on].append(time_prefill(engine, tokens, seed=2 * repeat + on) * 1e3)
+    switch(True)
+    on, off = times[True], times[False]
+    print(f"| prefill of {tokens} tokens | {labels[0]} ms (min / median) | {labels[1]} ms (min / median) "
+          f"| {labels[1]} / {labels[0]} |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {tokens} | {min(on):.0f} / {statistics.median(on):.0f} | {min(off):.0f} / {statistics.median(off):.0f} "
+          f"| {statistics.median(off) / statistics.median(on):.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", choices=[*SWITCHES, *AT_REVISION], required=True)
-    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at")
+    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at / int8-kernel-at")
     parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=CHAT_CONTEXTS)
     parser.add_argument("--repeats", type=int, default=10, help="pairs of steps timed per side")
     parser.add_argument("--share", help="G:P: prompts in G groups starting with the same P tokens (cache hits)")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--prefill", type=int, default=0, help="N > 0: also A/B a fresh N-token prompt's prefill")
     args = parser.parse_args()
     if args.switch in AT_REVISION and not args.baseline:
         parser.error(f"--switch {args.switch} needs --baseline REV")
@@ -151,6 +180,8 @@ def main() -> None:
         switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None
     ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats, labels, share)
+    if args.prefill:
+        ab_prefill(llm.engine, switch, args.prefill, args.repeats, labels)
 
 
 if __name__ == "__main__":

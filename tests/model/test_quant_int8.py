@@ -1,8 +1,10 @@
-"""The integer kernel (kernels/quant_int8.cpp): x quantised per 32 features to int8 as ggml's Q8_0,
-multiplied by the GGUF blocks' own codes. Against a float64 reference that dequantises both sides
+"""The integer kernel (kernels/quant_int8.cpp): x quantised per 32 features to int8 as ggml's Q8_0
+(a group's lone large feature carried exactly beside the codes), multiplied by the GGUF blocks' own
+codes. Against a float64 reference that dequantises both sides
 (x's codes times their scales, the weights by gguf-py) and multiplies: equal up to fp32 rounding, on
 every block type, at row counts through one tile, several tiles and several row blocks, with bias
-and a partial last panel. The AVX2 and AVX-512 VNNI builds are compared bit for bit by
+and a partial last panel. The AVX2 and AVX-512 VNNI builds are compared bit for bit here on a machine
+without AVX-512 (its AVX-512 code built on SIMDe's emulation) and, for every kernel, by
 benchmarks/isa_check.py."""
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.isa_check import EMULATED, build, native_has_avx512
 from conveyor.model.kernels import quant_gemm, quant_int8
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES
 
@@ -18,29 +21,79 @@ from .test_quant_gemm import random_blocks, reference_fp32
 pytestmark = pytest.mark.skipif(quant_int8() is None or quant_gemm() is None, reason="no integer kernel here")
 
 
-def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per 32 features: dx = max|x| / 127, q = round-half-even(x * 127 / max|x|)."""
+def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per 32 features: the largest |x| (its first place) is carried exactly, its code 0, where it is
+    over the kernel's outlier_ratio times the next largest; then dx = max|x| / 127 over the codes
+    left, q = round-half-even(x * 127 / max|x|)."""
     groups = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    amax = np.abs(groups).max(axis=2, keepdims=True)
+    magnitude = np.abs(groups)
+    top = magnitude.argmax(axis=2)[..., None]
+    is_top = np.arange(32) == top
+    largest = magnitude.max(axis=2, keepdims=True)
+    carried_group = largest > np.float32(quant_int8().outlier_ratio) * np.where(is_top, 0, magnitude).max(axis=2, keepdims=True)  # type: ignore[union-attr]
+    carried_place = is_top & carried_group
+    amax = np.where(carried_place, 0, magnitude).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    codes = np.clip(np.rint(groups * inv), -127, 127).astype(np.int8)
-    return codes.reshape(x.shape), (amax[..., 0] / np.float32(127)).astype(np.float32)
+    codes = np.where(carried_place, 0, np.clip(np.rint(groups * inv), -127, 127)).astype(np.int8)
+    carried = np.where(carried_place, groups, 0).astype(np.float32)
+    return codes.reshape(x.shape), (amax[..., 0] / np.float32(127)).astype(np.float32), carried.reshape(x.shape)
+
+
+def with_outliers(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with a feature in about one group in five made 5-500x larger: the features real models'
+    activations carry exactly (SmolLM2's), in the tiles and in AVX2's fused path."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = x.reshape(x.shape[0], -1, 32).clone()
+    places = torch.randint(0, 32, groups.shape[:2], generator=gen)
+    chosen = torch.rand(groups.shape[:2], generator=gen) < 0.2
+    factor = torch.exp(torch.empty(groups.shape[:2]).uniform_(np.log(5), np.log(500), generator=gen))
+    rows, cols = torch.nonzero(chosen, as_tuple=True)
+    groups[rows, cols, places[rows, cols]] *= factor[rows, cols]
+    return groups.reshape(x.shape)
+
+
+def dequantised(x: torch.Tensor) -> torch.Tensor:
+    """The x the product multiplies: codes * dx + the features carried exactly, in float64."""
+    codes, scales, carried = quant_int8().quantize_activations(x)  # type: ignore[union-attr]
+    x_deq = codes.double().reshape(x.shape[0], -1, 32) * scales.double()[..., None]
+    return x_deq.reshape(x.shape) + carried.double()
 
 
 def reference_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    codes, scales = quant_int8().quantize_activations(x)  # type: ignore[union-attr]
-    x_deq = codes.double().reshape(x.shape[0], -1, 32) * scales.double()[..., None]
-    y = x_deq.reshape(x.shape) @ weight.double().T
+    y = dequantised(x) @ weight.double().T
     return y + bias.double() if bias is not None else y
 
 
-def test_the_activation_codes_are_ggml_s_q8_0() -> None:
+def test_the_activation_codes_are_ggml_s_q8_0_with_lone_large_features_carried() -> None:
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 256)
+    x = with_outliers(x, seed=1)
     x[2, 32:64] = 0.0  # an all-zero group: codes and scale zero
-    codes, scales = quant_int8().quantize_activations(x)  # type: ignore[union-attr]
-    want_codes, want_scales = quantize_reference(x.numpy())
+    x[3, 64:96] = 0.0
+    x[3, 70] = -3.0  # one feature alone: carried, the rest zero
+    x[4, 96:128] = 1.0  # ties: none carried
+    codes, scales, carried = quant_int8().quantize_activations(x)  # type: ignore[union-attr]
+    want_codes, want_scales, want_carried = quantize_reference(x.numpy())
     assert np.array_equal(codes.numpy(), want_codes)
     assert np.array_equal(scales.numpy(), want_scales)
+    assert np.array_equal(carried.numpy(), want_carried)
+    assert carried[3, 70] == -3.0 and scales[3, 2] == 0.0 and not carried[4, 96:128].any()
+    assert 0.1 < float((carried != 0).sum()) / (7 * 256 / 32) < 0.5
+
+
+def test_a_lone_large_feature_costs_the_others_no_precision() -> None:
+    # One feature 1000x the rest: with it setting the group's scale the others would all round to 0
+    # or +-1; carried exactly, the product is as close as the others' own codes make it.
+    qtype, k, out_features = "Q8_0", 256, 16
+    q = random_blocks(qtype, out_features, k, seed=9)
+    weight = reference_fp32(q)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    x[:, 5] *= 1000.0
+    y = quant_int8().int8_matmul(x, packed, out_features, None, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    exact = x.double() @ weight.double().T
+    # each code within half a step of x: the error bounded by sum |w| * dx / 2 over the group
+    bound = (weight.double().abs() @ torch.full((k,), float(x[:, 6:32].abs().max()) / 127 / 2, dtype=torch.float64)) * 1.01
+    assert ((y.double() - exact).abs() <= bound).all()
 
 
 # Rows through one tile, balanced tiles, and (with K = 4096, 96-row blocks) several row blocks; 1-4
@@ -53,15 +106,14 @@ def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -
     weight = reference_fp32(q)
     packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(k + rows)
-    x = torch.randn(rows, k, generator=gen)
+    x = with_outliers(torch.randn(rows, k, generator=gen), seed=rows)
     bias = torch.randn(out_features, generator=gen)
     for b in (None, bias):
         y = quant_int8().int8_matmul(x, packed, out_features, b, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
         want = reference_product(x, weight, b)
         # fp32 sums of k terms: the rounding is bounded by the terms' magnitudes (x's fp32 values instead
         # of its codes miss this bound 50-fold)
-        codes, scales = quant_int8().quantize_activations(x)  # type: ignore[union-attr]
-        magnitude = (codes.double().abs().reshape(rows, -1, 32) * scales.double()[..., None]).reshape(rows, k)
+        magnitude = dequantised(x).abs()
         bound = (magnitude @ weight.double().abs().T) * 1e-6 * np.sqrt(k / 32) + 1e-7
         assert ((y.double() - want).abs() <= bound).all(), (qtype, rows, (y.double() - want).abs().max().item())
 
@@ -73,7 +125,7 @@ def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> Non
     k, out_features = 512, 37
     q = random_blocks(qtype, out_features, k, seed=3)
     packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
+    x = with_outliers(torch.randn(11, k, generator=torch.Generator().manual_seed(4)), seed=6)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
     many = quant_int8().int8_matmul(x, packed, out_features, bias, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
     for rows in (1, 2, 3, 4, 5):
@@ -102,3 +154,21 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(RuntimeError, match="qtype"):
         module.int8_matmul(torch.randn(2, 64), packed, 16, None, 1)  # type: ignore[union-attr]
     assert BLOCK_SIZES["Q8_0"][0] == 32
+
+
+@pytest.mark.skipif(native_has_avx512(), reason="this CPU runs the AVX-512 build itself, in the tests above")
+def test_the_avx512_build_gives_the_avx2_build_s_bits() -> None:
+    # CI's machine may lack AVX-512: its build there is SIMDe's emulation of the instructions
+    # (benchmarks/isa_check.py, which checks every kernel so), slow but with their results.
+    emulated = build("quant_int8", EMULATED)
+    assert emulated.isa() == "avx512-vnni"  # type: ignore[attr-defined]
+    for qtype in KERNEL_TYPES:
+        k = 768 if BLOCK_SIZES[qtype][0] == 256 else 256
+        q = random_blocks(qtype, 40, k, seed=11)
+        packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+        bias = torch.randn(40, generator=torch.Generator().manual_seed(12))
+        for rows in (1, 4, 17, 33):
+            x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)), seed=rows)
+            for b in (None, bias):
+                native = quant_int8().int8_matmul(x, packed, 40, b, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+                assert torch.equal(native, emulated.int8_matmul(x, packed, 40, b, KERNEL_QTYPE[qtype])), (qtype, rows)  # type: ignore[attr-defined]

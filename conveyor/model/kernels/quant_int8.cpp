@@ -9,6 +9,11 @@
 // into the integer sum; m_g: a minimum, Q4_1 / Q5_1 m, Q4_K / Q5_K -dmin * m). The result is the
 // product of the dequantised codes of x with the dequantised weights, up to fp32 rounding; it differs
 // from the fp32 product by x's quantisation error (at most about dx / 2 a feature), as llama.cpp's.
+// One departure from Q8_0: where a group's largest |x| is over kOutlierRatio times the next largest,
+// that feature is carried exactly (its code 0, the group's scale set by the next largest) and added
+// after the groups as its value times its column's dequantised weights (Outlier): a lone large
+// feature, common in small models' activations, would otherwise leave the group's other features
+// only a few codes each.
 //
 // The weights are the same bytes quantized_matmul reads (one copy of a weight): each thread unpacks a
 // panel's codes once into a buffer of bytes in the order the dot products take them (per 4 k, 16
@@ -89,7 +94,7 @@ constexpr int32_t kQ8Offset = 128;
 #else
 constexpr int32_t kQ8Offset = 0;
 #endif
-int32_t code_offset(QType t) {
+constexpr int32_t code_offset(QType t) {
   switch (t) {
     case QType::kQ4_0: return 8;
     case QType::kQ5_0: return 16;
@@ -108,6 +113,16 @@ struct Meta {
   float dx, cmin;
   int32_t init_a, init_b;
 };
+
+// A feature multiplied exactly, in fp32, beside the integer sums: a group's largest |x| where it is
+// over kOutlierRatio times the group's next largest (the group's other codes then take the next
+// largest's scale, and this feature's code is 0). Such lone large features are what the int8 codes
+// lose most to (docs/PERF.md, "Lone large features, carried exactly", and why 2).
+struct Outlier {
+  int32_t k;  // the feature's index in the row
+  float value;
+};
+constexpr float kOutlierRatio = 2.0f;
 
 #if defined(CONVEYOR_INT8_512)
 constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside them in 32 zmm registers
@@ -161,22 +176,45 @@ inline int32_t hsum8(__m256i v) {
 constexpr float kTinyAmax = 1e-30f;  // 127 / max|x| stays finite, max|x| / 127 normal
 
 // Row r of a tile of `rows` rows: its codes as 4-byte words at xt + (step * rows + r) * 4, its
-// groups' Meta at meta[g * rows + r].
-void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, int64_t rows, int64_t r, uint8_t* xt,
-                  Meta* meta) {
+// groups' Meta at meta[g * rows + r], its outliers (in k order) at outliers[0 .. the count returned).
+int32_t quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, int64_t rows, int64_t r, uint8_t* xt,
+                     Meta* meta, Outlier* outliers) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int32_t count = 0;
   for (int64_t g = 0; g < k_dim / 32; ++g) {
     const float* xg = x + g * 32;
-    __m256 v[4];
+    __m256 v[4], a[4];
     __m256 amax = _mm256_setzero_ps(), finite = _mm256_setzero_ps();
     _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xg + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+      a[i] = _mm256_and_ps(v[i], abs_mask);
+      amax = _mm256_max_ps(amax, a[i]);
       finite = _mm256_or_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
     }
-    const float max_abs = hmax8(amax);
+    float max_abs = hmax8(amax);
+    const bool all_finite = !_mm256_movemask_ps(finite);
+    // The largest |x| (its first lane), and the largest of the others.
+    int j = 0;
+    __m256i not_j[4];
+    bool carried = false;
+    if (all_finite && max_abs > 0.f) {
+      const __m256 top = _mm256_set1_ps(max_abs);
+      for (int i = 3; i >= 0; --i) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(a[i], top, _CMP_EQ_OQ));
+        if (hits) j = 8 * i + __builtin_ctz(static_cast<unsigned>(hits));
+      }
+      __m256 rest = _mm256_setzero_ps();
+      _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+        not_j[i] = _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i)), _mm256_set1_epi32(j)),
+                                    _mm256_set1_epi32(-1));
+        rest = _mm256_max_ps(rest, _mm256_and_ps(a[i], _mm256_castsi256_ps(not_j[i])));
+      }
+      const float next = hmax8(rest);
+      if (max_abs > kOutlierRatio * next) carried = true, max_abs = next;
+    }
     float dx = max_abs / 127.f, id = max_abs >= kTinyAmax ? 127.f / max_abs : 0.f;
-    if (_mm256_movemask_ps(finite)) dx = std::numeric_limits<float>::quiet_NaN(), id = 0.f;
+    if (!all_finite) dx = std::numeric_limits<float>::quiet_NaN(), id = 0.f;
     else if (max_abs < kTinyAmax) dx = 0.f;
     const __m256 mul = _mm256_set1_ps(id);
     __m256i q[4];
@@ -184,6 +222,7 @@ void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, in
       // round to nearest, ties to even (the default rounding mode); |x| id <= 127 (up to rounding)
       q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], mul));
       q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      if (carried) q[i] = _mm256_and_si256(q[i], not_j[i]);
     }
     const int32_t sum_a = hsum8(_mm256_add_epi32(q[0], q[1])), sum_b = hsum8(_mm256_add_epi32(q[2], q[3]));
     const __m256i packed = _mm256_permutevar8x32_epi32(
@@ -195,9 +234,14 @@ void quantize_row(const float* x, int64_t k_dim, int32_t offset, bool halves, in
     Meta& mg = meta[g * rows + r];
     mg.dx = dx;
     mg.cmin = dx * static_cast<float>(sum_a + sum_b);
+    if (carried) {
+      mg.cmin += xg[j];
+      outliers[count++] = {static_cast<int32_t>(g * 32 + j), xg[j]};
+    }
     mg.init_a = -offset * (halves ? sum_a : sum_a + sum_b);
     mg.init_b = halves ? -offset * sum_b : 0;
   }
+  return count;
 }
 
 // --- A panel unpacked: per group of 32 k, 8 x 64 bytes of codes (see the top) and 2 x 16 fp32
@@ -234,6 +278,97 @@ void unpack_scales(QType t, const uint8_t* unit, int64_t g, float* out) {
     }
     _mm256_storeu_ps(out + c, a);
     _mm256_storeu_ps(out + 16 + c, b);
+  }
+}
+
+// --- Outliers, added after the integer products, a row block at a time: the features any of the
+// block's rows carries (ascending) have their weights dequantised once a panel into a table, and
+// each row sums its own outliers' terms from it.
+struct Carried {
+  std::vector<int32_t> features;
+  std::vector<int32_t> starts;  // the block's row i's outliers at slots / values[starts[i], starts[i + 1])
+  std::vector<int32_t> slots;   // an outlier's feature's place in `features` (the table's row)
+  std::vector<float> values;
+};
+
+// Rows [b0, b0 + block_rows)'s outliers (row r's at outliers[r * groups ..], counts[r] of them).
+Carried carried_by_rows(const Outlier* outliers, const int32_t* counts, int64_t b0, int64_t block_rows, int64_t groups,
+                        int64_t k_dim) {
+  Carried c;
+  int32_t total = 0;
+  for (int64_t r = b0; r < b0 + block_rows; ++r) total += counts[r];
+  if (total == 0) return c;
+  std::vector<int32_t> slot(static_cast<size_t>(k_dim), -1);
+  for (int64_t r = b0; r < b0 + block_rows; ++r)
+    for (int32_t i = 0; i < counts[r]; ++i) slot[outliers[r * groups + i].k] = 0;
+  for (int64_t k = 0; k < k_dim; ++k)
+    if (slot[k] == 0) slot[k] = static_cast<int32_t>(c.features.size()), c.features.push_back(static_cast<int32_t>(k));
+  c.slots.reserve(static_cast<size_t>(total));
+  c.values.reserve(static_cast<size_t>(total));
+  for (int64_t r = b0; r < b0 + block_rows; ++r) {
+    c.starts.push_back(static_cast<int32_t>(c.slots.size()));
+    for (int32_t i = 0; i < counts[r]; ++i) {
+      c.slots.push_back(slot[outliers[r * groups + i].k]);
+      c.values.push_back(outliers[r * groups + i].value);
+    }
+  }
+  c.starts.push_back(total);
+  return c;
+}
+
+// 8 columns' weights at one feature, (code - offset) * scale: `word` holds each column's 4 codes for
+// the feature's 4 k in a dword (the unpacked buffer's layout and codes_step's), kk the feature's k
+// within its group.
+template <bool kSigned>
+inline __m256 column_values(__m256i word, int64_t kk, int32_t offset, __m256 scale) {
+  const __m256i code =
+      kSigned ? _mm256_srai_epi32(_mm256_sllv_epi32(word, _mm256_set1_epi32(static_cast<int>(24 - 8 * (kk % 4)))), 24)
+              : _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_set1_epi32(static_cast<int>(8 * (kk % 4)))),
+                                 _mm256_set1_epi32(0xFF));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(offset))), scale);
+}
+
+// A panel's 16 weights at feature k from its unpacked codes and scales (both builds lay them out
+// alike: a group's 8 steps of 4 k x 16 columns x 4 codes, then its 32 scales).
+template <bool kHalves, bool kSigned>
+inline void buffered_column(const uint8_t* codes, const float* scales, int64_t k, int32_t offset, float* out) {
+  const int64_t g = k / 32, kk = k % 32;
+  _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+    const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * kGroupCodeBytes + kk / 4 * 64 + 32 * h));
+    const __m256 scale = _mm256_loadu_ps(scales + g * kGroupScales + (kHalves && kk >= 16 ? 16 : 0) + 8 * h);
+    _mm256_storeu_ps(out + 8 * h, column_values<kSigned>(word, kk, offset, scale));
+  }
+}
+
+// y[b0 + i, 0 .. cols) += the sum of row i's outliers' values times the panel's weights at their
+// features (in k order, from 0), for each row of the block: whatever rows share the block, a row
+// gets the same bits. column(k, w) puts the panel's 16 weights at feature k into w; `table`: the
+// thread's buffer for them.
+template <class Column>
+void add_carried(const Carried& c, Column&& column, std::vector<float>& table, float* y, int64_t y_stride, int64_t b0,
+                 int64_t cols) {
+  if (c.features.empty()) return;
+  table.resize(c.features.size() * 16);
+  for (size_t i = 0; i < c.features.size(); ++i) column(c.features[i], table.data() + 16 * i);
+  for (size_t i = 0; i + 1 < c.starts.size(); ++i) {
+    if (c.starts[i] == c.starts[i + 1]) continue;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int32_t j = c.starts[i]; j < c.starts[i + 1]; ++j) {
+      const float* w = table.data() + 16 * c.slots[j];
+      const __m256 e = _mm256_set1_ps(c.values[j]);
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(w), e, lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8), e, hi);
+    }
+    float* out = y + (b0 + static_cast<int64_t>(i)) * y_stride;
+    if (cols == 16) {
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), lo));
+      _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), hi));
+    } else {
+      alignas(32) float sum[16];
+      _mm256_store_ps(sum, lo);
+      _mm256_store_ps(sum + 8, hi);
+      for (int64_t col = 0; col < cols; ++col) out[col] += sum[col];
+    }
   }
 }
 
@@ -477,22 +612,37 @@ void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Me
     tile_half<R, kHalves, kMin, kSteps16, kSigned>(codes, scales, xt, meta, groups, 1, bias, y, y_stride, cols, ahead);
 }
 
+// buffered_column's 16 weights with the codes read from the packed panel itself (the fused path has
+// no buffer of them; `scales`: the panel's groups' scales as rows_times_panel left them).
+template <int kBits, bool kHalves, bool kSigned>
+inline void packed_column(const uint8_t* panel, int64_t unit_bytes, int64_t header, int64_t unit_groups,
+                          const float* scales, int64_t k, int32_t offset, float* out) {
+  const int64_t g = k / 32, kk = k % 32;
+  __m256i word[2];
+  codes_step<kBits>(panel + g / unit_groups * unit_bytes + header, g % unit_groups, static_cast<int>(kk / 4), word[0],
+                    word[1]);
+  _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
+    _mm256_storeu_ps(out + 8 * h, column_values<kSigned>(word[h], kk, offset,
+                                                         _mm256_loadu_ps(scales + g * kGroupScales +
+                                                                         (kHalves && kk >= 16 ? 16 : 0) + 8 * h)));
+}
+
 // A few rows against a whole panel, its codes unpacked a step at a time into registers and
 // multiplied there: with so few rows to share them, unpacking into the buffer and reading back
 // (above) costs as much as the products. The same sums in the same order as tile<R>, so the same
-// results.
+// results. Each group's scales are left at panel_scales (the buffer's layout) for packed_column.
 template <int R, int kBits, bool kHalves, bool kMin, int kSteps16, bool kSigned>
 void rows_times_panel(QType t, const uint8_t* panel, int64_t units, int64_t unit_bytes, int64_t header,
                       int64_t unit_groups, const uint8_t* xt, const Meta* meta, const float* bias, float* y,
-                      int64_t y_stride, int64_t cols, NextPanel& ahead) {
+                      int64_t y_stride, int64_t cols, float* panel_scales, NextPanel& ahead) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 sums[R][2];
   _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  alignas(32) float scales[kGroupScales];
   for (int64_t u = 0; u < units; ++u, panel += unit_bytes)
-    for (int64_t g = 0; g < unit_groups; ++g, xt += 32 * R, meta += R) {
+    for (int64_t g = 0; g < unit_groups; ++g, xt += 32 * R, meta += R, panel_scales += kGroupScales) {
       ahead.step();
-      unpack_scales(t, panel, g, scales);
+      const float* scales = panel_scales;
+      unpack_scales(t, panel, g, panel_scales);
       const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
       __m256 part[R][2];
       _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
@@ -553,6 +703,12 @@ struct Kind {
   static constexpr Layout L = layout_of(T);
   static constexpr bool kHalves = T == QType::kQ6_K;
   static constexpr bool kMin = T == QType::kQ4_1 || T == QType::kQ5_1 || T == QType::kQ4_K || T == QType::kQ5_K;
+  static constexpr int32_t kOffset = code_offset(T);
+#if defined(CONVEYOR_INT8_512)
+  static constexpr bool kSignedCodes = false;
+#else
+  static constexpr bool kSignedCodes = L.bits == 8;  // AVX2 keeps Q8_0's codes signed
+#endif
 
   // A panel's groups (codes, scales) into the thread's buffers.
   static void unpack(const uint8_t* panel, int64_t units, uint8_t* codes, float* scales) {
@@ -585,9 +741,10 @@ struct Kind {
   static constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
   template <int R>
   static void run_rows(const uint8_t* panel, int64_t units, const uint8_t* xt, const Meta* meta, const float* bias,
-                       float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
+                       float* y, int64_t y_stride, int64_t cols, float* panel_scales, NextPanel& ahead) {
     rows_times_panel<R, L.bits, kHalves, kMin, kSteps16, L.bits == 8>(T, panel, units, L.unit_bytes, L.header,
-                                                                      L.unit_k / 32, xt, meta, bias, y, y_stride, cols, ahead);
+                                                                      L.unit_k / 32, xt, meta, bias, y, y_stride, cols,
+                                                                      panel_scales, ahead);
   }
 #endif
 };
@@ -600,27 +757,40 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
   // x quantised, tile by tile: tile (r0, rows) holds its codes at xq + r0 * K, its Meta at meta + r0 * groups.
   std::vector<uint8_t> xq(static_cast<size_t>(m * k_dim));
   std::vector<Meta> meta(static_cast<size_t>(m * groups));
+  // Row r's outliers at outliers[r * groups ..], outlier_counts[r] of them.
+  std::vector<Outlier> outliers(static_cast<size_t>(m * groups));
+  std::vector<int32_t> outlier_counts(static_cast<size_t>(m));
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for_tiles(m, k_dim, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
-  const int32_t offset = code_offset(T);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (const auto& [r0, rows] : tiles)
       for (int64_t r = std::max(begin, r0); r < std::min(end, r0 + rows); ++r)
-        quantize_row(x + r * x_stride, k_dim, offset, K::kHalves, rows, r - r0, xq.data() + r0 * k_dim,
-                     meta.data() + r0 * groups);
+        outlier_counts[r] = quantize_row(x + r * x_stride, k_dim, K::kOffset, K::kHalves, rows, r - r0,
+                                         xq.data() + r0 * k_dim, meta.data() + r0 * groups, outliers.data() + r * groups);
+  });
+  std::vector<Carried> carried;  // each row block's outliers
+  for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
+    carried.push_back(carried_by_rows(outliers.data(), outlier_counts.data(), b0, block_rows, groups, k_dim));
   });
 #if !defined(CONVEYOR_INT8_512)
-  if (m <= kFusedRows) {  // one tile (kFusedRows <= kTileRows): its codes at xq, its Meta at meta
+  if (m <= kFusedRows) {  // one tile (kFusedRows <= kTileRows): its codes at xq, its Meta at meta; one block
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       const int64_t panel_bytes = units * K::L.unit_bytes;
+      thread_local std::vector<float> table, scales;
+      scales.resize(static_cast<size_t>(groups * kGroupScales));
       NextPanel ahead;  // a few lines a group
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
         ahead.aim(p + 1 < end ? w + (p + 1) * panel_bytes : nullptr, panel_bytes, groups);
         with_rows<kFusedRows>(m, [&](auto tile_rows) {
           K::template run_rows<decltype(tile_rows)::value>(w + p * panel_bytes, units, xq.data(), meta.data(),
-                                                           bias ? bias + col0 : nullptr, y + col0, out_features, cols, ahead);
+                                                           bias ? bias + col0 : nullptr, y + col0, out_features, cols,
+                                                           scales.data(), ahead);
         });
+        add_carried(carried[0], [&](int64_t k, float* column) {
+          packed_column<K::L.bits, K::kHalves, K::kSignedCodes>(w + p * panel_bytes, K::L.unit_bytes, K::L.header,
+                                                                K::L.unit_k / 32, scales.data(), k, K::kOffset, column);
+        }, table, y + col0, out_features, 0, cols);
       }
     });
     return;
@@ -628,11 +798,12 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
 #endif
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes;
-    thread_local std::vector<float> scales;
+    thread_local std::vector<float> scales, table;
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
     scales.resize(static_cast<size_t>(groups * kGroupScales));
     const int64_t panel_bytes = units * K::L.unit_bytes;
     NextPanel ahead;  // a few lines a group of each tile
+    size_t block = 0;
     for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
       const int64_t tiles = (block_rows + kTileRows - 1) / kTileRows;
       for (int64_t p = begin; p < end; ++p) {
@@ -648,7 +819,11 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
                                                              out_features, cols, ahead);
           });
         });
+        add_carried(carried[block], [&](int64_t k, float* column) {
+          buffered_column<K::kHalves, K::kSignedCodes>(codes.data(), scales.data(), k, K::kOffset, column);
+        }, table, y + col0, out_features, b0, cols);
       }
+      ++block;
     });
   });
 }
@@ -691,7 +866,8 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
-// x [M, K] -> the codes and scales the product multiplies: (int8 [M, K], fp32 dx [M, K / 32]), for
+// x [M, K] -> what the product multiplies: (int8 codes [M, K], fp32 dx [M, K / 32], fp32 outliers
+// [M, K]: the features carried exactly, zero elsewhere), x's stand-in being codes * dx + outliers; for
 // tests and for callers that bound the quantisation error.
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % 32 == 0,
@@ -700,14 +876,18 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
   const int64_t m = xs.size(0), k_dim = xs.size(1), groups = k_dim / 32;
   auto codes = torch::empty({m, k_dim}, torch::kChar);
   auto scales = torch::empty({m, groups}, torch::kFloat);
+  auto carried = torch::zeros({m, k_dim}, torch::kFloat);
   std::vector<uint8_t> words(static_cast<size_t>(k_dim));
   std::vector<Meta> meta(static_cast<size_t>(groups));
+  std::vector<Outlier> outliers(static_cast<size_t>(groups));
   for (int64_t r = 0; r < m; ++r) {  // a tile of one row: its words in k order
-    quantize_row(xs.data_ptr<float>() + r * k_dim, k_dim, 0, false, 1, 0, words.data(), meta.data());
+    const int32_t count =
+        quantize_row(xs.data_ptr<float>() + r * k_dim, k_dim, 0, false, 1, 0, words.data(), meta.data(), outliers.data());
     std::memcpy(codes.data_ptr<int8_t>() + r * k_dim, words.data(), static_cast<size_t>(k_dim));
     for (int64_t g = 0; g < groups; ++g) scales.data_ptr<float>()[r * groups + g] = meta[g].dx;
+    for (int32_t i = 0; i < count; ++i) carried.data_ptr<float>()[r * k_dim + outliers[i].k] = outliers[i].value;
   }
-  return {codes, scales};
+  return {codes, scales, carried};
 }
 
 std::string isa() {
@@ -723,7 +903,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul,
         "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8",
         py::call_guard<py::gil_scoped_release>());
-  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32])",
+  m.def("quantize_activations", &quantize_activations,
+        "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32], fp32 outliers [M, K])",
         py::call_guard<py::gil_scoped_release>());
+  m.attr("outlier_ratio") = kOutlierRatio;
   m.def("isa", &isa, "the instruction set this build's dot products use (avx512-vnni or avx2)");
 }
