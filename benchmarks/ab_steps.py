@@ -144,10 +144,10 @@ def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: lis
 def ab_prefill(engine: LLMEngine, switch: Callable[[bool], None], tokens: int, repeats: int,
                labels: tuple[str, str] = ("on", "off")) -> None:
     """A fresh `tokens`-token prompt's prefill (distinct tokens each time: nothing cached), the
-    feature switched every prompt."""
+    feature switched every prompt, which side goes first alternating."""
     times: dict[bool, list[float]] = {True: [], False: []}
     for repeat in range(repeats):
-        for on in (True, False):
+        for on in (True, False) if repeat % 2 == 0 else (False, True):
             switch(on)
             times[on].append(time_prefill(engine, tokens, seed=2 * repeat + on) * 1e3)
     switch(True)
