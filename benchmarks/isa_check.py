@@ -40,7 +40,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 from torch.utils.cpp_extension import _get_build_directory, load
 
-from conveyor.model.kernels import _SOURCE_DIR, _load, panel_gemm, quant_gemm
+from conveyor.model.kernels import _SOURCE_DIR, _kernel_files, _load, _staged_source, panel_gemm, quant_gemm
 from conveyor.model.loader import model_cache_dir
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES
 
@@ -102,22 +102,21 @@ def build(name: str, march: str) -> object:
                     extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
     # Named and staged by content, as the server's kernels are (kernels._load): every checkout of the
     # same sources shares one build.
-    files = [_SOURCE_DIR / f"{name}.cpp", *sorted(_SOURCE_DIR.glob("*.h")), EMULATION_HEADER]
     digest = hashlib.sha1()
-    for file in files:
+    for file in [*_kernel_files(name), EMULATION_HEADER]:
         digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     include = simde_include_dir()
     digest.update(str(include).encode())
     extension = f"conveyor_{name}_avx512_emulated_{digest.hexdigest()[:12]}"
     folder = Path(_get_build_directory(extension, verbose=False)) / "src"
-    folder.mkdir(parents=True, exist_ok=True)
-    for file in files:
-        if not (folder / file.name).is_file():
-            partial = folder / f".{file.name}.{os.getpid()}.partial"
-            partial.write_bytes(file.read_bytes())
-            os.replace(partial, folder / file.name)
-    flags = ["-O1", "-march=haswell", f"-I{include}", "-include", str(folder / EMULATION_HEADER.name)]
-    return load(name=extension, sources=[str(folder / f"{name}.cpp")], extra_cflags=[*flags, "-fopenmp", "-fno-trapping-math"],
+    source = _staged_source(name, folder)
+    header = folder / EMULATION_HEADER.name
+    if not header.is_file():
+        partial = folder / f".{header.name}.{os.getpid()}.partial"
+        partial.write_bytes(EMULATION_HEADER.read_bytes())
+        os.replace(partial, header)
+    flags = ["-O1", "-march=haswell", f"-I{include}", "-include", str(header)]
+    return load(name=extension, sources=[str(source)], extra_cflags=[*flags, "-fopenmp", "-fno-trapping-math"],
                 extra_ldflags=["-fopenmp"])
 
 
