@@ -290,11 +290,15 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
 def _release(gf: GGUFFile, t: GGUFTensor) -> None:
     """Drops the file pages of a tensor already taken (packed or dequantized), so that a load
     holds at most one tensor's pages at a time beside what it built, not the whole file."""
-    if not hasattr(mmap, "MADV_DONTNEED"):
+    _drop_pages(gf, t.offset, t.offset + t.nbytes)
+
+
+def _drop_pages(gf: GGUFFile, start: int, end: int) -> None:
+    if not hasattr(mmap, "MADV_DONTNEED") or end <= start:
         return
-    start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
     # A private mapping never written: the pages are only dropped, and re-read from the file if touched.
-    gf.buffer.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+    gf.buffer.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
@@ -311,8 +315,10 @@ def load_gguf(
 ) -> tuple[ModelConfig, dict[str, WeightSource], Tokenizer]:
     """HF-named weights, read through the file's memory map one tensor at a time: with `keep_blocks`
     and fp32, a matrix in blocks the kernel reads is packed from the file's bytes into its panels
-    (its only copy: conveyor.model.linear); every other tensor is dequantized to `dtype`. Each
-    tensor's file pages are dropped once it is taken, so a load peaks near what the model holds."""
+    (its only copy: conveyor.model.linear), except an embedding the file does not reuse as its
+    output head: read by rows only, it stays a view of the mapping. Every other tensor is
+    dequantized to `dtype`. Each tensor's file pages are dropped once it is taken, so a load peaks
+    near what the model holds."""
     gf = read_gguf(path)
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
@@ -322,18 +328,23 @@ def load_gguf(
     config = gguf_config(gf, tokenizer)
     arch = gf.metadata["general.architecture"]
     weights: dict[str, WeightSource] = {}
+    untied = "output.weight" in gf.tensors
     with _one_thread():
         for t in gf.tensors.values():
             name = hf_name(t.name, arch)
             heads = _permuted_heads(t, arch, config)
             blocks = _blocks(gf, t) if keep_blocks and dtype == torch.float32 else None
-            packed = None
-            if blocks is not None:
-                if heads is not None:  # a row is one output feature's blocks: permute rows alike
+            if blocks is not None and t.name == "token_embd.weight" and untied:
+                weights[name] = blocks  # read by rows only: stays in the file's mapping (Embedding.load)
+            else:
+                if blocks is not None and heads is not None:  # a row is one output feature's blocks: permute rows alike
                     blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
-                packed = pack_blocks(blocks)
-            weights[name] = packed if packed is not None else _dense(gf, t, config, heads).to(dtype)
+                packed = pack_blocks(blocks) if blocks is not None else None
+                weights[name] = packed if packed is not None else _dense(gf, t, config, heads).to(dtype)
             _release(gf, t)
+    # Then the rest: the header (a 151,936-token vocabulary's strings and merges are ~10 MiB) and the
+    # neighbours' pages the kernel mapped along with each tensor's (fault-around), ~60 KiB a tensor.
+    _drop_pages(gf, 0, len(gf.buffer))
     return config, weights, tokenizer
 
 

@@ -296,23 +296,61 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding on a weight held once: rows dequantized from blocks or read from panels
-    (the same weight a tied output head multiplies by), or a plain table."""
+    (the same weight a tied output head multiplies by), or a plain table. An untied embedding in
+    GGUF blocks is only ever read by rows, so it keeps the checkpoint's own blocks (`blocks`, a view
+    of the memory-mapped file when loaded from one): only the pages of rows looked up become
+    resident, as under llama.cpp's mmap, instead of a packed copy of the whole vocabulary."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight: torch.Tensor | None = None
         self.packed: PackedWeight | None = None
+        self.blocks: QuantizedWeight | None = None
 
-    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32) -> None:
+    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32, rows_only: bool = False) -> None:
+        """`rows_only`: no output head multiplies by this weight (the checkpoint has its own)."""
+        if (rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and packing_enabled()
+                and quant_gemm() is not None):
+            if weight.blocks.shape[0] != self.num_embeddings or weight.in_features != self.embedding_dim:
+                raise ValueError(f"{weight.qtype} blocks of {weight.blocks.shape[0]} x {weight.in_features} weights "
+                                 f"for a {self.num_embeddings} x {self.embedding_dim} embedding")
+            self.weight, self.packed, self.blocks = None, None, weight
+            return
         self.weight, self.packed = held_once(weight, dtype, rows_read=True)
+        self.blocks = None
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32 if self.weight is None else self.weight.dtype
 
+    @property
+    def nbytes(self) -> int:
+        """What the weight holds at most (blocks left in a file's mapping: once every row is read)."""
+        if self.blocks is not None:
+            return self.blocks.blocks.numel()
+        if self.packed is not None:
+            return self.packed.nbytes
+        assert self.weight is not None
+        return self.weight.numel() * self.weight.element_size()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return block_rows(self.blocks, ids).view(*ids.shape, self.embedding_dim)
         if self.weight is not None:
             return F.embedding(ids, self.weight)
         assert self.packed is not None
         return self.packed.rows(ids).view(*ids.shape, self.embedding_dim)
+
+
+def block_rows(quantized: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a weight in the checkpoint's row-major blocks, in fp32 [len(ids), in_features]:
+    just those rows' bytes are copied out, laid into panels and expanded by the kernel that expands
+    packed weights, so the values are the ones a packed copy would give, bit for bit."""
+    ids = ids.reshape(-1).to(torch.long)
+    rows = quantized.blocks.shape[0]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"row ids must be in [0, {rows}): got {int(ids.min())} .. {int(ids.max())}")
+    kernel, qtype = _quant_kernel(), KERNEL_QTYPE[quantized.qtype]
+    panels = kernel.pack_quantized(quantized.blocks.index_select(0, ids), qtype)  # type: ignore[attr-defined]
+    return kernel.dequantize_rows(panels, ids.numel(), torch.arange(ids.numel()), qtype)  # type: ignore[attr-defined]

@@ -195,7 +195,7 @@ class LlamaModel(nn.Module):
             offset = self.cfg.norm_weight_offset
             put(name, tensor.float() + offset if offset else tensor)
 
-        self.embed.load(take("model.embed_tokens.weight"), dtype)
+        self.embed.load(take("model.embed_tokens.weight"), dtype, rows_only=self.lm_head is not None)
         put_norm("norm", dense("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.load(take("lm_head.weight"), dtype)
@@ -240,7 +240,9 @@ def model_bytes(model: nn.Module) -> int:
     """What the model's weights hold: packed weights, plain tensors and parameters, each once."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, (Linear, Embedding)):
+        if isinstance(module, Embedding):
+            total += module.nbytes
+        elif isinstance(module, Linear):
             total += module.packed.nbytes if module.packed is not None else 0
             total += module.weight.numel() * module.weight.element_size() if module.weight is not None else 0
     return total

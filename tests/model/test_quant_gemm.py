@@ -10,7 +10,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.linear import Linear, PackedWeight, linear, pack_blocks, pack_weight
+from conveyor.model.linear import Embedding, Linear, PackedWeight, block_rows, linear, pack_blocks, pack_weight
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
@@ -133,6 +133,27 @@ def test_rows_looked_up_from_the_panels_are_gguf_s_values(qtype: str) -> None:
     assert torch.equal(packed(q).rows(torch.arange(37)), weight)
     with pytest.raises(RuntimeError, match="out of range"):
         packed(q).rows(torch.tensor([37]))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_rows_read_from_the_checkpoint_s_own_blocks_are_gguf_s_values(qtype: str) -> None:
+    """An untied embedding keeps the file's row-major blocks: its rows equal the dequantized ones
+    bit for bit, as the panels' would; a tied one is packed for the head that multiplies by it."""
+    q = random_blocks(qtype, 37, in_features(qtype), seed=4, wild=True)
+    weight = reference_fp32(q)
+    ids = torch.tensor([[36, 0, 15], [16, 36, 5]])
+    assert torch.equal(block_rows(q, ids), weight[ids.reshape(-1)])
+    assert torch.equal(block_rows(q, torch.arange(37)), weight)
+    assert block_rows(q, torch.empty(0, dtype=torch.long)).shape == (0, weight.shape[1])
+    with pytest.raises(IndexError, match=r"\[0, 37\)"):
+        block_rows(q, torch.tensor([37]))
+    untied, tied = Embedding(37, weight.shape[1]), Embedding(37, weight.shape[1])
+    untied.load(q, rows_only=True)
+    tied.load(q)
+    assert untied.blocks is q and untied.packed is None and tied.blocks is None and tied.packed is not None
+    assert torch.equal(untied(ids), F.embedding(ids, weight)) and torch.equal(tied(ids), untied(ids))
+    with pytest.raises(ValueError, match="embedding"):
+        Embedding(36, weight.shape[1]).load(q, rows_only=True)
 
 
 def test_shipped_blocks_match_the_loaded_weights(default_checkpoint, smollm_gguf_path) -> None:
