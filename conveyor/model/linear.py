@@ -4,7 +4,8 @@ A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_
 only as those blocks, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a product
 expands them to fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more
 rows), with results bit-identical to dequantize-then-multiply; the embedding looks up rows by
-expanding just their panels; a tied output head multiplies by the embedding's own blocks.
+expanding just their panels; a tied output head multiplies by the embedding's own blocks. An untied
+embedding is never multiplied by, so it keeps the file's own row-major blocks (left in its memory map).
 
 A dense fp32 weight (an HF folder, a GGUF F32/F16 tensor) lives as fp32 panels
 (kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be

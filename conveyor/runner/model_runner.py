@@ -86,7 +86,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, consume=True)
     model.activation_dtype = config.activation_dtype
     return_freed_memory()
-    logger.info("loaded %s in %.1f s: weights %.0f MiB", path.name, time.perf_counter() - started, model_bytes(model) / 2**20)
+    mapped = model.embed.nbytes if model.embed.blocks is not None else 0
+    logger.info("loaded %s in %.1f s: weights %.0f MiB%s", path.name, time.perf_counter() - started, model_bytes(model) / 2**20,
+                f" ({mapped / 2**20:.0f} MiB of them the embedding's rows, read from the file as tokens are looked up)"
+                if mapped else "")
     return LoadedModel(model, checkpoint.tokenizer)
 
 
