@@ -327,6 +327,9 @@ def load_gguf(
     tokenizer = Tokenizer.from_gguf(gf.metadata)
     config = gguf_config(gf, tokenizer)
     arch = gf.metadata["general.architecture"]
+    # The metadata's arrays (a vocabulary, its merges, scores: tens of MiB of Python objects) are
+    # built into the tokenizer now: freed before the weights load, they are not part of its peak.
+    gf.metadata = {k: v for k, v in gf.metadata.items() if not isinstance(v, list)}
     weights: dict[str, WeightSource] = {}
     untied = "output.weight" in gf.tensors
     with _one_thread():
