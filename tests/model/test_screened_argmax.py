@@ -104,3 +104,20 @@ def test_non_finite_input_another_layout_or_switched_off_is_not_screened(monkeyp
                                                           QuantizedWeight("Q8_0", blocks))) is None
     monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
     assert screened_argmax(torch.randn(1, K), packed) is None
+
+
+def test_extreme_codes_at_full_scale() -> None:
+    """Codes of -128 and 127 against activations at their largest code (the integer pass's widest
+    products; AVX2 multiplies |w| by x carrying w's sign, where -128 must read as 128): the winner
+    is a column of -128 codes with a negative scale, a hair above one of 127 codes."""
+    blocks = random_blocks("Q8_0", 64, K, seed=5).blocks.clone().view(64, K // 32, 34)
+    blocks[10, :, 2:] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    blocks[10, :, :2] = torch.tensor([-0.01], dtype=torch.float16).view(torch.uint8)
+    blocks[20, :, 2:] = 127
+    blocks[20, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    weight, packed = packed_head(QuantizedWeight("Q8_0", blocks.reshape(64, -1)))
+    x = torch.ones(2, K)
+    x[1] = -1.0  # then column 10 is the minimum, and another column the maximum
+    expected = full_argmax(x, weight, packed)
+    assert int(expected[0]) == 10
+    assert torch.equal(screened_argmax(x, packed), expected)
