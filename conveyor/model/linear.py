@@ -112,6 +112,12 @@ def packing_enabled() -> bool:
     return os.environ.get("CONVEYOR_PACKED_LINEAR", "1") != "0"
 
 
+def blocks_kept() -> bool:
+    """Whether a weight in GGUF blocks stays in them when loaded (packed, or read by rows), rather
+    than dequantized: packing on and the block kernel built."""
+    return packing_enabled() and quant_gemm() is not None
+
+
 def _quant_kernel() -> object:
     """quant_gemm for a weight held only in blocks: it runs there whatever CONVEYOR_KERNELS says now."""
     kernel = quant_gemm(force=True)
@@ -123,10 +129,9 @@ def _quant_kernel() -> object:
 def pack_blocks(quantized: QuantizedWeight) -> PackedWeight | None:
     """The checkpoint's blocks in panels, or None where they stay dense (the kernel can't be built,
     or packing is turned off: the caller then dequantizes)."""
-    kernel = quant_gemm() if packing_enabled() else None
-    if kernel is None:
+    if not blocks_kept():
         return None
-    data = kernel.pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
+    data = _quant_kernel().pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
     return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype, finite=quantized.finite())
 
 
@@ -311,8 +316,7 @@ class Embedding(nn.Module):
 
     def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32, rows_only: bool = False) -> None:
         """`rows_only`: no output head multiplies by this weight (the checkpoint has its own)."""
-        if (rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and packing_enabled()
-                and quant_gemm() is not None):
+        if rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and blocks_kept():
             if weight.blocks.shape[0] != self.num_embeddings or weight.in_features != self.embedding_dim:
                 raise ValueError(f"{weight.qtype} blocks of {weight.blocks.shape[0]} x {weight.in_features} weights "
                                  f"for a {self.num_embeddings} x {self.embedding_dim} embedding")
