@@ -17,6 +17,8 @@ alike. Switches:
   `--baseline REV` (same packed layout)
 - `int8-kernel-at`: the int8-activation matmul (quant_int8.cpp) of this tree vs its source at
   `--baseline REV`
+- `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
+  16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before)
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
@@ -25,6 +27,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
     python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
     python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
+    python benchmarks/ab_steps.py --switch half-weights --model out/qwen-bf16 --batch-sizes 1 16 32 --prefill 512
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ from conveyor.bench.decode import start_decode_batch
 from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
+from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight
 from conveyor.model.ops import ReferenceOps
+from conveyor.model.quantized import HALF_TYPES
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.sampler import torch_argmax
 
@@ -78,6 +83,28 @@ def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
         x, onednn[id(packed)], bias, "none", [], ""))
 
 
+def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
+    """Off: every weight held in F16 / BF16 panels runs on fp32 panels of the same values."""
+    def leaves(p: PackedWeight) -> tuple[PackedWeight, ...]:
+        return p.parts or (p,)
+
+    def fp32_panels(p: PackedWeight) -> PackedWeight:
+        dense = torch.cat([leaf.rows(torch.arange(leaf.out_features)) for leaf in leaves(p)])
+        panels = pack_weight(dense)
+        assert panels is not None and panels.layout == "panels"
+        return panels
+    held = {m: m.packed for m in model.modules() if isinstance(m, (Linear, Embedding)) and m.packed is not None
+            and any(leaf.layout in HALF_TYPES for leaf in leaves(m.packed))}
+    if not held:
+        raise SystemExit("--switch half-weights: the model holds no F16 / BF16 weights")
+    fp32 = {m: fp32_panels(p) for m, p in held.items()}
+
+    def switch(on: bool) -> None:
+        for m in held:
+            m.packed = held[m] if on else fp32[m]
+    return switch
+
+
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
     "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
@@ -86,6 +113,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "panel-gemm": lambda runner: _onednn_switch(runner.model),
     "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
     "screened-argmax": lambda runner: _patch_switch(runner.model, "greedy_tokens", lambda h: None),
+    "half-weights": lambda runner: _half_weights_switch(runner.model),
 }
 
 

@@ -5,11 +5,15 @@ conveyor decode step streams (conveyor.bench.roofline.model_costs) against the f
 
     .venv/bin/python benchmarks/footprint.py --model qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
+    .venv/bin/python benchmarks/footprint.py --model out/qwen-bf16 --also-dequantized --repeats 3
 
 Both servers get room for SLOTS x CTX tokens: llama-server `-c SLOTS*CTX --parallel SLOTS` (its f16
 KV cache), conveyor `--num-kv-blocks SLOTS*CTX/16 --max-num-seqs SLOTS` (its default float16 KV cache). The servers run
 one after the other, each alone on the machine. llama-server comes from benchmarks/peers/llama_cpp.sh
-(`--setup-only` builds it); without it only conveyor is measured.
+(`--setup-only` builds it); without it, or for an HF folder, only conveyor is measured.
+`--also-dequantized` adds conveyor serving the same file with `--dequantize-weights` (fp32 copies
+of every weight: how a GGUF's blocks and an HF folder's bf16 / f16 matrices were held before they
+stayed in their own form).
 """
 from __future__ import annotations
 
@@ -80,56 +84,64 @@ def measure(cmd: list[str], port: int, log: Path) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a conveyor model name or a .gguf path")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a conveyor model name, a .gguf path or an HF folder")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--ctx-per-slot", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", default="out/footprint")
+    p.add_argument("--also-dequantized", action="store_true", help="conveyor with --dequantize-weights too")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from conveyor.model.loader import resolve_model_path
 
-    gguf = resolve_model_path(args.model)
+    model_path = resolve_model_path(args.model)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = args.slots * args.ctx_per_slot
     servers = {
-        "conveyor": [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(gguf), "--port", "8131",
+        "conveyor": [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(model_path), "--port", "8131",
                      "--num-kv-blocks", str(tokens // 16), "--max-num-seqs", str(args.slots),
                      "--num-threads", str(args.threads)],
     }
-    if LLAMA_SERVER.is_file():
-        servers["llama.cpp"] = [str(LLAMA_SERVER), "-m", str(gguf), "--port", "8132", "--host", "127.0.0.1",
+    if args.also_dequantized:
+        servers["conveyor fp32"] = [*servers["conveyor"], "--dequantize-weights"]
+    if LLAMA_SERVER.is_file() and model_path.is_file():
+        servers["llama.cpp"] = [str(LLAMA_SERVER), "-m", str(model_path), "--port", "8132", "--host", "127.0.0.1",
                                 "-t", str(args.threads), "-tb", str(args.threads), "--parallel", str(args.slots),
                                 "-c", str(tokens), "--cont-batching"]
-    ports = {"conveyor": 8131, "llama.cpp": 8132}
+    ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
         for name, cmd in servers.items():
             results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log"))
-    print(f"{gguf.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
+    print(f"{model_path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
           f"medians of {args.repeats}")
-    print(f"{'server':<10} {'resident GiB':>13} {'peak GiB':>9} {'ready s':>8}")
+    print(f"{'server':<14} {'resident GiB':>13} {'peak GiB':>9} {'ready s':>8}")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
-        print(f"{name:<10} {m['rss_gib']:>13.3f} {m['peak_gib']:>9.3f} {m['ready_s']:>8.1f}")
+        print(f"{name:<14} {m['rss_gib']:>13.3f} {m['peak_gib']:>9.3f} {m['ready_s']:>8.1f}")
     from conveyor.bench.roofline import model_costs
     from conveyor.config import EngineConfig
     from conveyor.model.gguf_loader import read_gguf
     from conveyor.runner.model_runner import load_model
 
-    file_bytes = sum(t.nbytes for t in read_gguf(gguf).tensors.values())
-    streamed, _ = model_costs(load_model(EngineConfig(model=str(gguf))).model)
+    file_bytes = (sum(t.nbytes for t in read_gguf(model_path).tensors.values()) if model_path.is_file()
+                  else sum(f.stat().st_size for f in model_path.glob("*.safetensors")))
+    streamed, _ = model_costs(load_model(EngineConfig(model=str(model_path))).model)
     print(f"a conveyor decode step streams {streamed / 2**20:.0f} MiB: {streamed / file_bytes:.3f}x the file's "
-          f"{file_bytes / 2**20:.0f} MiB of tensors (the embedding is read by rows)")
+          f"{file_bytes / 2**20:.0f} MiB of tensors (an untied embedding is read by rows)")
+    if "conveyor fp32" in medians:
+        c, d = medians["conveyor"], medians["conveyor fp32"]
+        print(f"conveyor / with --dequantize-weights: resident {c['rss_gib'] / d['rss_gib']:.2f}x, "
+              f"peak {c['peak_gib'] / d['peak_gib']:.2f}x, ready {c['ready_s'] / d['ready_s']:.2f}x")
     if "llama.cpp" in medians:
         c, ll = medians["conveyor"], medians["llama.cpp"]
         print(f"conveyor / llama.cpp: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
               f"of llama.cpp's resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x")
-    (out_dir / "footprint.json").write_text(json.dumps({"model": str(gguf), "results": results}, indent=2))
+    (out_dir / "footprint.json").write_text(json.dumps({"model": str(model_path), "results": results}, indent=2))
     return 0
 
 

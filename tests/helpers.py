@@ -120,3 +120,62 @@ def tiny_reference_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# llama.cpp's tensor names (convert_hf_to_gguf) -> HF's
+GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path, matrices: str = "F32") -> None:
+    """A GGUF as llama.cpp's convert_hf_to_gguf would write an HF checkpoint with SmolLM2's vocabulary
+    (a tiny random one, or SmolLM2 exported): vectors in F32, matrices in `matrices` (F32, F16, BF16)."""
+    import json
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    from conveyor.model.gguf_loader import read_gguf
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    meta = read_gguf(smollm_gguf_path).metadata
+    w = GGUFWriter(str(path), arch)
+    for k, v in {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+                 "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+                 "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                 "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads}.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.get("rope_parameters", {}).get("rope_theta") or cfg["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_eos_token_id(2)
+    names = {v: k for k, v in {**GGUF_GLOBAL, **GGUF_BLOCK}.items()}
+    for name, t in load_file(str(hf_folder / "model.safetensors")).items():
+        if cfg["tie_word_embeddings"] and name == "lm_head.weight":
+            continue
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = names[name]
+        a = t.float().numpy()
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):  # llama.cpp's `permute`
+            n = heads if ".attn_q." in gname else kv_heads
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        qtype = GGMLQuantizationType[matrices if a.ndim == 2 else "F32"]
+        w.add_tensor(gname, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

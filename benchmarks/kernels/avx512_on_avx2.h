@@ -61,6 +61,11 @@ inline simde__m512i cvtepu8_epi32(simde__m128i a) {
   std::memcpy(&v, &a, 16);
   return join_i(_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
 }
+inline simde__m512i cvtepu16_epi32(simde__m256i a) {
+  __m128i h[2];
+  std::memcpy(h, &a, 32);
+  return join_i(_mm256_cvtepu16_epi32(h[0]), _mm256_cvtepu16_epi32(h[1]));
+}
 inline simde__m512i cvtepi8_epi32(simde__m128i a) {
   __m128i v;
   std::memcpy(&v, &a, 16);
@@ -96,6 +101,7 @@ inline float mask_reduce_max_ps(simde__mmask16 k, simde__m512 a) {
 #define _mm512_cvtph_ps(a) conveyor_avx512_on_avx2::cvtph_ps(a)
 #define _mm512_cvtepu8_epi32(a) conveyor_avx512_on_avx2::cvtepu8_epi32(a)
 #define _mm512_cvtepi8_epi32(a) conveyor_avx512_on_avx2::cvtepi8_epi32(a)
+#define _mm512_cvtepu16_epi32(a) conveyor_avx512_on_avx2::cvtepu16_epi32(a)
 #define _mm512_mask_reduce_max_ps(k, a) conveyor_avx512_on_avx2::mask_reduce_max_ps((k), (a))
 #define _mm512_roundscale_ps(a, imm) conveyor_avx512_on_avx2::roundscale_ps<(imm)>(a)
 #define _mm512_mask_cmp_ps_mask(k, a, b, imm) static_cast<simde__mmask16>((k) & simde_mm512_cmp_ps_mask((a), (b), (imm)))

@@ -188,7 +188,7 @@ def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = to
 
     path = resolve_model_path(model)
     if not path.is_file():
-        ckpt = load_checkpoint(str(path), dtype)
+        ckpt = load_checkpoint(str(path), dtype, keep_blocks=False)
         dense = {n: w for n, w in ckpt.weights.items() if isinstance(w, torch.Tensor)}
         return export_hf_folder(ckpt.config, dense, ckpt.tokenizer, out_dir, dtype)
     gf = read_gguf(path)

@@ -27,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import WeightSource, pack_blocks
+from conveyor.model.mapped import drop_pages, map_file
 from conveyor.model.quantized import BLOCK_SIZES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
@@ -78,10 +79,7 @@ def read_gguf(path: str | Path, with_arrays: bool = True) -> GGUFFile:
     objects) out of `metadata`, for a caller that needs only the tensors."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            # ACCESS_COPY gives a writable (copy-on-write) buffer, which torch.frombuffer accepts silently.
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return _parse(path, buf, with_arrays)
+        return _parse(path, map_file(path), with_arrays)
     except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
@@ -290,15 +288,7 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
 def _release(gf: GGUFFile, t: GGUFTensor) -> None:
     """Drops the file pages of a tensor already taken (packed or dequantized), so that a load
     holds at most one tensor's pages at a time beside what it built, not the whole file."""
-    _drop_pages(gf, t.offset, t.offset + t.nbytes)
-
-
-def _drop_pages(gf: GGUFFile, start: int, end: int) -> None:
-    if not hasattr(mmap, "MADV_DONTNEED") or end <= start:
-        return
-    first = start // mmap.PAGESIZE * mmap.PAGESIZE
-    # A private mapping never written: the pages are only dropped, and re-read from the file if touched.
-    gf.buffer.madvise(mmap.MADV_DONTNEED, first, end - first)
+    drop_pages(gf.buffer, t.offset, t.offset + t.nbytes)
 
 
 def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
@@ -347,7 +337,7 @@ def load_gguf(
             _release(gf, t)
     # Then the rest: the header (a 151,936-token vocabulary's strings and merges are ~10 MiB) and the
     # neighbours' pages the kernel mapped along with each tensor's (fault-around), ~60 KiB a tensor.
-    _drop_pages(gf, 0, len(gf.buffer))
+    drop_pages(gf.buffer, 0, len(gf.buffer))
     return config, weights, tokenizer
 
 

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
+from conveyor.model.linear import WeightSource, blocks_kept, pack_blocks
+from conveyor.model.mapped import drop_pages, map_file
+from conveyor.model.quantized import HALF_DTYPES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -96,21 +101,74 @@ def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> 
         raise ModelLoadError(f"{where / 'config.json'}: missing or invalid field: {e}") from e
 
 
-def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+# safetensors' dtype names (its format's header) -> torch's
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _safetensors_index(buffer: mmap.mmap) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]]:
+    """(where the data starts, name -> (dtype, shape, start, end) within the data) from the file's
+    header: 8 bytes of little-endian length, then that much JSON."""
+    if len(buffer) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (length,) = struct.unpack_from("<Q", buffer, 0)
+    if length > len(buffer) - 8:
+        raise ValueError(f"header of {length} bytes in a file of {len(buffer)}")
+    header = json.loads(bytes(buffer[8 : 8 + length]))
+    data_start, data_bytes = 8 + length, len(buffer) - 8 - length
+    index = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {entry['dtype']} is not supported")
+        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+        if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{name}: data_offsets {begin}..{end} do not hold {entry['dtype']} {list(shape)}")
+        index[name] = (dtype, shape, begin, end)
+    return data_start, index
+
+
+def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
+                    keep_halves: bool = True) -> dict[str, WeightSource]:
+    """The folder's tensors in `dtype`, read through each file's memory map one tensor at a time.
+    With `keep_halves` and fp32, a matrix stored in float16 or bfloat16 stays in those bytes: packed
+    for the kernel (conveyor.model.linear), whose products are the fp32 ones bit for bit (the
+    expansion is exact) at half the memory; an embedding no output head reuses is read by rows only
+    and stays a view of the mapping. Each tensor's file pages are dropped once it is taken, so a load
+    peaks near what the model holds."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files (pytorch_model.bin is not supported)")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, WeightSource] = {}
     for f in files:
-        try:  # one tensor at a time, converted as it comes: never the whole file in two dtypes
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    t = handle.get_tensor(name)
-                    weights[name] = t.to(dtype) if t.is_floating_point() else t
-        except (OSError, SafetensorError) as e:
+        try:
+            buffer = map_file(f)
+            data_start, index = _safetensors_index(buffer)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             raise ModelLoadError(f"cannot read weights {f}: {e}") from e
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # a saved copy of the embedding; the model reuses embed_tokens
+        for name, (stored, shape, begin, end) in index.items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # a saved copy of the embedding; the model reuses embed_tokens
+            if begin == end:
+                t = torch.empty(shape, dtype=stored)
+            else:
+                t = torch.frombuffer(buffer, dtype=stored, count=math.prod(shape), offset=data_start + begin).reshape(shape)
+            if keep_halves and dtype == torch.float32 and stored in HALF_DTYPES and t.dim() == 2:
+                held = QuantizedWeight.of_halves(t)
+                if name == "model.embed_tokens.weight" and not config.tie_word_embeddings and blocks_kept():
+                    weights[name] = held  # read by rows only: stays in the file's mapping (Embedding.load)
+                    continue
+                if (packed := pack_blocks(held)) is not None:
+                    weights[name] = packed
+                    drop_pages(buffer, data_start + begin, data_start + end)
+                    continue
+            # copy: detach from the mapping, whatever the dtype
+            weights[name] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+            drop_pages(buffer, data_start + begin, data_start + end)
+        drop_pages(buffer, 0, len(buffer))
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     required += [] if config.tie_word_embeddings else ["lm_head.weight"]
     missing = [n for n in required if n not in weights]
@@ -119,7 +177,8 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> di
     return weights
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_hf_folder(folder: Path, dtype: torch.dtype,
+                   keep_halves: bool = True) -> tuple[ModelConfig, dict[str, WeightSource], Tokenizer]:
     cfg_path = folder / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -128,4 +187,4 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     hf_config(cfg, None, folder)  # reject unsupported architectures before reading a tokenizer or weights
     tokenizer = Tokenizer.from_hf_folder(folder)
     config = hf_config(cfg, tokenizer, folder)
-    return config, load_hf_weights(folder, config, dtype), tokenizer
+    return config, load_hf_weights(folder, config, dtype, keep_halves), tokenizer

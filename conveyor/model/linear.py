@@ -1,15 +1,17 @@
 """Linear layers and the token embedding, each weight held once, in the form that serves it.
 
-A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) lives
-only as those blocks, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a product
-expands them to fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more
-rows), with results bit-identical to dequantize-then-multiply; the embedding looks up rows by
-expanding just their panels; a tied output head multiplies by the embedding's own blocks. An untied
-embedding is never multiplied by, so it keeps the file's own row-major blocks (left in its memory map).
+A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or as
+16-bit floats (F16, BF16: a GGUF tensor, or an HF folder's weights served in fp32) lives only in that
+form, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a product expands them to
+fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more rows), with
+results bit-identical to dequantize-then-multiply; the embedding looks up rows by expanding just
+their panels; a tied output head multiplies by the embedding's own blocks. An untied embedding is
+never multiplied by, so it keeps the file's own row-major blocks (left in its memory map).
 
-A dense fp32 weight (an HF folder, a GGUF F32/F16 tensor) lives as fp32 panels
+A dense fp32 weight (an fp32 HF folder, a GGUF F32 tensor) lives as fp32 panels
 (kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be
-built, as oneDNN's blocked layout. A bf16 weight stays a plain bf16 tensor (torch's oneDNN).
+built, as oneDNN's blocked layout. Served with dtype bfloat16, a weight is a plain bf16 tensor
+(torch's oneDNN).
 
 Whether to pack is decided when a weight is loaded (CONVEYOR_PACKED_LINEAR=0 or CONVEYOR_KERNELS=0
 keep plain dense weights: A/B runs, debugging); a weight held only packed then always runs on its
@@ -27,7 +29,7 @@ from torch import nn
 
 from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
+from conveyor.model.quantized import INTEGER_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, QuantizedWeight
 
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
@@ -35,8 +37,9 @@ _ONEDNN_ROWS_HINT = 32
 # this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
 # "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
 # row is quantized and multiplied alone), which greedy equality under batching, chunked prefill and
-# speculation rely on. A threshold above 1 would trade that away.
-INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in KERNEL_QTYPE}
+# speculation rely on. A threshold above 1 would trade that away. 16-bit float weights (F16, BF16)
+# have no integer codes: their products keep fp32 activations.
+INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INTEGER_TYPES}
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class PackedWeight:
             return self.data.shape[1]
         if self.layout == "onednn":
             raise ValueError("oneDNN's blocked layout does not say its shape")
-        return self.data.shape[1] * _unit_k(self.layout)
+        return self.data.shape[1] * KERNEL_UNIT_K[self.layout]
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
@@ -101,11 +104,6 @@ class PackedWeight:
 
 
 PANEL = 16  # output columns a panel holds (kernels/panel_tile.h's kPanel)
-_UNIT_K = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-
-
-def _unit_k(layout: str) -> int:
-    return _UNIT_K.get(layout, 32)
 
 
 def packing_enabled() -> bool:
@@ -128,8 +126,8 @@ def _quant_kernel() -> object:
 
 def pack_blocks(quantized: QuantizedWeight) -> PackedWeight | None:
     """The checkpoint's blocks in panels, or None where they stay dense (the kernel can't be built,
-    or packing is turned off: the caller then dequantizes)."""
-    if not blocks_kept():
+    packing is turned off, or in_features is not whole units: the caller then dequantizes)."""
+    if not blocks_kept() or not quantized.kernel_reads():
         return None
     data = _quant_kernel().pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
     return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype, finite=quantized.finite())
@@ -219,7 +217,8 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
-        if int8_kernel is not None and x.shape[0] >= INT8_FROM_ROWS[packed.layout]:
+        int8_from = INT8_FROM_ROWS.get(packed.layout)
+        if int8_kernel is not None and int8_from is not None and x.shape[0] >= int8_from:
             return int8_kernel.int8_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
         if quant_kernel is None:
             return None
@@ -316,7 +315,8 @@ class Embedding(nn.Module):
 
     def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32, rows_only: bool = False) -> None:
         """`rows_only`: no output head multiplies by this weight (the checkpoint has its own)."""
-        if rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and blocks_kept():
+        if (rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and blocks_kept()
+                and weight.kernel_reads()):
             if weight.blocks.shape[0] != self.num_embeddings or weight.in_features != self.embedding_dim:
                 raise ValueError(f"{weight.qtype} blocks of {weight.blocks.shape[0]} x {weight.in_features} weights "
                                  f"for a {self.num_embeddings} x {self.embedding_dim} embedding")

@@ -17,7 +17,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_loader import load_gguf, read_gguf
 from conveyor.model.hf_loader import load_hf_folder
 from conveyor.model.linear import WeightSource
-from conveyor.model.quantized import BLOCK_SIZES
+from conveyor.model.quantized import BLOCK_SIZES, KERNEL_UNIT_K
 from conveyor.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -166,13 +166,14 @@ def load_tokenizer(name_or_path: str | None = None) -> Tokenizer:
 
 def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
                     keep_blocks: bool = True) -> LoadedCheckpoint:
-    """`keep_blocks`: GGUF matrices stay in their blocks (packed for the kernel, fp32 only);
-    False dequantizes every weight to `dtype` (reference tests, the dense A/B path)."""
+    """`keep_blocks`: matrices stay in the form the checkpoint stores them (GGUF blocks, an HF
+    folder's float16 / bfloat16), packed for the kernel (fp32 only); False converts every weight to
+    `dtype` (reference tests, export, the dense A/B path)."""
     path = resolve_model_path(name_or_path)
     if path.is_file():
         config, weights, tokenizer = load_gguf(path, dtype, keep_blocks)
         return LoadedCheckpoint(config, weights, tokenizer, str(path))
-    config, dense, tokenizer = load_hf_folder(path, dtype)
+    config, dense, tokenizer = load_hf_folder(path, dtype, keep_blocks)
     return LoadedCheckpoint(config=config, weights=dict(dense), tokenizer=tokenizer, source=str(path))
 
 
@@ -183,6 +184,7 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
         gf = read_gguf(path, with_arrays=False)
         try:
             return sum(t.nbytes if keep_blocks and dtype == torch.float32 and t.qtype.name in BLOCK_SIZES and len(t.shape) == 2
+                       and t.shape[-1] % KERNEL_UNIT_K[t.qtype.name] == 0
                        else math.prod(t.shape) * dtype.itemsize for t in gf.tensors.values())
         finally:
             gf.buffer.close()
@@ -193,4 +195,6 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
         return stored
     stored_dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     stored_size = 4 if stored_dtype == "float32" else 2
+    if keep_blocks and dtype == torch.float32 and stored_size == 2:
+        return stored  # matrices stay in their 16-bit floats (only the norms, a few KiB, become fp32)
     return stored * dtype.itemsize // stored_size

@@ -1,5 +1,6 @@
-"""A weight as its checkpoint stores it in quantised blocks: what the loader hands to packing
-(conveyor.model.linear.pack_blocks), which lays the blocks out for the matmul kernel
+"""A weight as its checkpoint stores it, in GGUF's quantised blocks or as 16-bit floats (F16, BF16:
+a GGUF tensor or an HF safetensors one): what the loader hands to packing
+(conveyor.model.linear.pack_blocks), which lays the bytes out for the matmul kernel
 (kernels/quant_gemm.cpp). The blocks may be a view of the memory-mapped file."""
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# GGUF block types the kernel reads: (weights, bytes) per block, and GGML's type number, which is
-# quant_gemm's qtype argument.
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# GGUF types the kernel reads: (weights, bytes) per block, and GGML's type number, which is
+# quant_gemm's qtype argument. INTEGER_TYPES hold integer codes with scales (the int8 kernel,
+# quant_int8.cpp, multiplies those); HALF_TYPES are plain 16-bit floats (a "block" of one weight).
+INTEGER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+HALF_TYPES = ("F16", "BF16")
+KERNEL_TYPES = INTEGER_TYPES + HALF_TYPES
 BLOCK_SIZES: dict[str, tuple[int, int]] = {t: GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in KERNEL_TYPES}
 KERNEL_QTYPE: dict[str, int] = {t: int(GGMLQuantizationType[t]) for t in KERNEL_TYPES}
+# The k steps of one panel unit in the kernel: a block, or 32 16-bit floats. A weight whose
+# in_features is not a multiple stays dense.
+KERNEL_UNIT_K: dict[str, int] = {t: 32 if t in HALF_TYPES else BLOCK_SIZES[t][0] for t in KERNEL_TYPES}
+HALF_DTYPES: dict[torch.dtype, str] = {torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass(frozen=True)
@@ -29,13 +37,26 @@ class QuantizedWeight:
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % nbytes:
             raise ValueError(f"{self.qtype} blocks must be uint8 [rows, k / {weights} * {nbytes}]")
 
+    @staticmethod
+    def of_halves(weight: torch.Tensor) -> QuantizedWeight:
+        """A 2-D float16 or bfloat16 tensor's own bytes (a view: no copy)."""
+        if weight.dtype not in HALF_DTYPES or weight.dim() != 2:
+            raise ValueError(f"a 2-D float16 or bfloat16 tensor, not {weight.dtype} of {weight.dim()} dimensions")
+        return QuantizedWeight(HALF_DTYPES[weight.dtype], weight.contiguous().view(torch.uint8))
+
     @property
     def in_features(self) -> int:
         weights, nbytes = BLOCK_SIZES[self.qtype]
         return self.blocks.shape[1] // nbytes * weights
 
+    def kernel_reads(self) -> bool:
+        """Whether in_features is whole units of the kernel's panels (always, for quantised blocks)."""
+        return self.in_features % KERNEL_UNIT_K[self.qtype] == 0
+
     def dequantize(self) -> torch.Tensor:
         """fp32 [out_features, in_features], as gguf's dequantiser gives it (where no kernel packs the blocks)."""
+        if self.qtype in HALF_TYPES:
+            return self.blocks.contiguous().view(torch.float16 if self.qtype == "F16" else torch.bfloat16).float()
         rows = np.ascontiguousarray(self.blocks.numpy())
         out = quants.dequantize(rows, GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))

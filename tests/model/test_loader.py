@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import math
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
-from tests.helpers import make_tiny_hf_checkpoint, tiny_reference_state_dict
+from tests.helpers import make_tiny_hf_checkpoint, tiny_reference_state_dict, write_gguf_from_hf
 
 
 def test_default_config(default_checkpoint: LoadedCheckpoint, smollm_gguf_path: Path) -> None:
@@ -133,12 +134,30 @@ def test_corrupt_files(tmp_path: Path, smollm_gguf_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="truncated.gguf"):
         load_checkpoint(str(truncated))
     folder = make_tiny_hf_checkpoint(tmp_path, "llama", num_layers=1)
-    (folder / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
-        load_checkpoint(str(folder))
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    (length,) = struct.unpack_from("<Q", good)
+    header = json.loads(good[8 : 8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    # garbage, a truncated file, a header that is not an object, a tensor whose offsets overrun the
+    # data or disagree with its shape, an unknown dtype: each a ModelLoadError naming the file
+    spoiled = [b"garbage", good[: 8 + length + 100], _with_header(good, length, [1, 2]),
+               _with_header(good, length, {**header, name: {**header[name], "data_offsets": [0, 1 << 40]}}),
+               _with_header(good, length, {**header, name: {**header[name], "shape": [3, 3]}}),
+               _with_header(good, length, {**header, name: {**header[name], "dtype": "F8_E4M3"}})]
+    for content in spoiled:
+        weights.write_bytes(content)
+        with pytest.raises(ModelLoadError, match="model.safetensors"):
+            load_checkpoint(str(folder))
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="config.json"):
         load_checkpoint(str(folder))
+
+
+def _with_header(file: bytes, length: int, header: object) -> bytes:
+    """The safetensors file `file` (header of `length` bytes) with another header before its data."""
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + file[8 + length :]
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -167,66 +186,12 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
         load_checkpoint(str(path))
 
 
-def _write_gguf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path) -> None:
-    """An fp32 GGUF as llama.cpp's convert_hf_to_gguf would write the tiny HF checkpoint."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    from conveyor.model.gguf_loader import read_gguf
-
-    cfg = json.loads((hf_folder / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    meta = read_gguf(smollm_gguf_path).metadata
-    w = GGUFWriter(str(path), arch)
-    for k, v in {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
-                 "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
-                 "attention.head_count": heads, "attention.head_count_kv": kv_heads,
-                 "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads}.items():
-        w.add_uint32(f"{arch}.{k}", v)
-    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_eos_token_id(2)
-    names = {v: k for k, v in {**_GGUF_GLOBAL, **_GGUF_BLOCK}.items()}
-    from safetensors.torch import load_file
-
-    for name, t in load_file(str(hf_folder / "model.safetensors")).items():
-        if cfg["tie_word_embeddings"] and name == "lm_head.weight":
-            continue
-        parts = name.split(".")
-        if parts[1] == "layers":
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
-        else:
-            gname = names[name]
-        a = t.numpy()
-        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):  # llama.cpp's `permute`
-            n = heads if ".attn_q." in gname else kv_heads
-            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-        w.add_tensor(gname, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
-_GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_gguf_round_trip_per_arch(tmp_path: Path, smollm_gguf_path: Path, arch: str, tied: bool) -> None:
     """Permutation only for llama; q/k/v bias for qwen2; q/k norms and decoupled head_dim for qwen3."""
     folder = make_tiny_hf_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, arch, folder, smollm_gguf_path)
+    write_gguf_from_hf(path, arch, folder, smollm_gguf_path)
     ckpt = load_checkpoint(str(path))
     hf = load_checkpoint(str(folder))
     assert set(ckpt.weights) == set(hf.weights)

@@ -1,5 +1,6 @@
-"""The matmul on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): against gguf's own
-dequantiser, and bit for bit against the fp32 panel kernel, on random blocks and on real files'."""
+"""The matmul on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and 16-bit floats (F16,
+BF16): against gguf's own dequantiser, and bit for bit against the fp32 panel kernel, on random
+blocks and on real files'."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,7 @@ from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.linear import Embedding, Linear, PackedWeight, block_rows, linear, pack_blocks, pack_weight
-from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, KERNEL_TYPES, QuantizedWeight
+from conveyor.model.quantized import BLOCK_SIZES, HALF_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
@@ -33,9 +34,23 @@ def random_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
     return bits.view(np.float16)
 
 
+def random_brain_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
+    """bf16 bit patterns as uint16: `wild`, any finite one (subnormals and the largest included); else near 0.01."""
+    if not wild:
+        return (rng.uniform(-0.05, 0.05, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] &= 0xBFFF  # inf / NaN exponent -> a finite one
+    return bits
+
+
 def random_blocks(qtype: str, rows: int, k: int, seed: int = 0, wild: bool = False) -> QuantizedWeight:
-    """Every code and scale byte uniformly random; the fp16 fields finite."""
+    """Every code and scale byte uniformly random; the fp16 fields finite. F16 / BF16: any finite
+    value (`wild`) or values near 0.01."""
     rng = np.random.default_rng(seed)
+    if qtype in HALF_TYPES:
+        n = rows * k
+        halves = random_halves(rng, n, wild).view(np.uint16) if qtype == "F16" else random_brain_halves(rng, n, wild)
+        return QuantizedWeight(qtype, torch.from_numpy(halves.view(np.uint8).reshape(rows, -1).copy()))
     weights, nbytes = BLOCK_SIZES[qtype]
     n_blocks = rows * k // weights
     raw = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
@@ -61,7 +76,8 @@ def reference_fp32(q: QuantizedWeight) -> torch.Tensor:
 
 
 def in_features(qtype: str) -> int:
-    return 2 * BLOCK_SIZES[qtype][0] + (BLOCK_SIZES[qtype][0] if qtype.endswith("K") else 64)  # several blocks
+    unit = KERNEL_UNIT_K[qtype]
+    return 3 * unit if unit == 256 else 4 * unit  # several units of the kernel's panels
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)

@@ -1,6 +1,6 @@
-// y = x @ W^T (+ bias) on weights kept in a GGUF checkpoint's own blocks (Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), laid out in the panels of panel_gemm.cpp: 0.56-1.06
-// bytes a weight stream from memory against 4.
+// y = x @ W^T (+ bias) on weights kept in a checkpoint's own form: GGUF blocks (Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) or 16-bit floats (F16, BF16), laid out in the
+// panels of panel_gemm.cpp: 0.56-2 bytes a weight stream from memory against fp32's 4.
 //
 // A weight is expanded to fp32 as one fmadd(q, s, o) of its unsigned code q, a scale s and an
 // offset o (Q8_0: q * d). s and o are the fp32 values gguf's dequantiser computes first (d, m,
@@ -10,7 +10,9 @@
 // every weight equals the fp32 weight the loader dequantises. The tiles then sum in the same order
 // as the fp32 panel kernel's, so the results are bit-identical to it; only the bytes read per step
 // shrink. Few rows expand each panel in registers; more rows expand it once into an L2 buffer.
-// (An infinite fp16 scale would give NaN where gguf gives inf: no quantiser writes one.)
+// (An infinite fp16 scale would give NaN where gguf gives inf: no quantiser writes one.) A 16-bit
+// float is expanded exactly (F16C's conversion; a bf16 is the top half of its fp32), so products on
+// F16 / BF16 weights are bit-identical to the fp32 panels of the same values, at half their bytes.
 #include "torch_api.h"
 
 #include <algorithm>
@@ -31,7 +33,7 @@ using namespace conveyor_panels;
 namespace {
 
 // GGML's type numbers (gguf.GGMLQuantizationType), which is also quant_gemm's qtype argument.
-enum class QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum class QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30 };
 
 // A quantised panel is a run of units, one per GGUF block of the panel's 16 columns (32 k, or 256
 // for the K-quants): the unit's scale bytes column by column (fp16 d, fp16 minimums, 6-bit K-quant
@@ -253,6 +255,39 @@ struct Q6_KUnit {
 #endif
 };
 
+// F16 / BF16: no scales; a unit is 32 k steps of the 16 columns' 16-bit floats, k by k (a
+// "block" of the file is 32 consecutive weights of a row). The expansion is exact.
+template <bool kBrain>
+struct HalfUnit {
+  static constexpr int64_t kUnitK = 32, kGroupK = 32, kBytes = kUnitK * kPanel * 2;
+  const uint8_t* src;
+
+  static inline __m256 expand8(const uint8_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (kBrain) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else return _mm256_cvtph_ps(h);
+  }
+  inline Scales group(int64_t) const {
+    const __m256 none = _mm256_setzero_ps();
+    return {none, none, none, none};
+  }
+  inline void weights(const Scales&, int64_t k, __m256& w_lo, __m256& w_hi) const {
+    const uint8_t* step = src + k * kPanel * 2;
+    w_lo = expand8(step);
+    w_hi = expand8(step + 16);
+  }
+#if defined(__AVX512F__)
+  inline Scales16 group16(int64_t) const { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
+  inline __m512 weights16(const Scales16&, int64_t k) const {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kPanel * 2));
+    if constexpr (kBrain) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else return _mm512_cvtph_ps(h);
+  }
+#endif
+};
+using F16Unit = HalfUnit<false>;
+using BF16Unit = HalfUnit<true>;
+
 // One panel of quantised units -> [K][16] fp32 in `out`, for the tiles to read from L2. In ymm
 // halves on AVX-512 builds too: a zmm expansion here measured slower (docs/PERF.md, zmm tiles).
 template <class U>
@@ -401,7 +436,7 @@ struct Format {
 bool known(int64_t qtype) {
   switch (static_cast<QType>(qtype)) {
     case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0: case QType::kQ5_1: case QType::kQ8_0:
-    case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: return true;
+    case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: case QType::kF16: case QType::kBF16: return true;
   }
   return false;
 }
@@ -416,6 +451,8 @@ Format format_of(QType type) {
     case QType::kQ4_K: return {256, 144, Q4_KUnit::kBytes};
     case QType::kQ5_K: return {256, 176, Q5_KUnit::kBytes};
     case QType::kQ6_K: return {256, 210, Q6_KUnit::kBytes};
+    case QType::kF16: return {32, 64, F16Unit::kBytes};
+    case QType::kBF16: return {32, 64, BF16Unit::kBytes};
   }
   return {0, 0, 0};
 }
@@ -494,6 +531,9 @@ void pack_block(QType type, const uint8_t* block, int64_t c, uint8_t* out) {
       }
       return;
     }
+    case QType::kF16: case QType::kBF16:  // 32 weights of the row -> column c of 32 k steps
+      for (int64_t j = 0; j < 32; ++j) std::copy(block + 2 * j, block + 2 * j + 2, out + 2 * (j * kPanel + c));
+      return;
     case QType::kQ6_K: {
       const uint8_t *ql = block, *qh = block + 128, *scales = block + 192;
       copy_half(block + 208, out, c);
@@ -744,7 +784,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
 #define CONVEYOR_QTYPE(T)                                                                                 \
   case QType::k##T: matmul_panels<T##Unit>(xp, x_stride, m, wp, panels, units, bias_ptr, yp, out_features); break;
     CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
 #undef CONVEYOR_QTYPE
   }
   return y;
@@ -864,7 +904,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 #define CONVEYOR_QTYPE(T)                                                                  \
   case QType::k##T: rows_of_panels<T##Unit>(wp, units, ip, n, op); break;
     CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
 #undef CONVEYOR_QTYPE
   }
   return out;
@@ -873,7 +913,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
-        "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) -> quantised panels",
+        "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) -> panels",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a weight packed by pack_quantized, as fp32 [n, K]",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,155 @@
+"""Weights a checkpoint stores as 16-bit floats stay 16-bit when served in fp32: an HF folder in
+bfloat16 and a GGUF of F16 matrices (SmolLM2-135M, its real weights) hold half the bytes of fp32,
+and their products are the fp32 products of the same values bit for bit, so logits, logprobs and
+greedy tokens are those of the dense path and of transformers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conveyor.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.model.linear import Embedding, Linear, PackedWeight
+from conveyor.model.llama import model_bytes
+from conveyor.model.loader import LoadedCheckpoint
+from conveyor.runner.model_runner import LoadedModel, load_model
+from conveyor.sampling import SamplingParams
+from tests.helpers import write_gguf_from_hf
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n",
+    "Once upon a time",
+]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
+    from conveyor.model.export import export_hf_folder
+
+    c = default_checkpoint
+    dense = {n: w for n, w in c.weights.items() if isinstance(w, torch.Tensor)}
+    return export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("bf16") / "smollm2", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def f16_gguf(tmp_path_factory: pytest.TempPathFactory, bf16_folder: Path, smollm_gguf_path: Path) -> Path:
+    path = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
+    write_gguf_from_hf(path, "llama", bf16_folder, smollm_gguf_path, matrices="F16")
+    return path
+
+
+@pytest.fixture(scope="module", params=["bf16-folder", "f16-gguf"])
+def source(request: pytest.FixtureRequest, bf16_folder: Path, f16_gguf: Path) -> tuple[Path, str]:
+    return (bf16_folder, "BF16") if request.param == "bf16-folder" else (f16_gguf, "F16")
+
+
+def leaves(packed: PackedWeight) -> list[PackedWeight]:
+    return list(packed.parts) if packed.parts else [packed]
+
+
+def test_matrices_are_held_in_their_16_bits(source: tuple[Path, str]) -> None:
+    path, qtype = source
+    held = load_model(EngineConfig(model=str(path))).model
+    linears = [m for m in held.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 30
+    for m in [*linears, held.embed]:
+        assert m.weight is None and m.packed is not None
+        assert {leaf.layout for leaf in leaves(m.packed)} == {qtype}
+    assert isinstance(held.embed, Embedding) and held.head is held.embed  # tied: the head multiplies by the same panels
+    dense = load_model(EngineConfig(model=str(path), dequantize_weights=True)).model
+    assert all(m.packed is not None and m.packed.layout == "panels" for m in dense.modules() if isinstance(m, Linear))
+    # 134.5M matrix weights at 2 bytes against 4; the norms (fp32 either way) are a few KiB
+    assert 0.49 < model_bytes(held) / model_bytes(dense) < 0.51
+
+
+def run(model: LoadedModel, path: Path) -> list[tuple[list[int], list[Any], list[Any]]]:
+    """Greedy tokens, their top-5 logprobs and the prompt's logprobs, all prompts in one batch."""
+    engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=str(path), max_num_seqs=len(PROMPTS), num_kv_blocks=64,
+                                                            kv_cache_dtype="float32"), model)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    ids = [engine.add_request(model.tokenizer.encode(p), params) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    logprobs: dict[str, list[Any]] = {i: [] for i in ids}
+    prompt_logprobs: dict[str, list[Any]] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.logprobs or []
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.request_id] = out.prompt_logprobs
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
+    return [(tokens[i], logprobs[i], prompt_logprobs[i]) for i in ids]
+
+
+def test_logprobs_equal_the_fp32_weights_bit_for_bit(source: tuple[Path, str]) -> None:
+    """Prefill (the L2-buffer tiles) and decode (the in-register tiles) on the 16-bit panels against
+    fp32 panels of the same values: every logprob equal, not close."""
+    path, _ = source
+    held = run(load_model(EngineConfig(model=str(path))), path)
+    dense = run(load_model(EngineConfig(model=str(path), dequantize_weights=True)), path)
+    assert all(len(tokens) == NEW_TOKENS and len(scored) == NEW_TOKENS for tokens, scored, _ in held)
+    assert held == dense
+
+
+def test_greedy_tokens_equal_transformers_on_the_bf16_folder(bf16_folder: Path) -> None:
+    """transformers on the same folder (its bf16 weights computed in fp32) scores each prompt and our
+    tokens in one pass: its argmax at every position must be our next token."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(EngineConfig(model=str(bf16_folder), activation_dtype="float32"))
+    ours = run(model, bf16_folder)
+    hf = AutoModelForCausalLM.from_pretrained(bf16_folder, dtype=torch.float32).eval()
+    for text, (tokens, _, _) in zip(PROMPTS, ours):
+        prompt = model.tokenizer.encode(text)
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens[:-1]]),
+                        logits_to_keep=torch.arange(len(prompt) - 1, len(prompt) + NEW_TOKENS - 1)).logits[0]
+        assert logits.argmax(-1).tolist() == tokens, text
+
+
+def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) -> None:
+    """An embedding no head multiplies by is read by rows only: its bf16 rows are read from the
+    safetensors file's mapping (as a GGUF's blocks are), and the results are the dense path's."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import make_tiny_hf_checkpoint
+
+    folder = make_tiny_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=False)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) for n, t in weights.items()}, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    model = load_model(EngineConfig(model=str(folder)))
+    embed = model.model.embed
+    assert embed.blocks is not None and embed.blocks.qtype == "BF16" and embed.packed is None
+    address = embed.blocks.blocks.data_ptr()
+    mapped = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16)
+               and m[-1] == str(folder / "model.safetensors") for m in mapped if len(m) == 6)
+    assert model.model.head.packed is not None and model.model.head.packed.layout == "BF16"
+    dense = load_model(EngineConfig(model=str(folder), dequantize_weights=True))
+    assert run(model, folder) == run(dense, folder)
+
+
+def test_a_bf16_folder_loads_without_a_second_copy(bf16_folder: Path) -> None:
+    """In a fresh process, the load's peak (file pages dropped tensor by tensor, each matrix packed
+    from the mapping) within 10% of what the process holds once loaded, and the weights half of fp32's."""
+    script = (
+        "import json, gc; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
+        "from conveyor.model.llama import model_bytes\n"
+        f"m = load_model(EngineConfig(model={str(bf16_folder)!r})).model; gc.collect()\n"
+        "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"
+        "s['weights'] = model_bytes(m); print(json.dumps(s))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    status = json.loads(out.stdout.strip().splitlines()[-1])
+    assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
+    stored = (bf16_folder / "model.safetensors").stat().st_size
+    assert 0.99 * stored <= status["weights"] <= 1.01 * stored, status
