@@ -6,7 +6,7 @@ alike. Switches:
 
 - `decode-kernel`: the C++ paged decode kernel vs gather + padded SDPA
 - `fused-ops`: the C++ per-layer ops (RMSNorm, residual add, RoPE + cache write, SiLU * up) vs torch's
-- `packed-linear`: the matmul on weights packed at load vs `F.linear` on the plain weights
+- `packed-linear`: the matmul on weights packed at load vs `F.linear` on dense fp32 copies of them
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
 - `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from conveyor import LLM
 from conveyor.bench.decode import start_decode_batch
@@ -74,13 +75,32 @@ def _patch_switch(module: object, attr: str, off: Callable) -> Callable[[bool], 
     return switch
 
 
+def _dense_copies(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """A dense fp32 copy of each packed weight of `model` (weights are held once, packed), by id."""
+    copies = {}
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, PackedWeight) and packed.layout != "onednn":
+            copies[id(packed)] = torch.cat([leaf.rows(torch.arange(leaf.out_features)) for leaf in packed.parts or (packed,)])
+    return copies
+
+
+def _dense_switch(model: torch.nn.Module, product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+                  prepare: Callable[[torch.Tensor], torch.Tensor] = lambda w: w) -> Callable[[bool], None]:
+    """Off: every packed weight of `model` multiplies as product(x, prepare(its dense fp32 copy), bias)."""
+    dense = {key: prepare(w) for key, w in _dense_copies(model).items()}
+    original = linear.packed_product
+
+    def off(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, *kernels: object) -> torch.Tensor | None:
+        w = dense.get(id(packed))
+        return original(x, packed, bias, *kernels) if w is None else product(x, w, bias)
+    return _patch_switch(linear, "packed_product", off)
+
+
 def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
-    """Off: every panel-packed weight of `model` runs through oneDNN on a copy in oneDNN's layout."""
-    plain = {id(m.packed): m.weight for m in model.modules() if getattr(m, "packed", None) is not None}
-    plain[id(model.head_packed)] = model.head_weight
-    onednn = {key: torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32) for key, w in plain.items()}
-    return _patch_switch(linear, "packed_product", lambda x, packed, bias, kernel: torch.ops.mkldnn._linear_pointwise(
-        x, onednn[id(packed)], bias, "none", [], ""))
+    """Off: every packed weight of `model` runs through oneDNN on a copy in oneDNN's layout."""
+    return _dense_switch(model, lambda x, w, bias: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], ""),
+                         lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32))
 
 
 def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
@@ -108,7 +128,7 @@ def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
     "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
-    "packed-linear": lambda runner: _env_switch("CONVEYOR_PACKED_LINEAR"),
+    "packed-linear": lambda runner: _dense_switch(runner.model, F.linear),
     "kernels": lambda runner: _env_switch("CONVEYOR_KERNELS"),
     "panel-gemm": lambda runner: _onednn_switch(runner.model),
     "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),

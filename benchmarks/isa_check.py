@@ -42,7 +42,7 @@ from torch.utils.cpp_extension import _get_build_directory, load
 
 from conveyor.model.kernels import _SOURCE_DIR, _kernel_files, _load, _staged_source, panel_gemm, quant_gemm
 from conveyor.model.loader import model_cache_dir
-from conveyor.model.quantized import BLOCK_SIZES, INTEGER_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K
+from conveyor.model.quantized import BLOCK_SIZES, INT8_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K
 
 EMULATED = "avx512-emulated"
 EMULATION_HEADER = Path(__file__).parent / "kernels" / "avx512_on_avx2.h"
@@ -53,7 +53,7 @@ SIMDE_SHA256 = "471b66fdc79e0a479c4d11dc85c2b6313df1704b737ea2f7266753335c5d062b
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
 
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "F16": [0], "BF16": [0]}
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "F16": [0], "BF16": [0]}
 
 
 def native_has_avx512() -> bool:
@@ -248,7 +248,7 @@ def main() -> None:
                 identical &= all(torch.equal(want, g) for g in got)
         # int8 activations: the integer sums are exact in both builds and the scales apply in the same order
         int8_identical = True
-        for rows in (1, 3, 4, 17, 33, 131) if qtype in INTEGER_TYPES else ():  # F16 / BF16: fp32 products only
+        for rows in (1, 3, 4, 17, 33, 131) if qtype in INT8_TYPES else ():  # F16 / BF16: fp32 products only
             x = torch.randn(rows, k)
             x.view(-1)[torch.randperm(x.numel())[: x.numel() // 64]] *= 100.0  # lone large features, carried exactly
             for b in (None, bias):
@@ -259,7 +259,7 @@ def main() -> None:
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
               f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}, "
               f"int8 products bit-identical ({native_int8.isa()} / {other_int8.isa()}) "
-              f"{int8_identical if qtype in INTEGER_TYPES else 'n/a (fp32 products only)'}")  # type: ignore[attr-defined]
+              f"{int8_identical if qtype in INT8_TYPES else 'n/a (fp32 products only)'}")  # type: ignore[attr-defined]
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")

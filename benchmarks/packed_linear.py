@@ -17,7 +17,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from ab_steps import CHAT_CONTEXTS, SWITCHES, ab_steps, time_pairs
+from ab_steps import CHAT_CONTEXTS, SWITCHES, _dense_copies, ab_steps, time_pairs
 
 from conveyor import LLM
 from conveyor.model.kernels import panel_gemm
@@ -33,8 +33,9 @@ def row(label: str, times: dict[str, list[float]], flops: float) -> str:
 def matmuls(llm: LLM, rows: list[int], repeats: int) -> None:
     model = llm.engine.runner.model
     layer = model.layers[0]
-    shapes = {"qkv": layer.qkv.weight, "o_proj": layer.o_proj.weight, "gate_up": layer.gate_up.weight,
-              "down": layer.down.weight, "lm_head": model.head_weight}
+    modules = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down, "lm_head": model.head}
+    dense = _dense_copies(model)  # weights are held once, packed: their fp32 values, as plain tensors
+    shapes = {name: m.weight if m.weight is not None else dense[id(m.packed)] for name, m in modules.items()}
     print("\n| product (rows x in -> out) | packed ms (min / median) | plain ms (min / median) | plain / packed "
           "| GFLOP/s packed / plain |")
     print("|---|---:|---:|---:|---:|")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -131,9 +131,54 @@ GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
-def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path, matrices: str = "F32") -> None:
+def quantize_k(values: Any, qtype: str) -> Any:
+    """Rows of fp32 values (a multiple of 256 each) as valid Q2_K or Q3_K blocks (gguf-py has no
+    quantiser for them): scales from each 16-value group's range, codes rounded. Not llama.cpp's
+    search for the best scales, only blocks whose dequantised values are near the inputs."""
+    import numpy as np
+
+    rows = values.shape[0]
+    x = values.reshape(-1, 16, 16).astype(np.float32)  # superblocks of 16 groups of 16
+    j = np.arange(256)
+    half, r = j // 128, j % 128
+    code_byte, code_shift = half * 32 + r % 32, (r // 32 * 2).astype(np.uint8)  # where value j's 2 low code bits go
+    if qtype == "Q2_K":  # w = d * sc * q - dmin * m, q in 0..3, sc and m in 0..15
+        low = np.minimum(x.min(axis=2), 0)
+        scale, mins = (x.max(axis=2) - low) / 3, -low
+        d = (scale.max(axis=1, keepdims=True) / 15).astype(np.float16)
+        dmin = (mins.max(axis=1, keepdims=True) / 15).astype(np.float16)
+        sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 15).astype(np.uint8)
+        m = np.clip(np.round(mins / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 15).astype(np.uint8)
+        step = np.maximum(d.astype(np.float32) * sc, 1e-30)[:, :, None]
+        q = np.clip(np.round((x + (dmin.astype(np.float32) * m)[:, :, None]) / step), 0, 3).astype(np.uint8).reshape(-1, 256)
+        qs = np.zeros((q.shape[0], 64), dtype=np.uint8)
+        for k in range(256):
+            qs[:, code_byte[k]] |= q[:, k] << code_shift[k]
+        blocks = np.concatenate([sc | m << 4, qs, d.view(np.uint8), dmin.view(np.uint8)], axis=1)
+    else:  # Q3_K: w = d * (s - 32) * (u - 4), u in 0..7, s a 6-bit scale
+        scale = np.abs(x).max(axis=2) / 4
+        d = (scale.max(axis=1, keepdims=True) / 31).astype(np.float16)
+        sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 31)
+        step = np.maximum(d.astype(np.float32) * sc, 1e-30)[:, :, None]
+        u = np.clip(np.round(x / step) + 4, 0, 7).astype(np.uint8).reshape(-1, 256)
+        stored = (sc + 32).astype(np.uint8)
+        scales = np.zeros((u.shape[0], 12), dtype=np.uint8)
+        for i in range(16):
+            scales[:, i % 8] |= (stored[:, i] & 0xF) << np.uint8(4 * (i // 8))
+            scales[:, 8 + i % 4] |= (stored[:, i] >> 4) << np.uint8(2 * (i // 4))
+        qs, hmask = np.zeros((u.shape[0], 64), dtype=np.uint8), np.zeros((u.shape[0], 32), dtype=np.uint8)
+        for k in range(256):
+            qs[:, code_byte[k]] |= (u[:, k] & 3) << code_shift[k]
+            hmask[:, k % 32] |= (u[:, k] >> 2) << np.uint8(k // 32)
+        blocks = np.concatenate([hmask, qs, scales, d.view(np.uint8)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path,
+                       matrices: str | Callable[[str, tuple[int, ...]], str] = "F32") -> None:
     """A GGUF as llama.cpp's convert_hf_to_gguf would write an HF checkpoint with SmolLM2's vocabulary
-    (a tiny random one, or SmolLM2 exported): vectors in F32, matrices in `matrices` (F32, F16, BF16)."""
+    (a tiny random one, or SmolLM2 exported): vectors in F32, matrices in `matrices` (a GGML type
+    name, or one per tensor from its GGUF name and shape), Q2_K and Q3_K by quantize_k."""
     import json
 
     import numpy as np
@@ -173,8 +218,11 @@ def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path:
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):  # llama.cpp's `permute`
             n = heads if ".attn_q." in gname else kv_heads
             a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-        qtype = GGMLQuantizationType[matrices if a.ndim == 2 else "F32"]
-        w.add_tensor(gname, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+        name_of_type = "F32" if a.ndim != 2 else matrices if isinstance(matrices, str) else matrices(gname, a.shape)
+        qtype = GGMLQuantizationType[name_of_type]
+        a = np.ascontiguousarray(a)
+        w.add_tensor(gname, quantize_k(a, name_of_type) if name_of_type in ("Q2_K", "Q3_K") else quantize(a, qtype),
+                     raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

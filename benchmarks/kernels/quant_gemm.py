@@ -41,7 +41,7 @@ FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_at
          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 LAYER_SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (out, in)
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
                 "F16": [0], "BF16": [0]}
 
 Product = tuple[int, int, torch.Tensor, torch.Tensor, str]  # out, in, fp32 panels, block panels, qtype

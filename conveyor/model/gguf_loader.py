@@ -4,7 +4,7 @@ The metadata is parsed here rather than with `gguf.GGUFReader`: the reader build
 each of the vocabulary strings, which takes seconds; this parse is far quicker (docs/PERF.md).
 Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
 to `gguf.quants.dequantize` and faster), the rest fall back to `gguf.quants.dequantize`.
-Matrices in the block types the matmul kernel reads (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) are
+Matrices in the block types the matmul kernel reads (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, F16, BF16) are
 kept only as their blocks, which it streams.
 """
 from __future__ import annotations

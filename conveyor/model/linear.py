@@ -1,6 +1,6 @@
 """Linear layers and the token embedding, each weight held once, in the form that serves it.
 
-A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or as
+A weight the checkpoint stores in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) or as
 16-bit floats (F16, BF16: a GGUF tensor, or an HF folder's weights served in fp32) lives only in that
 form, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a product expands them to
 fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more rows), with
@@ -29,7 +29,7 @@ from torch import nn
 
 from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import INTEGER_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, QuantizedWeight
+from conveyor.model.quantized import INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, QuantizedWeight
 
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
@@ -37,9 +37,9 @@ _ONEDNN_ROWS_HINT = 32
 # this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
 # "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
 # row is quantized and multiplied alone), which greedy equality under batching, chunked prefill and
-# speculation rely on. A threshold above 1 would trade that away. 16-bit float weights (F16, BF16)
-# have no integer codes: their products keep fp32 activations.
-INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INTEGER_TYPES}
+# speculation rely on. A threshold above 1 would trade that away. Other types (Q2_K, Q3_K, F16,
+# BF16) keep fp32 activations.
+INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INT8_TYPES}
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,29 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF types the kernel reads: (weights, bytes) per block, and GGML's type number, which is
-# quant_gemm's qtype argument. INTEGER_TYPES hold integer codes with scales (the int8 kernel,
-# quant_int8.cpp, multiplies those); HALF_TYPES are plain 16-bit floats (a "block" of one weight).
-INTEGER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# quant_gemm's qtype argument. INT8_TYPES: the int8 kernel (quant_int8.cpp) multiplies their codes
+# too; Q2_K and Q3_K only the fp32 one; HALF_TYPES are plain 16-bit floats (a "block" of one weight).
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 HALF_TYPES = ("F16", "BF16")
-KERNEL_TYPES = INTEGER_TYPES + HALF_TYPES
+KERNEL_TYPES = INT8_TYPES + ("Q2_K", "Q3_K") + HALF_TYPES
 BLOCK_SIZES: dict[str, tuple[int, int]] = {t: GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in KERNEL_TYPES}
 KERNEL_QTYPE: dict[str, int] = {t: int(GGMLQuantizationType[t]) for t in KERNEL_TYPES}
 # The k steps of one panel unit in the kernel: a block, or 32 16-bit floats. A weight whose
 # in_features is not a multiple stays dense.
 KERNEL_UNIT_K: dict[str, int] = {t: 32 if t in HALF_TYPES else BLOCK_SIZES[t][0] for t in KERNEL_TYPES}
 HALF_DTYPES: dict[torch.dtype, str] = {torch.float16: "F16", torch.bfloat16: "BF16"}
+# The bytes of one panel unit (16 columns x KERNEL_UNIT_K) as quant_gemm.cpp lays it out: the file's
+# bytes for those weights, except the K-quants' 6-bit scales kept as bytes and Q2_K's / Q3_K's codes
+# kept as nibbles (tests/model/test_quant_gemm.py checks this against the kernel).
+PANEL_UNIT_BYTES: dict[str, int] = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q8_0": 544, "Q4_K": 2368,
+                                    "Q5_K": 2880, "Q6_K": 3360, "Q2_K": 2624, "Q3_K": 2336, "F16": 1024, "BF16": 1024}
+
+
+def packed_bytes(qtype: str, file_bytes: int) -> int:
+    """What a matrix of `file_bytes` in `qtype` holds once packed into the kernel's panels."""
+    weights, nbytes = BLOCK_SIZES[qtype]
+    unit_file_bytes = 16 * KERNEL_UNIT_K[qtype] // weights * nbytes
+    return file_bytes * PANEL_UNIT_BYTES[qtype] // unit_file_bytes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The matmul on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and 16-bit floats (F16,
+"""The matmul on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and 16-bit floats (F16,
 BF16): against gguf's own dequantiser, and bit for bit against the fp32 panel kernel, on random
 blocks and on real files'."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from gguf.constants import GGMLQuantizationType
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.linear import Embedding, Linear, PackedWeight, block_rows, linear, pack_blocks, pack_weight
-from conveyor.model.quantized import BLOCK_SIZES, HALF_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K, QuantizedWeight
+from conveyor.model.quantized import (BLOCK_SIZES, HALF_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K, QuantizedWeight,
+                                      packed_bytes)
 
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
@@ -22,7 +23,7 @@ ROWS = [1, 2, 3, 4, 5, 7, 10, 11, 13, 24, 25, 33, 131]
 
 # Byte offsets of each block's fp16 fields (d, and the minimum / dmin where there is one).
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}
 
 
 def random_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
@@ -262,9 +263,16 @@ def test_fused_parts_of_different_types_run_side_by_side() -> None:
         PackedWeight.cat([packed(parts[0]), packed(random_blocks("Q8_0", 16, 64))])
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_packed_bytes_are_the_kernel_s(qtype: str) -> None:
+    """What the loader's memory check counts for a matrix (quantized.packed_bytes) is what packing holds."""
+    q = random_blocks(qtype, 32, in_features(qtype))
+    assert packed(q).nbytes == packed_bytes(qtype, q.blocks.numel())
+
+
 def test_bad_blocks_are_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported"):
-        QuantizedWeight("Q2_K", torch.zeros(4, 84, dtype=torch.uint8))
+        QuantizedWeight("IQ4_XS", torch.zeros(4, 136, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
@@ -282,7 +290,7 @@ def test_bad_blocks_are_rejected() -> None:
     with pytest.raises(RuntimeError, match="out_features"):
         kernel.quantized_matmul(torch.randn(2, 64), packed, 50, None, q4_1)
     with pytest.raises(RuntimeError, match="qtype"):
-        kernel.pack_quantized(q.blocks, 10)  # Q2_K
+        kernel.pack_quantized(q.blocks, 23)  # IQ4_XS
     with pytest.raises(RuntimeError, match="qtype"):
         kernel.quantized_matmul(torch.randn(2, 64), packed, 32, None, 99)
     with pytest.raises(RuntimeError, match="blocks must be"):

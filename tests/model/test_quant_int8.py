@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.isa_check import EMULATED, build, native_has_avx512
 from conveyor.model.kernels import quant_gemm, quant_int8
-from conveyor.model.quantized import BLOCK_SIZES, INTEGER_TYPES, KERNEL_QTYPE
+from conveyor.model.quantized import BLOCK_SIZES, INT8_TYPES, KERNEL_QTYPE
 
 from .test_quant_gemm import random_blocks, reference_fp32
 
@@ -98,7 +98,7 @@ def test_a_lone_large_feature_costs_the_others_no_precision() -> None:
 
 # Rows through one tile, balanced tiles, and (with K = 4096, 96-row blocks) several row blocks; 1-4
 # rows also through AVX2's fused path (codes multiplied as they are unpacked).
-@pytest.mark.parametrize("qtype", INTEGER_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("rows,k", [(1, 512), (2, 512), (3, 512), (4, 512), (5, 512), (13, 512), (40, 512), (230, 4096)])
 def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -> None:
     out_features = 37  # a partial last panel
@@ -118,7 +118,7 @@ def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -
         assert ((y.double() - want).abs() <= bound).all(), (qtype, rows, (y.double() - want).abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", INTEGER_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> None:
     # Greedy equality under batching, chunked prefill and speculation rests on it: a few rows (AVX2:
     # the fused path) and many (the buffered tiles) give each row the same bits.
@@ -162,7 +162,7 @@ def test_the_avx512_build_gives_the_avx2_build_s_bits() -> None:
     # (benchmarks/isa_check.py, which checks every kernel so), slow but with their results.
     emulated = build("quant_int8", EMULATED)
     assert emulated.isa() == "avx512-vnni"  # type: ignore[attr-defined]
-    for qtype in INTEGER_TYPES:
+    for qtype in INT8_TYPES:
         k = 768 if BLOCK_SIZES[qtype][0] == 256 else 256
         q = random_blocks(qtype, 40, k, seed=11)
         packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]

@@ -1,6 +1,6 @@
 // y = x @ W^T (+ bias) on weights kept in a checkpoint's own form: GGUF blocks (Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) or 16-bit floats (F16, BF16), laid out in the
-// panels of panel_gemm.cpp: 0.56-2 bytes a weight stream from memory against fp32's 4.
+// Q5_1, Q8_0 and the K-quants Q2_K to Q6_K) or 16-bit floats (F16, BF16), laid out in the panels
+// of panel_gemm.cpp: 0.56-2 bytes a weight stream from memory against fp32's 4.
 //
 // A weight is expanded to fp32 as one fmadd(q, s, o) of its unsigned code q, a scale s and an
 // offset o (Q8_0: q * d). s and o are the fp32 values gguf's dequantiser computes first (d, m,
@@ -33,7 +33,7 @@ using namespace conveyor_panels;
 namespace {
 
 // GGML's type numbers (gguf.GGMLQuantizationType), which is also quant_gemm's qtype argument.
-enum class QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30 };
+enum class QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30 };
 
 // A quantised panel is a run of units, one per GGUF block of the panel's 16 columns (32 k, or 256
 // for the K-quants): the unit's scale bytes column by column (fp16 d, fp16 minimums, 6-bit K-quant
@@ -41,7 +41,8 @@ enum class QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 
 // nibbles (byte c: column c in the low nibble, column c + 8 in the high one), then per k of the
 // chunk, for 5-bit codes a uint16 of bit 4 (bit c: column c), for 6-bit codes two uint16 of bits
 // 4-5 (bits 2c, 2c + 1: column c, then column c + 8). The byte sizes match the file's, give or take the K-quants' 6-bit scales
-// stored as bytes (Q4_K 2368 bytes a unit against 2304, Q5_K 2880 against 2816).
+// stored as bytes (Q4_K 2368 bytes a unit against 2304, Q5_K 2880 against 2816); Q3_K's and Q2_K's 3-
+// and 2-bit codes take nibbles (2336 against 1760, 2624 against 1344: still a sixth of fp32's bytes).
 struct Scales {
   __m256 s_lo, s_hi, o_lo, o_hi;  // columns 0-7 / 8-15
 };
@@ -187,17 +188,19 @@ struct Q8_0Unit {  // 16 fp16 scales, then 16 int8 codes per k
 #endif
 };
 
-// Q4_K / Q5_K: fp16 d and dmin, then per 32 k the 6-bit scale and minimum of each column as bytes.
+// Q4_K / Q5_K: fp16 d and dmin, then per 32 k the 6-bit scale and minimum of each column as bytes;
+// Q2_K the same per 16 k with 4-bit ones, its 2-bit codes kept as nibbles (the 4-bit unpacking).
 // gguf: (d * sc) * q - (dmin * m), each product in fp32 (exact) and one rounding at the end.
-template <int kBits>
+template <int kBits, int64_t kScaleK>
 struct KQuantUnit {
-  static constexpr int64_t kUnitK = 256, kGroupK = 32, kHeader = 64 + 2 * 8 * 16;
+  static constexpr int64_t kUnitK = 256, kGroupK = kScaleK, kGroups = kUnitK / kGroupK;
+  static constexpr int64_t kHeader = 64 + 2 * kGroups * 16;
   static constexpr int64_t kBytes = kHeader + kUnitK / kChunkK * kChunkBytes<kBits>;
   const uint8_t* src;
 
   inline Scales group(int64_t g) const {
     const uint8_t* sc = src + 64 + g * 16;
-    const uint8_t* mins = src + 64 + 8 * 16 + g * 16;
+    const uint8_t* mins = src + 64 + kGroups * 16 + g * 16;
     const __m256 d_lo = half8(src), d_hi = half8(src + 16), dmin_lo = half8(src + 32), dmin_hi = half8(src + 48);
     return {_mm256_mul_ps(d_lo, _mm256_cvtepi32_ps(load8_u8(sc))), _mm256_mul_ps(d_hi, _mm256_cvtepi32_ps(load8_u8(sc + 8))),
             negate(_mm256_mul_ps(dmin_lo, _mm256_cvtepi32_ps(load8_u8(mins)))),
@@ -213,7 +216,7 @@ struct KQuantUnit {
 #if defined(__AVX512F__)
   inline Scales16 group16(int64_t g) const {
     const uint8_t* sc = src + 64 + g * 16;
-    const uint8_t* mins = src + 64 + 8 * 16 + g * 16;
+    const uint8_t* mins = src + 64 + kGroups * 16 + g * 16;
     return {_mm512_mul_ps(half16(src), _mm512_cvtepi32_ps(load16_u8(sc))),
             _mm512_xor_ps(_mm512_mul_ps(half16(src + 32), _mm512_cvtepi32_ps(load16_u8(mins))), _mm512_set1_ps(-0.0f))};
   }
@@ -223,37 +226,41 @@ struct KQuantUnit {
 #endif
 };
 
-// Q6_K: fp16 d, then per 16 k the int8 scale of each column. gguf: (d * sc) * (q - 32), exact
-// (at most 11 + 7 + 5 significant bits), as is q * (d * sc) + (-32 * d * sc).
-struct Q6_KUnit {
+// Q6_K / Q3_K: fp16 d, then per 16 k the signed scale of each column (Q3_K's 6-bit scale minus 32)
+// as a byte; Q3_K's 3-bit codes are kept as nibbles (the 4-bit unpacking). gguf: (d * sc) *
+// (q - kBias), exact (at most 11 + 7 + 5 significant bits), as is q * (d * sc) + (-kBias * d * sc).
+template <int kBits, int kBias>
+struct SignedScaleUnit {
   static constexpr int64_t kUnitK = 256, kGroupK = 16, kHeader = 32 + 16 * 16;
-  static constexpr int64_t kBytes = kHeader + kUnitK / kChunkK * kChunkBytes<6>;
+  static constexpr int64_t kBytes = kHeader + kUnitK / kChunkK * kChunkBytes<kBits>;
   const uint8_t* src;
 
   inline Scales group(int64_t g) const {
     const uint8_t* sc = src + 32 + g * 16;
     const __m256 s_lo = _mm256_mul_ps(half8(src), _mm256_cvtepi32_ps(load8_i8(sc)));
     const __m256 s_hi = _mm256_mul_ps(half8(src + 16), _mm256_cvtepi32_ps(load8_i8(sc + 8)));
-    const __m256 bias = _mm256_set1_ps(-32.0f);
+    const __m256 bias = _mm256_set1_ps(-static_cast<float>(kBias));
     return {s_lo, s_hi, _mm256_mul_ps(s_lo, bias), _mm256_mul_ps(s_hi, bias)};
   }
 
   inline void weights(const Scales& s, int64_t k, __m256& w_lo, __m256& w_hi) const {
     __m256i lo, hi;
-    unsigned_codes<6>(src + kHeader, k, lo, hi);
+    unsigned_codes<kBits>(src + kHeader, k, lo, hi);
     w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s.s_lo, s.o_lo);
     w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s.s_hi, s.o_hi);
   }
 #if defined(__AVX512F__)
   inline Scales16 group16(int64_t g) const {
     const __m512 scale = _mm512_mul_ps(half16(src), _mm512_cvtepi32_ps(load16_i8(src + 32 + g * 16)));
-    return {scale, _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f))};
+    return {scale, _mm512_mul_ps(scale, _mm512_set1_ps(-static_cast<float>(kBias)))};
   }
   inline __m512 weights16(const Scales16& s, int64_t k) const {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(unsigned_codes16<6>(src + kHeader, k)), s.s, s.o);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(unsigned_codes16<kBits>(src + kHeader, k)), s.s, s.o);
   }
 #endif
 };
+using Q6_KUnit = SignedScaleUnit<6, 32>;
+using Q3_KUnit = SignedScaleUnit<4, 4>;
 
 // F16 / BF16: no scales; a unit is 32 k steps of the 16 columns' 16-bit floats, k by k (a
 // "block" of the file is 32 consecutive weights of a row). The expansion is exact.
@@ -426,8 +433,9 @@ using Q4_0Unit = LegacyUnit<4, false>;
 using Q4_1Unit = LegacyUnit<4, true>;
 using Q5_0Unit = LegacyUnit<5, false>;
 using Q5_1Unit = LegacyUnit<5, true>;
-using Q4_KUnit = KQuantUnit<4>;
-using Q5_KUnit = KQuantUnit<5>;
+using Q2_KUnit = KQuantUnit<4, 16>;
+using Q4_KUnit = KQuantUnit<4, 32>;
+using Q5_KUnit = KQuantUnit<5, 32>;
 
 struct Format {
   int64_t unit_k, gguf_bytes, panel_bytes;
@@ -436,7 +444,8 @@ struct Format {
 bool known(int64_t qtype) {
   switch (static_cast<QType>(qtype)) {
     case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0: case QType::kQ5_1: case QType::kQ8_0:
-    case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: case QType::kF16: case QType::kBF16: return true;
+    case QType::kQ2_K: case QType::kQ3_K: case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K:
+    case QType::kF16: case QType::kBF16: return true;
   }
   return false;
 }
@@ -448,6 +457,8 @@ Format format_of(QType type) {
     case QType::kQ5_0: return {32, 22, Q5_0Unit::kBytes};
     case QType::kQ5_1: return {32, 24, Q5_1Unit::kBytes};
     case QType::kQ8_0: return {32, 34, Q8_0Unit::kBytes};
+    case QType::kQ2_K: return {256, 84, Q2_KUnit::kBytes};
+    case QType::kQ3_K: return {256, 110, Q3_KUnit::kBytes};
     case QType::kQ4_K: return {256, 144, Q4_KUnit::kBytes};
     case QType::kQ5_K: return {256, 176, Q5_KUnit::kBytes};
     case QType::kQ6_K: return {256, 210, Q6_KUnit::kBytes};
@@ -522,12 +533,42 @@ void pack_block(QType type, const uint8_t* block, int64_t c, uint8_t* out) {
       for (int64_t i = 0; i < 8; ++i) kquant_scale_min(block + 4, i, out[64 + i * 16 + c], out[64 + 128 + i * 16 + c]);
       const uint8_t* qh = block + 16;
       const uint8_t* qs = block + (five ? 48 : 16);
-      uint8_t* nibbles = out + KQuantUnit<4>::kHeader;
+      uint8_t* nibbles = out + Q4_KUnit::kHeader;
       for (int64_t j = 0; j < 256; ++j) {  // 64 values per 32 bytes: low nibbles, then high nibbles
         uint8_t code = (qs[j / 64 * 32 + j % 32] >> (j % 64 / 32 * 4)) & 0xF;
         if (five) code = static_cast<uint8_t>(code | ((qh[j % 32] >> (j / 32)) & 1) << 4);
         if (five) put_code<5>(nibbles, j, c, code);
         else put_code<4>(nibbles, j, c, code);
+      }
+      return;
+    }
+    case QType::kQ2_K: {  // 16 bytes of 4-bit scale | 4-bit minimum << 4, 64 of 2-bit codes, fp16 d, dmin
+      const uint8_t *scales = block, *qs = block + 16;
+      copy_half(block + 80, out, c);
+      copy_half(block + 82, out + 32, c);
+      for (int64_t g = 0; g < 16; ++g) {
+        out[64 + g * 16 + c] = scales[g] & 0xF;
+        out[64 + 256 + g * 16 + c] = scales[g] >> 4;
+      }
+      uint8_t* nibbles = out + Q2_KUnit::kHeader;
+      for (int64_t j = 0; j < 256; ++j) {  // per 128 values: 32 bytes of four 2-bit codes
+        const int64_t half = j / 128, r = j % 128;
+        put_code<4>(nibbles, j, c, static_cast<uint8_t>((qs[half * 32 + r % 32] >> (r / 32 * 2)) & 3));
+      }
+      return;
+    }
+    case QType::kQ3_K: {  // 32 bytes of high bits, 64 of 2-bit low codes, 12 of 6-bit scales, fp16 d
+      const uint8_t *hmask = block, *qs = block + 32, *scales = block + 96;
+      copy_half(block + 108, out, c);
+      for (int64_t i = 0; i < 16; ++i) {
+        const int low = (scales[i % 8] >> (4 * (i / 8))) & 0xF, high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+        out[32 + i * 16 + c] = static_cast<uint8_t>(static_cast<int8_t>((low | high << 4) - 32));
+      }
+      uint8_t* nibbles = out + Q3_KUnit::kHeader;
+      for (int64_t j = 0; j < 256; ++j) {  // code = low 2 bits | high bit << 2; weight = d * sc * (code - 4)
+        const int64_t half = j / 128, r = j % 128;
+        const uint8_t low = (qs[half * 32 + r % 32] >> (r / 32 * 2)) & 3, high = (hmask[j % 32] >> (j / 32)) & 1;
+        put_code<4>(nibbles, j, c, static_cast<uint8_t>(low | high << 2));
       }
       return;
     }
@@ -784,7 +825,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
 #define CONVEYOR_QTYPE(T)                                                                                 \
   case QType::k##T: matmul_panels<T##Unit>(xp, x_stride, m, wp, panels, units, bias_ptr, yp, out_features); break;
     CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
+    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
 #undef CONVEYOR_QTYPE
   }
   return y;
@@ -904,7 +945,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 #define CONVEYOR_QTYPE(T)                                                                  \
   case QType::k##T: rows_of_panels<T##Unit>(wp, units, ip, n, op); break;
     CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
+    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
 #undef CONVEYOR_QTYPE
   }
   return out;
@@ -913,7 +954,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
-        "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) -> panels",
+        "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, F16, BF16) -> panels",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a weight packed by pack_quantized, as fp32 [n, K]",
         py::call_guard<py::gil_scoped_release>());

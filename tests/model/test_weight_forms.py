@@ -1,7 +1,8 @@
-"""Weights a checkpoint stores as 16-bit floats stay 16-bit when served in fp32: an HF folder in
-bfloat16 and a GGUF of F16 matrices (SmolLM2-135M, its real weights) hold half the bytes of fp32,
-and their products are the fp32 products of the same values bit for bit, so logits, logprobs and
-greedy tokens are those of the dense path and of transformers."""
+"""Every form a checkpoint stores a real model's weights in stays that form when served in fp32:
+an HF folder in bfloat16 and a GGUF of F16 matrices (SmolLM2-135M, its real weights) hold half
+the bytes of fp32, a GGUF with Q2_K and Q3_K matrices a sixth; the products are the fp32 products
+of the same values bit for bit, so logprobs and greedy tokens are those of the dense path (and of
+transformers on the bf16 folder)."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,39 @@ def source(request: pytest.FixtureRequest, bf16_folder: Path, f16_gguf: Path) ->
     return (bf16_folder, "BF16") if request.param == "bf16-folder" else (f16_gguf, "F16")
 
 
+def low_bit_type(name: str, shape: tuple[int, ...]) -> str:
+    """As llama.cpp's Q2_K / Q3_K_M files do: K-quants where a row is whole superblocks of 256
+    (SmolLM2's down projections, 1,536 wide), a fallback type for the 576-wide rest."""
+    if shape[-1] % 256:
+        return "Q8_0"
+    return "Q3_K" if int(name.split(".")[1]) % 2 == 0 else "Q2_K"
+
+
+@pytest.fixture(scope="module")
+def low_bit_gguf(tmp_path_factory: pytest.TempPathFactory, bf16_folder: Path, smollm_gguf_path: Path) -> Path:
+    path = tmp_path_factory.mktemp("k") / "smollm2-q2_k-q3_k.gguf"
+    write_gguf_from_hf(path, "llama", bf16_folder, smollm_gguf_path, matrices=low_bit_type)
+    return path
+
+
+def test_q2_k_and_q3_k_matrices_stay_in_blocks(low_bit_gguf: Path) -> None:
+    """Down projections in Q3_K and Q2_K blocks (their codes as nibbles: 0.57 and 0.64 bytes a weight,
+    where fp32 took 4), the rest Q8_0: logprobs of prefill and decode equal to the dense path's."""
+    from conveyor.model.gguf_loader import read_gguf
+
+    held = load_model(EngineConfig(model=str(low_bit_gguf), activation_dtype="float32"))  # Q8_0 exact too
+    layouts = [layer.down.packed.layout for layer in held.model.layers]
+    assert layouts == ["Q3_K", "Q2_K"] * 15
+    down_bytes = sum(layer.down.packed.nbytes for layer in held.model.layers)
+    file_bytes = sum(t.nbytes for t in read_gguf(low_bit_gguf).tensors.values() if ".ffn_down." in t.name)
+    assert down_bytes < 1.7 * file_bytes and down_bytes < 0.17 * 4 * 30 * 576 * 1536
+    dense = load_model(EngineConfig(model=str(low_bit_gguf), dequantize_weights=True))
+    assert run(held, low_bit_gguf) == run(dense, low_bit_gguf)
+    # and with int8 activations (the default), the Q2_K / Q3_K products stay fp32: only Q8_0's change
+    fast = load_model(EngineConfig(model=str(low_bit_gguf)))
+    assert [layer.down.packed.layout for layer in fast.model.layers] == layouts
+
+
 def leaves(packed: PackedWeight) -> list[PackedWeight]:
     return list(packed.parts) if packed.parts else [packed]
 
@@ -72,8 +106,9 @@ def test_matrices_are_held_in_their_16_bits(source: tuple[Path, str]) -> None:
 
 def run(model: LoadedModel, path: Path) -> list[tuple[list[int], list[Any], list[Any]]]:
     """Greedy tokens, their top-5 logprobs and the prompt's logprobs, all prompts in one batch."""
-    engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=str(path), max_num_seqs=len(PROMPTS), num_kv_blocks=64,
-                                                            kv_cache_dtype="float32"), model)
+    config = EngineConfig.from_kwargs(model=str(path), max_num_seqs=len(PROMPTS), num_kv_blocks=64, kv_cache_dtype="float32",
+                                      activation_dtype=model.model.activation_dtype)
+    engine = LLMEngine.from_config(config, model)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1)
     ids = [engine.add_request(model.tokenizer.encode(p), params) for p in PROMPTS]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
