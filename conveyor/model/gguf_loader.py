@@ -28,7 +28,7 @@ from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import WeightSource, pack_blocks
 from conveyor.model.mapped import drop_pages, map_file
-from conveyor.model.quantized import BLOCK_SIZES, QuantizedWeight
+from conveyor.model.quantized import QuantizedWeight, kernel_keeps
 from conveyor.model.tokenizer import Tokenizer
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -294,7 +294,7 @@ def _release(gf: GGUFFile, t: GGUFTensor) -> None:
 def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
     """The tensor's blocks as they lie in the file, one row per output feature, where the kernel
     can read them."""
-    if t.qtype.name not in BLOCK_SIZES or len(t.shape) != 2:
+    if not kernel_keeps(t.qtype.name, t.shape):
         return None
     raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
     return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1))

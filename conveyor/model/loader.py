@@ -17,7 +17,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_loader import load_gguf, read_gguf
 from conveyor.model.hf_loader import load_hf_folder
 from conveyor.model.linear import WeightSource
-from conveyor.model.quantized import BLOCK_SIZES, KERNEL_UNIT_K, packed_bytes
+from conveyor.model.quantized import kernel_keeps, packed_bytes
 from conveyor.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -184,8 +184,8 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
         gf = read_gguf(path, with_arrays=False)
         try:
             return sum(packed_bytes(t.qtype.name, t.nbytes) if keep_blocks and dtype == torch.float32
-                       and t.qtype.name in BLOCK_SIZES and len(t.shape) == 2 and t.shape[-1] % KERNEL_UNIT_K[t.qtype.name] == 0
-                       else math.prod(t.shape) * dtype.itemsize for t in gf.tensors.values())
+                       and kernel_keeps(t.qtype.name, t.shape) else math.prod(t.shape) * dtype.itemsize
+                       for t in gf.tensors.values())
         finally:
             gf.buffer.close()
     stored = sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -30,6 +30,12 @@ PANEL_UNIT_BYTES: dict[str, int] = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1
                                     "Q5_K": 2880, "Q6_K": 3360, "Q2_K": 2624, "Q3_K": 2336, "F16": 1024, "BF16": 1024}
 
 
+def kernel_keeps(qtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of this GGML type and (torch-order) shape stays in its form, packed: a matrix
+    of a type the kernel reads whose rows are whole units of its panels."""
+    return qtype in KERNEL_UNIT_K and len(shape) == 2 and shape[1] % KERNEL_UNIT_K[qtype] == 0
+
+
 def packed_bytes(qtype: str, file_bytes: int) -> int:
     """What a matrix of `file_bytes` in `qtype` holds once packed into the kernel's panels."""
     weights, nbytes = BLOCK_SIZES[qtype]
@@ -63,7 +69,7 @@ class QuantizedWeight:
 
     def kernel_reads(self) -> bool:
         """Whether in_features is whole units of the kernel's panels (always, for quantised blocks)."""
-        return self.in_features % KERNEL_UNIT_K[self.qtype] == 0
+        return kernel_keeps(self.qtype, (self.blocks.shape[0], self.in_features))
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [out_features, in_features], as gguf's dequantiser gives it (where no kernel packs the blocks)."""
