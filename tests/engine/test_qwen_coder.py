@@ -81,7 +81,7 @@ def test_a_load_peaks_near_what_the_model_holds(qwen_path: Path) -> None:
     """In a fresh process: VmHWM after the load (file pages dropped tensor by tensor, fused
     projections joined without a second copy of the model) within 10% of VmRSS once loaded; of the
     file's mapping nothing stays resident, and looking up rows of the embedding left there brings in
-    about their pages, not the vocabulary's 89 MiB."""
+    the page-cache folios holding them, not the vocabulary's 89 MiB."""
     script = (
         "import json, gc, torch; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
         "def mapped_kib():\n"
@@ -93,13 +93,16 @@ def test_a_load_peaks_near_what_the_model_holds(qwen_path: Path) -> None:
         "    return rss\n"
         f"m = load_model(EngineConfig(model={MODEL!r})).model; gc.collect()\n"
         "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"
-        "s['loaded'] = mapped_kib(); m.embed(torch.arange(0, 151936, 151936 // 64)); s['looked_up'] = mapped_kib()\n"
+        "s['loaded'] = mapped_kib(); m.embed(torch.arange(0, 151936, 151936 // 8)); s['looked_up'] = mapped_kib()\n"
         "print(json.dumps(s))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     status = json.loads(out.stdout.strip().splitlines()[-1])
     assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
-    # 64 rows 2,374 rows apart: a page each, and the kernel's fault-around (up to 64 KiB a fault).
-    assert status["loaded"] == 0 and 64 * 4 <= status["looked_up"] <= 64 * 64, status
+    # 8 rows 18,992 rows apart. A fault maps the whole page-cache folio holding the row: with large
+    # folios for files (ext4 on Linux 6.18) and a large readahead (8 MiB on some virtual disks) that
+    # is hundreds of KiB a row, not a page, so the bound is a quarter of the 89 MiB embedding: what
+    # reading the whole table, or a dense copy of it, would exceed.
+    assert status["loaded"] == 0 and 8 * 4 <= status["looked_up"] <= 89 * 1024 // 4, status
 
 
 @pytest.fixture(scope="module")
