@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import WeightSource, pack_blocks
-from conveyor.model.mapped import drop_pages, map_file
+from conveyor.model.mapped import drop_pages, map_file, rows_dropper
 from conveyor.model.quantized import QuantizedWeight, kernel_keeps
 from conveyor.model.tokenizer import Tokenizer
 
@@ -307,8 +307,8 @@ def load_gguf(
     and fp32, a matrix in blocks the kernel reads is packed from the file's bytes into its panels
     (its only copy: conveyor.model.linear), except an embedding the file does not reuse as its
     output head: read by rows only, it stays a view of the mapping. Every other tensor is
-    dequantized to `dtype`. Each tensor's file pages are dropped once it is taken, so a load peaks
-    near what the model holds."""
+    dequantized to `dtype`. Each tensor's file pages are dropped once it is taken (a packed matrix's
+    a run of rows at a time), so a load peaks near what the model holds."""
     gf = read_gguf(path)
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
@@ -322,19 +322,26 @@ def load_gguf(
     gf.metadata = {k: v for k, v in gf.metadata.items() if not isinstance(v, list)}
     weights: dict[str, WeightSource] = {}
     untied = "output.weight" in gf.tensors
-    with _one_thread():
-        for t in gf.tensors.values():
-            name = hf_name(t.name, arch)
-            heads = _permuted_heads(t, arch, config)
-            blocks = _blocks(gf, t) if keep_blocks and dtype == torch.float32 else None
-            if blocks is not None and t.name == "token_embd.weight" and untied:
-                weights[name] = blocks  # read by rows only: stays in the file's mapping (Embedding.load)
+    for t in gf.tensors.values():
+        name = hf_name(t.name, arch)
+        heads = _permuted_heads(t, arch, config)
+        blocks = _blocks(gf, t) if keep_blocks and dtype == torch.float32 else None
+        if blocks is not None and t.name == "token_embd.weight" and untied:
+            weights[name] = blocks  # read by rows only: stays in the file's mapping (Embedding.load)
+        else:
+            taken = None
+            if blocks is not None and heads is not None:  # a row is one output feature's blocks: permute rows alike
+                blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
+            elif blocks is not None:
+                taken = rows_dropper(gf.buffer, t.offset, blocks.blocks.shape[1])
+            # Packing is one large op a run of rows, worth every thread; dequantising is many small ones.
+            packed = pack_blocks(blocks, taken) if blocks is not None else None
+            if packed is not None:
+                weights[name] = packed
             else:
-                if blocks is not None and heads is not None:  # a row is one output feature's blocks: permute rows alike
-                    blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
-                packed = pack_blocks(blocks) if blocks is not None else None
-                weights[name] = packed if packed is not None else _dense(gf, t, config, heads).to(dtype)
-            _release(gf, t)
+                with _one_thread():
+                    weights[name] = _dense(gf, t, config, heads).to(dtype)
+        _release(gf, t)
     # Then the rest: the header (a 151,936-token vocabulary's strings and merges are ~10 MiB) and the
     # neighbours' pages the kernel mapped along with each tensor's (fault-around), ~60 KiB a tensor.
     drop_pages(gf.buffer, 0, len(gf.buffer))

@@ -13,7 +13,7 @@ import torch
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import WeightSource, blocks_kept, pack_blocks
-from conveyor.model.mapped import drop_pages, map_file
+from conveyor.model.mapped import drop_pages, map_file, rows_dropper
 from conveyor.model.quantized import HALF_DTYPES, QuantizedWeight
 from conveyor.model.tokenizer import Tokenizer
 
@@ -162,7 +162,8 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
                 if name == "model.embed_tokens.weight" and not config.tie_word_embeddings and blocks_kept():
                     weights[name] = held  # read by rows only: stays in the file's mapping (Embedding.load)
                     continue
-                if (packed := pack_blocks(held)) is not None:
+                taken = rows_dropper(buffer, data_start + begin, shape[1] * stored.itemsize)
+                if (packed := pack_blocks(held, taken)) is not None:
                     weights[name] = packed
                     drop_pages(buffer, data_start + begin, data_start + end)
                     continue

@@ -29,7 +29,7 @@ from torch import nn
 
 from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, QuantizedWeight
+from conveyor.model.quantized import INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, PANEL_UNIT_BYTES, QuantizedWeight
 
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
@@ -124,13 +124,30 @@ def _quant_kernel() -> object:
     return kernel
 
 
-def pack_blocks(quantized: QuantizedWeight) -> PackedWeight | None:
+# Rows packed at a time: a loader drops each run's file pages before the next (`taken`), so a load
+# holds one run's pages beside the panels, not a whole matrix's (a 7B's output head is ~0.4 GiB).
+PACK_RUN_BYTES = 8 << 20
+
+
+def pack_blocks(quantized: QuantizedWeight, taken: Callable[[int, int], None] | None = None) -> PackedWeight | None:
     """The checkpoint's blocks in panels, or None where they stay dense (the kernel can't be built,
-    packing is turned off, or in_features is not whole units: the caller then dequantizes)."""
+    packing is turned off, or in_features is not whole units: the caller then dequantizes). Packed
+    a run of whole panels at a time; `taken(first_row, end_row)` is told each run once it is packed."""
     if not blocks_kept() or not quantized.kernel_reads():
         return None
-    data = _quant_kernel().pack_quantized(quantized.blocks, KERNEL_QTYPE[quantized.qtype])  # type: ignore[attr-defined]
-    return PackedWeight(data, quantized.blocks.shape[0], quantized.qtype, finite=quantized.finite())
+    kernel, qtype = _quant_kernel(), KERNEL_QTYPE[quantized.qtype]
+    rows, row_bytes = quantized.blocks.shape
+    data = torch.empty(((rows + PANEL - 1) // PANEL, quantized.in_features // KERNEL_UNIT_K[quantized.qtype],
+                        PANEL_UNIT_BYTES[quantized.qtype]), dtype=torch.uint8)
+    run = max(PANEL, PACK_RUN_BYTES // max(row_bytes, 1) // PANEL * PANEL)
+    finite = True
+    for first in range(0, rows, run):
+        part = QuantizedWeight(quantized.qtype, quantized.blocks[first:first + run])
+        kernel.pack_quantized_into(part.blocks, qtype, data[first // PANEL:(first + run + PANEL - 1) // PANEL])  # type: ignore[attr-defined]
+        finite = finite and part.finite()
+        if taken is not None:
+            taken(first, min(rows, first + run))
+    return PackedWeight(data, rows, quantized.qtype, finite=finite)
 
 
 def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, rows_read: bool = False) -> PackedWeight | None:

@@ -131,3 +131,29 @@ def test_packed_weights_concatenate_by_panels_or_side_by_side() -> None:
     split = PackedWeight.cat([pa, pc, pb])  # 32 + 8 ends inside a panel: b runs beside it
     assert split.layout == "parts" and [p.out_features for p in split.parts] == [40, 16]
     torch.testing.assert_close(linear(x, None, split), F.linear(x, torch.cat([a, c, b])), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(linear_module.quant_gemm() is None, reason="block kernel not built here")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "BF16"])
+def test_blocks_packed_a_run_at_a_time_are_the_whole_matrix_packed(monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
+    """Runs of whole panels (the last one short, 50 rows = 3 panels + 2 rows) laid one after another
+    are byte for byte the matrix packed at once, and each run is handed to `taken` after it is packed,
+    so a loader can drop its file pages."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+
+    from conveyor.model.quantized import KERNEL_QTYPE, QuantizedWeight
+
+    torch.manual_seed(3)
+    weight = torch.randn(50, 256)
+    if qtype == "BF16":
+        held = QuantizedWeight.of_halves(weight.to(torch.bfloat16))
+    else:
+        held = QuantizedWeight(qtype, torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType[qtype])))
+    once = linear_module.quant_gemm().pack_quantized(held.blocks, KERNEL_QTYPE[qtype])
+    monkeypatch.setattr(linear_module, "PACK_RUN_BYTES", 16 * held.blocks.shape[1])
+    runs: list[tuple[int, int]] = []
+    packed = linear_module.pack_blocks(held, lambda first, end: runs.append((first, end)))
+    assert packed is not None and packed.out_features == 50 and packed.layout == qtype
+    assert runs == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    assert torch.equal(packed.data, once)

@@ -773,9 +773,10 @@ float exact_q8_0(const float* x, const uint8_t* w, int64_t units, int64_t col) {
 
 }  // namespace
 
-// GGUF blocks [N, K / block * block bytes] -> [ceil(N/16), K / block, unit bytes]; columns past N
-// in the last panel have zero scales and codes, so they come out as zero weights.
-torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
+// GGUF blocks [N, K / block * block bytes] -> `out` [ceil(N/16), K / block, unit bytes], a contiguous
+// tensor or a run of whole panels of one (a loader packs a large matrix a run of rows at a time);
+// columns past N in the last panel get zero scales and codes, so they come out as zero weights.
+void pack_quantized_into(const torch::Tensor& blocks, int64_t qtype, torch::Tensor out) {
   TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
@@ -783,15 +784,29 @@ torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
               "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   const auto b = blocks.contiguous();
   const int64_t n = b.size(0), units = b.size(1) / f.gguf_bytes, panels = (n + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({panels, units, f.panel_bytes}, b.options());
+  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kByte && out.is_contiguous() && out.size(0) == panels &&
+              out.size(1) == units && out.size(2) == f.panel_bytes,
+              "pack_quantized: out must be contiguous uint8 [", panels, ", ", units, ", ", f.panel_bytes, "]");
   const uint8_t* src = b.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // put_code ORs codes in: each panel starts from zeros (and a short last panel stays zero past n).
+    std::memset(dst + begin * units * f.panel_bytes, 0, static_cast<size_t>((end - begin) * units * f.panel_bytes));
     for (int64_t p = begin; p < end; ++p)
       for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
         for (int64_t u = 0; u < units; ++u)
           pack_block(type, src + ((p * kPanel + c) * units + u) * f.gguf_bytes, c, dst + (p * units + u) * f.panel_bytes);
   });
+}
+
+torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
+  const Format f = format_of(static_cast<QType>(qtype));
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % f.gguf_bytes == 0,
+              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
+  auto packed = torch::empty({(blocks.size(0) + kPanel - 1) / kPanel, blocks.size(1) / f.gguf_bytes, f.panel_bytes},
+                             blocks.options().dtype(torch::kByte));
+  pack_quantized_into(blocks, qtype, packed);
   return packed;
 }
 
@@ -955,6 +970,8 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
         "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, F16, BF16) -> panels",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_quantized_into", &pack_quantized_into, "pack_quantized into `out` (a run of whole panels of a larger weight)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a weight packed by pack_quantized, as fp32 [n, K]",
         py::call_guard<py::gil_scoped_release>());
