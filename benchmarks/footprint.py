@@ -6,14 +6,17 @@ conveyor decode step streams (conveyor.bench.roofline.model_costs) against the f
     .venv/bin/python benchmarks/footprint.py --model qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
     .venv/bin/python benchmarks/footprint.py --model out/qwen-bf16 --also-dequantized --repeats 3
+    .venv/bin/python benchmarks/footprint.py --model out/qwen2.5-1.5b-random-q4_k_m.gguf --also-no-mmap --repeats 3
 
 Both servers get room for SLOTS x CTX tokens: llama-server `-c SLOTS*CTX --parallel SLOTS` (its f16
 KV cache), conveyor `--num-kv-blocks SLOTS*CTX/16 --max-num-seqs SLOTS` (its default float16 KV cache). The servers run
 one after the other, each alone on the machine. llama-server comes from benchmarks/peers/llama_cpp.sh
 (`--setup-only` builds it); without it, or for an HF folder, only conveyor is measured.
-`--also-dequantized` adds conveyor serving the same file with `--dequantize-weights` (fp32 copies
-of every weight: how a GGUF's blocks and an HF folder's bf16 / f16 matrices were held before they
-stayed in their own form).
+The table splits resident memory into anonymous memory and mapped file pages (code, and a mapped
+file's pages: llama-server's weights by default; an untied embedding's rows looked up, conveyor's).
+`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-dequantized` adds conveyor serving the
+same file with `--dequantize-weights` (fp32 copies of every weight: how a GGUF's blocks and an HF
+folder's bf16 / f16 matrices were held before they stayed in their own form).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ LLAMA_SERVER = ROOT / "benchmarks/peers/.llama-cpp/build/bin/llama-server"
 def status(pid: int) -> dict[str, int]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
+        if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:")):
             out[line.split(":")[0]] = int(line.split()[1]) * 1024
     return out
 
@@ -75,10 +78,11 @@ def measure(cmd: list[str], port: int, log: Path) -> dict[str, float]:
         for _ in range(3):
             post(port, {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0})
         mem = status(proc.pid)
-        return {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30,
-                "peak_gib": mem["VmHWM"] / 2**30}
+        return {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
+                "anon_gib": mem["RssAnon"] / 2**30, "file_gib": mem["RssFile"] / 2**30}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
 
 
@@ -91,6 +95,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", default="out/footprint")
     p.add_argument("--also-dequantized", action="store_true", help="conveyor with --dequantize-weights too")
+    p.add_argument("--also-no-mmap", action="store_true",
+                   help="llama-server with --load-mode none too (weights read into its own memory, no file pages)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from conveyor.model.loader import resolve_model_path
@@ -110,19 +116,22 @@ def main() -> int:
         servers["llama.cpp"] = [str(LLAMA_SERVER), "-m", str(model_path), "--port", "8132", "--host", "127.0.0.1",
                                 "-t", str(args.threads), "-tb", str(args.threads), "--parallel", str(args.slots),
                                 "-c", str(tokens), "--cont-batching"]
-    ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132}
+        if args.also_no_mmap:
+            servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
+    ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132, "llama.cpp no-mmap": 8132}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
         for name, cmd in servers.items():
             results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log"))
     print(f"{model_path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
           f"medians of {args.repeats}")
-    print(f"{'server':<14} {'resident GiB':>13} {'peak GiB':>9} {'ready s':>8}")
+    print(f"{'server':<18} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} {'ready s':>8}")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
-        print(f"{name:<14} {m['rss_gib']:>13.3f} {m['peak_gib']:>9.3f} {m['ready_s']:>8.1f}")
+        print(f"{name:<18} {m['rss_gib']:>13.3f} {m['anon_gib']:>9.3f} {m['file_gib']:>9.3f} {m['peak_gib']:>9.3f} "
+              f"{m['ready_s']:>8.1f}")
     from conveyor.bench.roofline import model_costs
     from conveyor.config import EngineConfig
     from conveyor.model.gguf_loader import read_gguf
@@ -137,10 +146,11 @@ def main() -> int:
         c, d = medians["conveyor"], medians["conveyor fp32"]
         print(f"conveyor / with --dequantize-weights: resident {c['rss_gib'] / d['rss_gib']:.2f}x, "
               f"peak {c['peak_gib'] / d['peak_gib']:.2f}x, ready {c['ready_s'] / d['ready_s']:.2f}x")
-    if "llama.cpp" in medians:
-        c, ll = medians["conveyor"], medians["llama.cpp"]
-        print(f"conveyor / llama.cpp: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
-              f"of llama.cpp's resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x")
+    for peer in ("llama.cpp", "llama.cpp no-mmap"):
+        if peer in medians:
+            c, ll = medians["conveyor"], medians[peer]
+            print(f"conveyor / {peer}: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
+                  f"of {peer}'s resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x")
     (out_dir / "footprint.json").write_text(json.dumps({"model": str(model_path), "results": results}, indent=2))
     return 0
 
