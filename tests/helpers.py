@@ -227,3 +227,23 @@ def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def load_in_fresh_process(model: str, hold: str = "loaded", prelude: str = "", then: str = "") -> dict[str, Any]:
+    """Loads `model` with load_model in a fresh Python process, so VmHWM is that load's alone, and
+    returns VmRSS and VmHWM (KiB) while `hold` (an expression of `loaded`, the LoadedModel) is held,
+    plus whatever `then` (run after, with `held` and the dict `s`) puts into `s`. `prelude`: code run
+    first (helpers for `then`)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, gc, torch; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
+        f"{prelude}\n"
+        f"loaded = load_model(EngineConfig(model={model!r})); held = {hold}; del loaded; gc.collect()\n"
+        "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"
+        f"{then}\n"
+        "print(json.dumps(s))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))

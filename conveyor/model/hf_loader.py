@@ -164,8 +164,7 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
                     continue
                 taken = rows_dropper(buffer, data_start + begin, shape[1] * stored.itemsize)
                 if (packed := pack_blocks(held, taken)) is not None:
-                    weights[name] = packed
-                    drop_pages(buffer, data_start + begin, data_start + end)
+                    weights[name] = packed  # `taken` dropped its pages run by run
                     continue
             # copy: detach from the mapping, whatever the dtype
             weights[name] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()

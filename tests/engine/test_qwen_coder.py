@@ -4,9 +4,6 @@ a load that peaks within 10% of what the model then holds; greedy tokens of a ba
 equal to transformers' (fp32)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ from conveyor.model.linear import Embedding, Linear
 from conveyor.model.llama import model_bytes
 from conveyor.runner.model_runner import LoadedModel, load_model
 from conveyor.sampling import SamplingParams
-from tests.helpers import gguf_parsed_once
+from tests.helpers import gguf_parsed_once, load_in_fresh_process
 
 MODEL = "qwen2.5-coder-0.5b"
 NEW_TOKENS = 16
@@ -82,21 +79,16 @@ def test_a_load_peaks_near_what_the_model_holds(qwen_path: Path) -> None:
     projections joined without a second copy of the model) within 10% of VmRSS once loaded; of the
     file's mapping nothing stays resident, and looking up rows of the embedding left there brings in
     the page-cache folios holding them, not the vocabulary's 89 MiB."""
-    script = (
-        "import json, gc, torch; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
+    mapped_kib = (
         "def mapped_kib():\n"
         "    rss, inside = 0, False\n"
         "    for line in open('/proc/self/smaps'):\n"
         "        head = line.split()\n"
         "        if '-' in head[0] and len(head) >= 5: inside = line.rstrip().endswith('.gguf')\n"
         "        elif inside and head[0] == 'Rss:': rss += int(head[1])\n"
-        "    return rss\n"
-        f"m = load_model(EngineConfig(model={MODEL!r})).model; gc.collect()\n"
-        "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"
-        "s['loaded'] = mapped_kib(); m.embed(torch.arange(0, 151936, 151936 // 8)); s['looked_up'] = mapped_kib()\n"
-        "print(json.dumps(s))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
-    status = json.loads(out.stdout.strip().splitlines()[-1])
+        "    return rss\n")
+    status = load_in_fresh_process(MODEL, hold="loaded.model", prelude=mapped_kib, then=(
+        "s['loaded'] = mapped_kib(); held.embed(torch.arange(0, 151936, 151936 // 8)); s['looked_up'] = mapped_kib()"))
     assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
     # 8 rows 18,992 rows apart. A fault maps the whole page-cache folio holding the row: with large
     # folios for files (ext4 on Linux 6.18) and a large readahead (8 MiB on some virtual disks) that

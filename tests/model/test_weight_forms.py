@@ -6,8 +6,6 @@ transformers on the bf16 folder)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from conveyor.model.llama import model_bytes
 from conveyor.model.loader import LoadedCheckpoint
 from conveyor.runner.model_runner import LoadedModel, load_model
 from conveyor.sampling import SamplingParams
-from tests.helpers import write_gguf_from_hf
+from tests.helpers import load_in_fresh_process, write_gguf_from_hf
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -177,14 +175,8 @@ def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) 
 def test_a_bf16_folder_loads_without_a_second_copy(bf16_folder: Path) -> None:
     """In a fresh process, the load's peak (file pages dropped tensor by tensor, each matrix packed
     from the mapping) within 10% of what the process holds once loaded, and the weights half of fp32's."""
-    script = (
-        "import json, gc; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
-        "from conveyor.model.llama import model_bytes\n"
-        f"m = load_model(EngineConfig(model={str(bf16_folder)!r})).model; gc.collect()\n"
-        "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"
-        "s['weights'] = model_bytes(m); print(json.dumps(s))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
-    status = json.loads(out.stdout.strip().splitlines()[-1])
+    status = load_in_fresh_process(str(bf16_folder), hold="loaded.model", prelude="from conveyor.model.llama import model_bytes",
+                                   then="s['weights'] = model_bytes(held)")
     assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
     stored = (bf16_folder / "model.safetensors").stat().st_size
     assert 0.99 * stored <= status["weights"] <= 1.01 * stored, status
