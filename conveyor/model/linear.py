@@ -248,26 +248,107 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
 MAX_SCREENED_CANDIDATES = 4096
 
 
-def screened_argmax(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
-    """argmax(x @ W^T, -1) of a Q8_0-packed W without the full fp32 product (quant_gemm.cpp's
-    q8_0_argmax: an int8 pass bounds every logit, the few columns that can be the maximum are
-    computed exactly): the same indices as the full product's argmax. None where it does not apply
-    (another layout, weights not all finite, no AVX-512 VNNI/VBMI build, CONVEYOR_SCREENED_ARGMAX=0,
-    non-finite x)."""
-    if packed is None or packed.layout != "Q8_0" or not packed.finite or x.dtype != torch.float32 or x.dim() != 2:
+def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
+                    column_norms: torch.Tensor | None = None) -> torch.Tensor | None:
+    """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks without the full fp32 product:
+    an int8 pass gives every column an approximate logit and a bound on its distance from the fp32
+    one, and only the columns that can be the maximum are computed exactly, so the indices are the
+    full product's. A Q8_0 W takes quant_gemm.cpp's q8_0_argmax (AVX-512 VNNI/VBMI builds); any
+    layout the int8 kernel reads takes the int8 product and `column_norms` (`screen_norms(W)`), on
+    AVX2 too. None where neither applies (another layout, no norms, weights not all finite,
+    CONVEYOR_SCREENED_ARGMAX=0, non-finite x)."""
+    if packed is None or not packed.finite or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
         return None
     if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
     kernel = _quant_kernel()
-    screen = getattr(kernel, "q8_0_argmax", None)
-    if screen is None or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
+    screen = getattr(kernel, "q8_0_argmax", None) if packed.layout == "Q8_0" else None
+    if screen is None and (column_norms is None or packed.layout not in INT8_TYPES or int8_matmul_kernel() is None):
         return None
-    tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
+    if not bool(torch.isfinite(x).all()):
+        return None
+    if screen is not None:
+        tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
+    else:
+        assert column_norms is not None
+        tokens = _int8_screened_argmax(x, packed, column_norms, kernel)
     gave_up = tokens < 0
     if bool(gave_up.any()):
         full = packed_product(x[gave_up], packed, None, None, kernel)
         assert full is not None  # the kernel that screened is the one that multiplies
         tokens[gave_up] = full.argmax(dim=-1)
+    return tokens
+
+
+def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
+    """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's int8 error
+    with, for a vocabulary projection in blocks the int8 kernel reads. None where that screen does
+    not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32 product reads its codes
+    as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's head on any block
+    type"), layouts the int8 kernel does not read, no int8 build, weights not all finite."""
+    if (packed is None or packed.layout not in INT8_TYPES or packed.layout == "Q8_0" or not packed.finite
+            or int8_matmul_kernel() is None):
+        return None
+    norms = _quant_kernel().column_norms(packed.data, packed.out_features, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
+    if not bool(torch.isfinite(norms).all()):
+        return None
+    return (norms * (1 + 2.0**-20)).float()  # fp64 -> fp32 rounds to nearest: up by more than that
+
+
+def _gamma(n: int) -> float:
+    """n u / (1 - n u), u = 2^-24: the relative error bound of an n-term fp32 sum."""
+    return n * 2.0**-24 / (1 - n * 2.0**-24)
+
+
+def int8_screen(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates [rows, N] bool, finite [rows] bool): the columns that can hold each row's maximum
+    of the fp32 product x @ W^T, and the rows whose approximate logits are all finite (a row with an
+    overflowed one says nothing). The int8 product (quant_int8.cpp: x in groups of 32, scale
+    max|x| / 127, rounded to nearest, a lone large feature carried exactly) differs from the exact
+    one by sum_k w_k e_k, e x's rounding:
+    |e_k| <= max|x_g| / 254 in group g (or |x_k| below the kernel's zero threshold), so by
+    Cauchy-Schwarz at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
+    |w_col| (|x| + |e|) (a block's minimum at most its largest weight, as quantisers choose it);
+    the bound takes 16 times that. A candidate's upper bound reaches the row's largest lower bound."""
+    qtype = KERNEL_QTYPE[packed.layout]
+    int8_kernel = int8_matmul_kernel()
+    approx = int8_kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
+    rows, k_dim = x.shape
+    xd = x.double()
+    group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
+    per_group = torch.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
+    err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
+    rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (xd.norm(dim=-1) + err)
+    scale = ((err + rounding) * (1 + 2.0**-20)).float()
+    bound = column_norms[None, :] * scale[:, None]
+    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20)  # the fp32 rounding of approx +- bound
+    lower_max = (approx - slack).amax(dim=-1)
+    candidates = (approx + slack) >= lower_max[:, None]  # NaN (an overflowed approx) is never >=: a row gives up
+    return candidates, torch.isfinite(approx).all(dim=-1)
+
+
+def _int8_screened_argmax(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor,
+                          quant_kernel: object) -> torch.Tensor:
+    """Each row's argmax of the fp32 product, -1 where it has more than MAX_SCREENED_CANDIDATES
+    (int8_screen). The candidates are computed by quant_gemm's own product on just their panels,
+    bit for bit the full product's (a column's sum does not depend on its neighbours: isa_check's
+    builds, which tile panels differently, agree on it)."""
+    qtype = KERNEL_QTYPE[packed.layout]
+    candidates, finite = int8_screen(x, packed, column_norms)
+    rows = x.shape[0]
+    counts = candidates.sum(dim=-1)
+    tokens = torch.full((rows,), -1, dtype=torch.long)
+    screened = (counts > 0) & (counts <= MAX_SCREENED_CANDIDATES) & finite
+    if not bool(screened.any()):
+        return tokens
+    wanted = candidates[screened]
+    panels = torch.unique(wanted.any(dim=0).nonzero().squeeze(1) // PANEL)
+    exact = quant_kernel.quantized_matmul(x[screened], packed.data.index_select(0, panels),  # type: ignore[attr-defined]
+                                          len(panels) * PANEL, None, qtype)
+    columns = (panels[:, None] * PANEL + torch.arange(PANEL)).reshape(-1)
+    real = columns < packed.out_features
+    mask = wanted[:, columns.clamp(max=packed.out_features - 1)] & real
+    tokens[screened] = columns[exact.masked_fill(~mask, float("-inf")).argmax(dim=-1)]
     return tokens
 
 

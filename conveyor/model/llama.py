@@ -13,7 +13,8 @@ from torch import nn
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
-from conveyor.model.linear import Embedding, Linear, Matmul, PackedWeight, WeightSource, matmul_path, screened_argmax
+from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, WeightSource, matmul_path, screen_norms,
+                                   screened_argmax)
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
@@ -78,6 +79,8 @@ class LlamaModel(nn.Module):
         # "int8" or "float32": the activations products on GGUF blocks take (conveyor.model.linear)
         self.activation_dtype = "float32"
         self.max_positions = max_positions or cfg.max_position_embeddings
+        # The head's column norms where greedy's screened argmax needs them (linear.screen_norms).
+        self.head_norms: torch.Tensor | None = None
         self._build_rope()
 
     def _build_rope(self) -> None:
@@ -160,7 +163,7 @@ class LlamaModel(nn.Module):
         but can round distinct logits to one value, which moves a tie's first index: not there."""
         if self.cfg.final_logit_softcapping is not None:
             return None
-        return screened_argmax(h, self.head.packed)
+        return screened_argmax(h, self.head.packed, self.head_norms)
 
     @property
     def head(self) -> Linear | Embedding:
@@ -199,6 +202,7 @@ class LlamaModel(nn.Module):
         put_norm("norm", dense("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.load(take("lm_head.weight"), dtype)
+        self.head_norms = screen_norms(self.head.packed)
         for i in range(self.cfg.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."

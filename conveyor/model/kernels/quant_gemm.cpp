@@ -966,6 +966,48 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
   return out;
 }
 
+// Each column's L2 norm (of its dequantised weights, squares summed in double): what the int8
+// screen of a vocabulary projection bounds a column's error with (conveyor.model.linear.screen_norms).
+template <class U>
+void norms_of_panels(const uint8_t* w, int64_t panels, int64_t units, int64_t out_features, double* out) {
+  const int64_t k_dim = units * U::kUnitK;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> expanded(k_dim * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
+      double sums[kPanel] = {};
+      for (int64_t k = 0; k < k_dim; ++k)
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const double v = expanded[k * kPanel + c];
+          sums[c] += v * v;
+        }
+      for (int64_t c = 0; c < std::min(kPanel, out_features - p * kPanel); ++c) out[p * kPanel + c] = std::sqrt(sums[c]);
+    }
+  });
+}
+
+torch::Tensor column_norms(const torch::Tensor& packed, int64_t out_features, int64_t qtype) {
+  TORCH_CHECK(known(qtype), "column_norms: qtype ", qtype, " is not a GGML block type this kernel reads");
+  const auto type = static_cast<QType>(qtype);
+  const Format f = format_of(type);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+              packed.size(2) == f.panel_bytes, "column_norms: bad packed weight");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "column_norms: out_features does not match the packed weight");
+  auto out = torch::empty({out_features}, torch::kDouble);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  double* op = out.data_ptr<double>();
+  const int64_t panels = packed.size(0), units = packed.size(1);
+  switch (type) {
+#define CONVEYOR_QTYPE(T)                                                                  \
+  case QType::k##T: norms_of_panels<T##Unit>(wp, panels, units, out_features, op); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
+#undef CONVEYOR_QTYPE
+  }
+  return out;
+}
+
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized,
@@ -974,6 +1016,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized_into", &pack_quantized_into, "pack_quantized into `out` (a run of whole panels of a larger weight)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a weight packed by pack_quantized, as fp32 [n, K]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("column_norms", &column_norms, "each column's L2 norm (float64 [N]) of a weight packed by pack_quantized",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantized_matmul", &quantized_matmul, "x [M, K] @ W^T (+ bias) on a weight packed by pack_quantized",
         py::call_guard<py::gil_scoped_release>());

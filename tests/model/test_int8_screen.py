@@ -1,0 +1,152 @@
+"""Greedy tokens from a head screened by the int8 kernel's product and the head's column norms
+(conveyor.model.linear.screened_argmax with screen_norms: every block type the int8 kernel reads but
+Q8_0, AVX2 and AVX-512 builds alike) are the full fp32 product's argmax, index for index: on random
+blocks of each type, rows past a tile, outlier features, a partial last panel, exact ties, the
+fallbacks, and on SmolLM2-135M's real hidden states with its head re-quantized."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+
+from conveyor.model import linear as linear_module
+from conveyor.model.linear import (PackedWeight, int8_matmul_kernel, int8_screen, linear, pack_blocks, screen_norms,
+                                   screened_argmax)
+from conveyor.model.quantized import INT8_TYPES, QuantizedWeight
+from tests.model.test_quant_gemm import random_blocks, reference_fp32
+
+pytestmark = pytest.mark.skipif(int8_matmul_kernel() is None, reason="the int8 screen needs the int8 kernel")
+
+SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0")
+K = 512  # two K-quant super-blocks, 16 groups of 32
+N = 1000  # 62 full panels and one of 8 columns
+
+
+def packed_head(q: QuantizedWeight) -> tuple[torch.Tensor, PackedWeight, torch.Tensor]:
+    packed = pack_blocks(q)
+    assert packed is not None and packed.layout == q.qtype
+    norms = screen_norms(packed)
+    assert norms is not None
+    return reference_fp32(q), packed, norms
+
+
+def full_argmax(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    return linear(x, None, packed).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("qtype", SCREENED_TYPES)
+def test_column_norms_bound_the_dequantized_weights(qtype: str) -> None:
+    weight, packed, norms = packed_head(random_blocks(qtype, N, K, seed=1))
+    exact = weight.double().norm(dim=1)
+    assert norms.dtype == torch.float32 and norms.shape == (N,)
+    assert bool((norms.double() >= exact).all())  # rounded up: the bound stays a bound
+    assert torch.allclose(norms.double(), exact, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("qtype", SCREENED_TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_random_blocks_and_rows(qtype: str, rows: int) -> None:
+    _, packed, norms = packed_head(random_blocks(qtype, N, K, seed=rows))
+    x = torch.randn(rows, K)
+    x[:, 7] *= 50.0  # a lone large feature: the int8 kernel carries it exactly
+    x[:, 300] *= 8.0
+    got = screened_argmax(x, packed, norms)
+    assert got is not None and got.dtype == torch.long
+    assert torch.equal(got, full_argmax(x, packed))
+
+
+@pytest.mark.parametrize("n", [993, 1007])  # a last panel of 1 and 15 columns
+def test_last_panel_partly_filled(n: int) -> None:
+    weight, packed, norms = packed_head(random_blocks("Q6_K", n, K, seed=n))
+    x = torch.cat([weight[[n - 1, n - 2, 0]], torch.randn(3, K)])  # the first rows' maxima in the last panel
+    expected = full_argmax(x, packed)
+    assert expected[0] == n - 1 and expected[1] == n - 2
+    assert torch.equal(screened_argmax(x, packed, norms), expected)
+
+
+def test_exact_ties_go_to_the_first_column() -> None:
+    blocks = random_blocks("Q6_K", N, K, seed=2).blocks.clone()
+    blocks[3] = blocks[950] = blocks[900]  # three identical columns, one in the last, partial panel
+    weight, packed, norms = packed_head(QuantizedWeight("Q6_K", blocks))
+    x = weight[900:901].clone()  # column 900's logit is its squared norm: the maximum
+    expected = full_argmax(x, packed)
+    assert int(expected) == 3  # what torch.argmax does with a three-way tie, pinned
+    assert torch.equal(screened_argmax(x, packed, norms), expected)
+
+
+def test_near_ties_are_settled_exactly() -> None:
+    """Column 20 is column 500 plus a tiny difference far inside the int8 bound: both are
+    candidates, and the exact products decide, either sign."""
+    weight, packed, norms = packed_head(random_blocks("Q5_0", N, K, seed=3))
+    x = weight[500:501].clone()
+    blocks = random_blocks("Q5_0", N, K, seed=3).blocks.clone()
+    blocks[20] = blocks[500]
+    blocks[20, 0] ^= 1  # the first block's fp16 scale, one unit in its last place
+    weight, packed, norms = packed_head(QuantizedWeight("Q5_0", blocks))
+    logits = linear(x, None, packed)[0]
+    assert 0 < abs(float(logits[20] - logits[500])) < 1e-3 * float(logits[500].abs())
+    for sign in (1.0, -1.0):
+        candidates, _ = int8_screen(sign * x, packed, norms)
+        if sign > 0:
+            assert bool(candidates[0, 20]) and bool(candidates[0, 500])
+        assert torch.equal(screened_argmax(sign * x, packed, norms), full_argmax(sign * x, packed))
+
+
+def test_too_many_candidates_fall_back_to_the_full_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, packed, norms = packed_head(random_blocks("Q4_0", N, K, seed=4))
+    zeros = torch.zeros(2, K)  # every logit 0: every column a candidate
+    assert screened_argmax(zeros, packed, norms).tolist() == [0, 0]  # the full product: all tie, the first wins
+    mixed = torch.cat([torch.randn(1, K), zeros])
+    assert torch.equal(screened_argmax(mixed, packed, norms), full_argmax(mixed, packed))
+    monkeypatch.setattr(linear_module, "MAX_SCREENED_CANDIDATES", 0)  # every row gives up
+    x = torch.randn(3, K)
+    assert torch.equal(screened_argmax(x, packed, norms), full_argmax(x, packed))
+
+
+def test_what_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, packed, norms = packed_head(random_blocks("Q4_1", N, K, seed=5))
+    x = torch.randn(2, K)
+    x[1, 3] = float("nan")
+    assert screened_argmax(x, packed, norms) is None
+    assert screened_argmax(torch.randn(1, K), packed, None) is None  # no norms: the full product
+    assert screen_norms(pack_blocks(random_blocks("Q8_0", N, K, seed=5))) is None  # Q8_0: q8_0_argmax or the full product
+    assert screen_norms(pack_blocks(random_blocks("Q3_K", N, K, seed=5))) is None  # the int8 kernel does not read it
+    monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
+    assert screened_argmax(torch.randn(1, K), packed, norms) is None
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> None:
+    """SmolLM2's Q8_0 head dequantized and quantized again to `qtype` (gguf-py's quantizer), against
+    final hidden states of greedy runs: every row's screened token is the full product's."""
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(None, num_kv_blocks=64, activation_dtype="float32")
+    model = llm.engine.runner.model
+    head = model.head.packed
+    assert head is not None
+    weight = head.rows(torch.arange(head.out_features)).numpy()
+    blocks = quants.quantize(weight, GGMLQuantizationType[qtype])
+    packed = pack_blocks(QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks))))
+    assert packed is not None
+    norms = screen_norms(packed)
+    seen: list[torch.Tensor] = []
+    plain = model.sampling_hidden
+
+    def keep(*args: object, **kwargs: object) -> torch.Tensor:
+        h = plain(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(h.clone())
+        return h
+
+    model.sampling_hidden = keep  # type: ignore[method-assign]
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "SELECT name FROM users WHERE"]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    hidden = torch.cat(seen)
+    assert hidden.shape[0] >= 32
+    got = screened_argmax(hidden, packed, norms)
+    assert got is not None
+    assert torch.equal(got, full_argmax(hidden, packed))
+    candidates, _ = int8_screen(hidden, packed, norms)  # real states: a few columns each, not the vocabulary
+    assert int(candidates.sum(dim=-1).median()) < 200
