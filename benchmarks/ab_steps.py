@@ -10,7 +10,7 @@ alike. Switches:
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
 - `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
-- `screened-argmax`: greedy tokens from the int8-screened head (quant_gemm.cpp's q8_0_argmax) vs
+- `screened-argmax`: greedy tokens from the int8-screened head (linear.screened_argmax) vs
   the full vocabulary projection and the sampler
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 - `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
