@@ -126,8 +126,8 @@ def test_greedy_batches_take_the_screened_head_and_others_the_full_one(make_engi
     screened_rows: list[int] = []
     plain = llama.screened_argmax
 
-    def recording(x: torch.Tensor, packed):  # type: ignore[no-untyped-def]
-        result = plain(x, packed)
+    def recording(x: torch.Tensor, packed, norms=None):  # type: ignore[no-untyped-def]
+        result = plain(x, packed, norms)
         if result is not None:
             screened_rows.append(x.shape[0])
         return result
