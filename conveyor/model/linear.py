@@ -246,6 +246,9 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
 # Past this many candidate columns a row's screened argmax gives up and the full product runs
 # (a row whose logits are all within the int8 pass's bound of each other: rare; all-zero x does it).
 MAX_SCREENED_CANDIDATES = 4096
+# Rows the int8 screen takes at a time: each holds a few [rows, vocabulary] fp32 temporaries
+# (~20 MB apiece for 32 rows of a 152k vocabulary), not a whole large batch's.
+SCREEN_ROWS = 32
 
 
 def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
@@ -271,7 +274,8 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
         tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
     else:
         assert column_norms is not None
-        tokens = _int8_screened_argmax(x, packed, column_norms, kernel)
+        tokens = torch.cat([_int8_screened_argmax(x[first:first + SCREEN_ROWS], packed, column_norms, kernel)
+                            for first in range(0, x.shape[0], SCREEN_ROWS)])
     gave_up = tokens < 0
     if bool(gave_up.any()):
         full = packed_product(x[gave_up], packed, None, None, kernel)

@@ -150,3 +150,13 @@ def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> 
     assert torch.equal(got, full_argmax(hidden, packed))
     candidates, _ = int8_screen(hidden, packed, norms)  # real states: a few columns each, not the vocabulary
     assert int(candidates.sum(dim=-1).median()) < 200
+
+
+def test_a_batch_past_the_screens_row_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "SCREEN_ROWS", 4)  # 11 rows: chunks of 4, 4 and 3
+    _, packed, norms = packed_head(random_blocks("Q4_K", N, K, seed=6))
+    x = torch.randn(11, K)
+    x[5] = 0.0  # every column a candidate, inside a chunk
+    got = screened_argmax(x, packed, norms)
+    assert got is not None and got.shape == (11,)
+    assert torch.equal(got, full_argmax(x, packed))
