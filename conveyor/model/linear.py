@@ -309,11 +309,11 @@ def int8_screen(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tenso
     of the fp32 product x @ W^T, and the rows whose approximate logits are all finite (a row with an
     overflowed one says nothing). The int8 product (quant_int8.cpp: x in groups of 32, scale
     max|x| / 127, rounded to nearest, a lone large feature carried exactly) differs from the exact
-    one by sum_k w_k e_k, e x's rounding:
-    |e_k| <= max|x_g| / 254 in group g (or |x_k| below the kernel's zero threshold), so by
-    Cauchy-Schwarz at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
-    |w_col| (|x| + |e|) (a block's minimum at most its largest weight, as quantisers choose it);
-    the bound takes 16 times that. A candidate's upper bound reaches the row's largest lower bound."""
+    one by sum_k w_k e_k, e being x's rounding, |e_k| <= max|x_g| / 254 in group g (|x_k| in a group
+    below the kernel's zero threshold): by Cauchy-Schwarz, by at most |w_col| |e|. Both products'
+    fp32 rounding adds at most a few gamma_n of |w_col| (|x| + |e|) (a block's minimum no larger
+    than its largest weight, as quantisers choose it); the bound takes 16 times that. A candidate's
+    upper bound reaches the row's largest lower bound."""
     qtype = KERNEL_QTYPE[packed.layout]
     int8_kernel = int8_matmul_kernel()
     approx = int8_kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
