@@ -257,8 +257,8 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
     an int8 pass gives every column an approximate logit and a bound on its distance from the fp32
     one, and only the columns that can be the maximum are computed exactly, so the indices are the
     full product's. A Q8_0 W takes quant_gemm.cpp's q8_0_argmax (AVX-512 VNNI/VBMI builds); any
-    layout the int8 kernel reads takes the int8 product and `column_norms` (`screen_norms(W)`), on
-    AVX2 too. None where neither applies (another layout, no norms, weights not all finite,
+    layout the int8 kernel reads takes the int8 product and `column_norms` (`screen_norms(W)`, None
+    for any other), on AVX2 too. None where neither applies (no norms, weights not all finite,
     CONVEYOR_SCREENED_ARGMAX=0, non-finite x)."""
     if packed is None or not packed.finite or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
         return None
@@ -266,7 +266,7 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
         return None
     kernel = _quant_kernel()
     screen = getattr(kernel, "q8_0_argmax", None) if packed.layout == "Q8_0" else None
-    if screen is None and (column_norms is None or packed.layout not in INT8_TYPES or int8_matmul_kernel() is None):
+    if screen is None and column_norms is None:  # screen_norms gives norms only where the int8 screen applies
         return None
     if not bool(torch.isfinite(x).all()):
         return None

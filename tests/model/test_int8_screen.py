@@ -121,7 +121,8 @@ def test_what_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> None:
     """SmolLM2's Q8_0 head dequantized and quantized again to `qtype` (gguf-py's quantizer), against
     final hidden states of greedy runs: every row's screened token is the full product's."""
-    from conveyor import LLM, SamplingParams
+    from benchmarks.kernels.screened_argmax import final_hidden_states
+    from conveyor import LLM
 
     llm = LLM(None, num_kv_blocks=64, activation_dtype="float32")
     model = llm.engine.runner.model
@@ -132,18 +133,7 @@ def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> 
     packed = pack_blocks(QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks))))
     assert packed is not None
     norms = screen_norms(packed)
-    seen: list[torch.Tensor] = []
-    plain = model.sampling_hidden
-
-    def keep(*args: object, **kwargs: object) -> torch.Tensor:
-        h = plain(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(h.clone())
-        return h
-
-    model.sampling_hidden = keep  # type: ignore[method-assign]
-    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "SELECT name FROM users WHERE"]
-    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
-    hidden = torch.cat(seen)
+    hidden = final_hidden_states(llm, 8)  # the hidden states the head takes, over a few greedy prompts
     assert hidden.shape[0] >= 32
     got = screened_argmax(hidden, packed, norms)
     assert got is not None

@@ -468,6 +468,24 @@ Format format_of(QType type) {
   return {0, 0, 0};
 }
 
+template <class U>
+struct UnitTag {
+  using Unit = U;
+};
+
+// Calls f(UnitTag<U>{}) with the panel unit U of `type`: the one place a GGML type picks its unit
+// for the per-type templates (the product, row lookup, column norms).
+template <class F>
+void with_unit(QType type, F&& f) {
+  switch (type) {
+#define CONVEYOR_QTYPE(T) \
+  case QType::k##T: f(UnitTag<T##Unit>{}); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
+#undef CONVEYOR_QTYPE
+  }
+}
+
 // Writes column c's code of step k into a unit's code chunks (see unsigned_codes).
 template <int kBits>
 inline void put_code(uint8_t* codes, int64_t k, int64_t c, uint8_t code) {
@@ -865,13 +883,9 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
   const float* xp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  switch (type) {
-#define CONVEYOR_QTYPE(T)                                                                                 \
-  case QType::k##T: matmul_panels<T##Unit>(xp, x_stride, m, wp, panels, units, bias_ptr, yp, out_features); break;
-    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
-#undef CONVEYOR_QTYPE
-  }
+  with_unit(type, [&](auto tag) {
+    matmul_panels<typename decltype(tag)::Unit>(xp, x_stride, m, wp, panels, units, bias_ptr, yp, out_features);
+  });
   return y;
 }
 
@@ -985,13 +999,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
   if (n == 0) return out;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (type) {
-#define CONVEYOR_QTYPE(T)                                                                  \
-  case QType::k##T: rows_of_panels<T##Unit>(wp, units, ip, n, op); break;
-    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
-#undef CONVEYOR_QTYPE
-  }
+  with_unit(type, [&](auto tag) { rows_of_panels<typename decltype(tag)::Unit>(wp, units, ip, n, op); });
   return out;
 }
 
@@ -1027,13 +1035,9 @@ torch::Tensor column_norms(const torch::Tensor& packed, int64_t out_features, in
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   double* op = out.data_ptr<double>();
   const int64_t panels = packed.size(0), units = packed.size(1);
-  switch (type) {
-#define CONVEYOR_QTYPE(T)                                                                  \
-  case QType::k##T: norms_of_panels<T##Unit>(wp, panels, units, out_features, op); break;
-    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q2_K) CONVEYOR_QTYPE(Q3_K) CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K) CONVEYOR_QTYPE(F16) CONVEYOR_QTYPE(BF16)
-#undef CONVEYOR_QTYPE
-  }
+  with_unit(type, [&](auto tag) {
+    norms_of_panels<typename decltype(tag)::Unit>(wp, panels, units, out_features, op);
+  });
   return out;
 }
 
