@@ -1,8 +1,11 @@
 """This CPU's arithmetic peaks: fp32 FMA, int8 dot products (AVX-512 VNNI `vpdpbusd`, or AVX2
 `vpmaddubsw` + `vpmaddwd` + add) and bf16 dot products (AVX512-BF16 `vdpbf16ps`), each an
-instruction loop of 12 independent register chains (no memory traffic), on 1 and on all threads.
+instruction loop of 12 independent register chains (no memory traffic), on 1 and on all threads;
+and where the CPU has Intel's AMX tiles, their int8 (`tdpbssd`) and bf16 (`tdpbf16ps`) products,
+four independent 16 x 16 sums tiles fed by two pairs of input tiles loaded once.
 These are the ceilings the products of docs/PERF.md are measured against: an fp32 FMA does 2 flops
-a lane, a `vpdpbusd` 8 integer ops a 32-bit lane (4 multiply-adds), a `vdpbf16ps` 4 flops a lane.
+a lane, a `vpdpbusd` 8 integer ops a 32-bit lane (4 multiply-adds), a `vdpbf16ps` 4 flops a lane,
+a `tdpbssd` 16 x 16 x 64 multiply-adds, a `tdpbf16ps` 16 x 16 x 32.
 
     python benchmarks/kernels/peaks.py [--threads 1 2] [--repeats 5]
 """
@@ -18,6 +21,8 @@ from torch.utils.cpp_extension import load_inline
 SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/extension.h>
 
 // Each returns the number of operations done; 12 chains hide the instruction latency. OPAQUE tells
@@ -127,9 +132,55 @@ double bf16_dot(int64_t iters, int threads) {
   return -1.0;  // no AVX512-BF16 on this CPU
 #endif
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+// Tiles 0-3 sums (16 x 64 bytes), 4-5 one side's inputs (16 x 64 bytes), 6-7 the other's (16 x 64).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lends the tile registers to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+static bool amx_permitted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+template <bool kBf16>
+double amx_product(int64_t iters, int threads) {
+  if (!amx_permitted()) return -1.0;
+  double total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    alignas(64) static thread_local uint8_t inputs[16 * 64];
+    for (int i = 0; i < 16 * 64; ++i) inputs[i] = static_cast<uint8_t>(kBf16 ? (i % 2 ? 0x3f : 0x80) : 1);
+    _tile_loadd(4, inputs, 64); _tile_loadd(5, inputs, 64); _tile_loadd(6, inputs, 64); _tile_loadd(7, inputs, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t n = 0; n < iters / 16; ++n) {
+      if constexpr (kBf16) {
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      } else {
+        _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+      }
+    }
+    alignas(64) static thread_local int32_t sums[16 * 16];
+    _tile_stored(0, sums, 64);  // the sums leave the tiles, so the loop is not dead code
+    KEEP(sums[0])
+    _tile_release();
+    total += (double)(iters / 16) * 4 * 16 * 16 * (kBf16 ? 32 : 64) * 2;
+  }
+  return total;
+}
+double amx_int8(int64_t iters, int threads) { return amx_product<false>(iters, threads); }
+double amx_bf16(int64_t iters, int threads) { return amx_product<true>(iters, threads); }
+#else
+double amx_int8(int64_t, int) { return -1.0; }  // no AMX on this CPU (or in this compiler)
+double amx_bf16(int64_t, int) { return -1.0; }
+#endif
 """
 
-FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot"]
+FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot", "amx_int8", "amx_bf16"]
 DECLARATIONS = "\n".join(f"double {name}(int64_t iters, int threads);" for name in FUNCTIONS)
 
 
@@ -142,7 +193,8 @@ def main() -> None:
     module = load_inline("conveyor_peaks", cpp_sources=[DECLARATIONS, SOURCE], functions=FUNCTIONS,
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; giga-operations a second, best of {args.repeats}")
-    print(f"{'threads':>7} {'fp32 FMA':>10} {'int8 dot':>10} {'bf16 dot':>10} {'int8/fp32':>10} {'bf16/fp32':>10}")
+    print(f"{'threads':>7} {'fp32 FMA':>10} {'int8 dot':>10} {'bf16 dot':>10} {'int8/fp32':>10} {'bf16/fp32':>10}"
+          f" {'AMX int8':>10} {'AMX bf16':>10}")
     for threads in args.threads:
         best: dict[str, float] = {}
         for name in FUNCTIONS:
@@ -153,7 +205,8 @@ def main() -> None:
                 rates.append(ops / (time.perf_counter() - start) / 1e9 if ops > 0 else float("nan"))
             best[name] = max(rates)
         fp32, int8, bf16 = best["fp32_fma"], best["int8_dot"], best["bf16_dot"]
-        print(f"{threads:>7} {fp32:>10.0f} {int8:>10.0f} {bf16:>10.0f} {int8 / fp32:>9.2f}x {bf16 / fp32:>9.2f}x")
+        print(f"{threads:>7} {fp32:>10.0f} {int8:>10.0f} {bf16:>10.0f} {int8 / fp32:>9.2f}x {bf16 / fp32:>9.2f}x"
+              f" {best['amx_int8']:>10.0f} {best['amx_bf16']:>10.0f}")
 
 
 if __name__ == "__main__":

@@ -165,8 +165,16 @@ build_server() {
         rm -rf "$dl"
     fi
     command -v cmake >/dev/null || { echo "cmake is needed (apt-get install cmake)" >&2; exit 1; }
-    log "building ${TOOLS[*]} (commit $LLAMA_COMMIT; 7-20 min on two cores, once)"
+    # On CPUs with Intel's AMX tiles, this tree's AMX matmul (ggml-cpu/amx/mmq.cpp) dies at its first
+    # tile load with SIGILL (seen on a 2-vCPU Xeon VM, 2026-12-05: `trap invalid opcode` in
+    # tinygemm_kernel_amx, one thread or two), so it is built without AMX and everything else the CPU
+    # has (GCC keeps an explicit -mno-* over a later -march=native); --repack 0 at run time also avoids
+    # it, but gives up the repacked AVX-512 layouts, which are faster.
+    local isa_flags=""
+    grep -qw amx_tile /proc/cpuinfo && isa_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    log "building ${TOOLS[*]} (commit $LLAMA_COMMIT; 7-20 min on two cores, once)${isa_flags:+, without AMX}"
     cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DCMAKE_C_FLAGS="$isa_flags" -DCMAKE_CXX_FLAGS="$isa_flags" \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_COMMIT="$LLAMA_COMMIT" >/dev/null
     cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target "${TOOLS[@]}"
