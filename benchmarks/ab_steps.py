@@ -12,6 +12,8 @@ alike. Switches:
 - `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
 - `screened-argmax`: greedy tokens from the int8-screened head (linear.screened_argmax) vs
   the full vocabulary projection and the sampler
+- `sampled-head`: rows that sample at a temperature taking the vocabulary projection in the
+  activation dtype (LlamaModel.logits) vs in fp32 like greedy rows (use with `--temperature`)
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 - `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
   `--baseline REV` (same packed layout)
@@ -28,6 +30,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
     python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
     python benchmarks/ab_steps.py --switch half-weights --model out/qwen-bf16 --batch-sizes 1 16 32 --prefill 512
+    python benchmarks/ab_steps.py --switch sampled-head --temperature 0.8 --model qwen2.5-coder-0.5b --batch-sizes 1 16 32
 """
 from __future__ import annotations
 
@@ -134,6 +137,8 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
     "screened-argmax": lambda runner: _patch_switch(runner.model, "greedy_tokens", lambda h: None),
     "half-weights": lambda runner: _half_weights_switch(runner.model),
+    "sampled-head": lambda runner: _patch_switch(runner.model, "logits",
+                                                 lambda h, sampled=None, exact=runner.model.logits: exact(h)),
 }
 
 
@@ -169,12 +174,14 @@ def time_pairs(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
 
 
 def ab_steps(engine: LLMEngine, switch: Callable[[bool], None], batch_sizes: list[int], contexts: list[int],
-             repeats: int, labels: tuple[str, str] = ("on", "off"), shared_prefix: tuple[int, int] | None = None) -> None:
+             repeats: int, labels: tuple[str, str] = ("on", "off"), shared_prefix: tuple[int, int] | None = None,
+             temperature: float = 0.0) -> None:
     print(f"| batch | contexts (mean / max) | {labels[0]} step ms (min / median) | {labels[1]} step ms (min / median) "
           f"| {labels[1]} / {labels[0]} |")
     print("|---:|---:|---:|---:|---:|")
     for batch in batch_sizes:
-        ids = start_decode_batch(engine, batch, contexts, 4 * repeats, shared_prefix=shared_prefix)
+        ids = start_decode_batch(engine, batch, contexts, 4 * repeats, shared_prefix=shared_prefix,
+                                 temperature=temperature)
         lens = [engine.scheduler.requests[i].num_prompt_tokens for i in ids]
 
         def step_with(on: bool) -> Callable[[], object]:
@@ -218,6 +225,7 @@ def main() -> None:
     parser.add_argument("--share", help="G:P: prompts in G groups starting with the same P tokens (cache hits)")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--prefill", type=int, default=0, help="N > 0: also A/B a fresh N-token prompt's prefill")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the decoding requests sample at T (0: greedy)")
     args = parser.parse_args()
     if args.switch in AT_REVISION and not args.baseline:
         parser.error(f"--switch {args.switch} needs --baseline REV")
@@ -227,7 +235,7 @@ def main() -> None:
     else:
         switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None
-    ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats, labels, share)
+    ab_steps(llm.engine, switch, args.batch_sizes, args.contexts, args.repeats, labels, share, args.temperature)
     if args.prefill:
         ab_prefill(llm.engine, switch, args.prefill, args.repeats, labels)
 

@@ -24,19 +24,23 @@ def decode_prompt(i: int, length: int) -> list[int]:
 
 
 def start_decode_batch(engine: LLMEngine, batch: int, contexts: Sequence[int], steps: int,
-                       seed: int = 0, shared_prefix: tuple[int, int] | None = None) -> list[str]:
+                       seed: int = 0, shared_prefix: tuple[int, int] | None = None,
+                       temperature: float = 0.0) -> list[str]:
     """Adds `batch` requests with prompt lengths drawn from `contexts` and runs their prompts; the
     requests then decode for at least `steps` more steps (also when the prompts took several
     steps, during which the first ones already decoded). Returns their ids. `shared_prefix`
     (groups, tokens): request i's prompt starts with group i % groups's `tokens` tokens, followed
-    by a length drawn from `contexts` of its own (prefix-cache hits, as the `prefix` workload's)."""
+    by a length drawn from `contexts` of its own (prefix-cache hits, as the `prefix` workload's).
+    The requests are greedy, or sample at `temperature` (seeded) where it is above 0."""
     rng = random.Random(seed)
     groups, prefix_len = shared_prefix or (1, 0)
     prompts = [decode_prompt(10_000 + i % groups, prefix_len) + decode_prompt(i, rng.choice(list(contexts)))
                for i in range(batch)]
     prefill_steps = math.ceil(sum(map(len, prompts)) / engine.config.scheduler.max_num_batched_tokens) + batch
-    params = SamplingParams(max_tokens=steps + prefill_steps + 8, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    max_tokens = steps + prefill_steps + 8
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                                     seed=seed + i if temperature > 0 else None))
+           for i, prompt in enumerate(prompts)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     return ids

@@ -5,7 +5,10 @@ standard library's own prose docstrings and the Python license for text), teache
 once exactly (fp32 activations and an fp32 KV cache: the path whose greedy tokens equal
 transformers') and once with the activation and KV cache dtypes under test (by default the
 engine's: int8 and float16). Reported per text: perplexity of each, their ratio, and top-1
-agreement (the share of positions whose argmax is the same in both).
+agreement (the share of positions whose argmax is the same in both). The tested path's greedy
+tokens come from the exact vocabulary projection (LlamaModel.logits), as the engine's do; requests
+that sample at a temperature get the projection in the tested dtype too, so the perplexity of
+those logits is reported beside ("ppl sampled").
 """
 from __future__ import annotations
 
@@ -56,10 +59,15 @@ class QualityResult:
     reference_ppl: float  # fp32 activations
     ppl: float  # the activation dtype under test
     top1_agreement: float
+    sampled_ppl: float  # the same with the vocabulary projection in that dtype, as sampled rows take it
 
     @property
     def ppl_ratio(self) -> float:
         return self.ppl / self.reference_ppl
+
+    @property
+    def sampled_ppl_ratio(self) -> float:
+        return self.sampled_ppl / self.reference_ppl
 
 
 # (activation dtype, KV cache dtype): how a path computes.
@@ -68,9 +76,11 @@ EXACT: Arithmetic = ("float32", torch.float32)
 
 
 def score(model: torch.nn.Module, ids: list[int], window: int,
-          paths: tuple[Arithmetic, Arithmetic]) -> tuple[list[float], list[float], float]:
-    """Negative log-likelihoods of every next token on each path, and the share of positions where
-    their argmaxes agree. Windows of `window` tokens, each from an empty cache (a cache per path)."""
+          paths: tuple[Arithmetic, Arithmetic]) -> tuple[list[float], list[float], float, list[float]]:
+    """Negative log-likelihoods of every next token on each path, the share of positions where
+    their argmaxes agree, and the second path's negative log-likelihoods with its vocabulary
+    projection in its own dtype (as a sampled row's). Windows of `window` tokens, each from an
+    empty cache (a cache per path)."""
     from conveyor.model.attention import AttentionMetadata, PrefillChunk
     from conveyor.runner.model_runner import allocate_kv_cache
 
@@ -79,6 +89,7 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
     caches = [allocate_kv_cache(model.cfg, blocks, block_size, kv_dtype) for _, kv_dtype in paths]  # type: ignore[arg-type]
     table = torch.arange(blocks)
     nll: tuple[list[float], list[float]] = ([], [])
+    sampled_nll: list[float] = []
     agree = total = 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]
@@ -89,14 +100,18 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
         for which, (dtype, _) in enumerate(paths):
             model.activation_dtype = dtype  # type: ignore[assignment]
             meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)])
-            logits = model(torch.tensor(chunk[:n]), torch.arange(n), meta, caches[which], torch.arange(n))
-            logprobs = torch.log_softmax(logits.double(), dim=-1)
+            h = model.sampling_hidden(torch.tensor(chunk[:n]), torch.arange(n), meta, caches[which],  # type: ignore[operator]
+                                      torch.arange(n))
             target = torch.tensor(chunk[1:])
-            nll[which].extend((-logprobs[torch.arange(n), target]).tolist())
+            logits = model.logits(h)  # type: ignore[operator]
+            nll[which].extend((-torch.log_softmax(logits.double(), dim=-1)[torch.arange(n), target]).tolist())
             argmaxes.append(logits.argmax(-1))
+            if which == 1:
+                sampled = model.logits(h, torch.ones(n, dtype=torch.bool))  # type: ignore[operator]
+                sampled_nll.extend((-torch.log_softmax(sampled.double(), dim=-1)[torch.arange(n), target]).tolist())
         agree += int((argmaxes[0] == argmaxes[1]).sum())
         total += n
-    return nll[0], nll[1], agree / max(1, total)
+    return nll[0], nll[1], agree / max(1, total), sampled_nll
 
 
 def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str, max_tokens: int,
@@ -106,9 +121,9 @@ def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str
     try:
         for name, text in (("code (stdlib source)", code_text()), ("prose (stdlib docs, license)", prose_text())):
             ids = tokenizer.encode(text)[:max_tokens]  # type: ignore[attr-defined]
-            ref, test, agreement = score(model, ids, window, (EXACT, (activation_dtype, kv_cache_dtype)))
+            ref, test, agreement, sampled = score(model, ids, window, (EXACT, (activation_dtype, kv_cache_dtype)))
             results.append(QualityResult(name, len(ref), math.exp(sum(ref) / len(ref)), math.exp(sum(test) / len(test)),
-                                         agreement))
+                                         agreement, math.exp(sum(sampled) / len(sampled))))
     finally:
         model.activation_dtype = saved  # type: ignore[assignment]
     return results
@@ -119,8 +134,9 @@ def report(model_name: str, activation_dtype: str, results: list[QualityResult],
     kv = str(kv_cache_dtype).removeprefix("torch.")
     lines = [f"{model_name}: {activation_dtype} activations, {kv} KV cache, against fp32 with an fp32 KV cache "
              "(teacher-forced)",
-             f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl tested':>10} {'ratio':>7} {'top-1 agree':>11}"]
+             f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl tested':>10} {'ratio':>7} {'top-1 agree':>11} "
+             f"{'ppl sampled':>11} {'ratio':>7}"]
     for r in results:
         lines.append(f"{r.text:<30} {r.tokens:>7} {r.reference_ppl:>9.4f} {r.ppl:>10.4f} {r.ppl_ratio:>7.4f} "
-                     f"{r.top1_agreement:>11.4f}")
+                     f"{r.top1_agreement:>11.4f} {r.sampled_ppl:>11.4f} {r.sampled_ppl_ratio:>7.4f}")
     return "\n".join(lines)

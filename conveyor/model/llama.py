@@ -147,11 +147,26 @@ class LlamaModel(nn.Module):
         return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of h's rows. The rows `sampled` marks (a bool a row: its request draws its
+        token at a temperature) take the head's product in activation_dtype, as every other layer
+        does (int8 by default: on a head in blocks about half the time of fp32 activations, and the
+        head is the largest product of a small model's step). The others take fp32 activations
+        whatever activation_dtype says: screened_argmax (greedy_tokens) is the exact fp32 argmax, so
+        a greedy request gets the same token whether its batch samples or not, and prompt logprobs
+        score the model exactly. Each product is row by row, so a row's logits do not depend on the
+        rows beside it."""
         head = self.head
-        # fp32 activations here whatever activation_dtype says: screened_argmax (greedy_tokens) is the
-        # exact fp32 argmax, so a greedy request gets the same token whether its batch samples or not.
-        logits = matmul_path("float32")(h, head.weight, head.packed, None).float()
+        exact = matmul_path("float32")
+        if sampled is None or self.activation_dtype == "float32" or not bool(sampled.any()):
+            logits = exact(h, head.weight, head.packed, None).float()
+        elif bool(sampled.all()):
+            logits = matmul_path(self.activation_dtype)(h, head.weight, head.packed, None).float()
+        else:
+            fast = matmul_path(self.activation_dtype)(h[sampled], head.weight, head.packed, None).float()
+            logits = torch.empty(h.shape[0], fast.shape[1], dtype=torch.float32)
+            logits[sampled] = fast
+            logits[~sampled] = exact(h[~sampled], head.weight, head.packed, None).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

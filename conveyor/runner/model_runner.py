@@ -180,7 +180,12 @@ class ModelRunner:
                     return SamplerOutput(tokens.tolist())
                 chosen, accepted = verify_rows(tokens.tolist(), [r.spec_token_ids for r in requests])
                 return SamplerOutput(chosen, num_accepted=accepted)
-        logits = self.model.logits(h)
+        # Rows that draw at a temperature take the head in the activation dtype; greedy rows and
+        # prompt logprobs stay exact (LlamaModel.logits).
+        row_requests = [r for r in requests for _ in range(1 + len(r.spec_token_ids))] if speculating else requests
+        sampled_rows = torch.tensor([not r.sampling_params.greedy for r in row_requests]
+                                    + [False] * (h.shape[0] - num_sampling), dtype=torch.bool)
+        logits = self.model.logits(h, sampled_rows)
         t2 = time.perf_counter()
         if token_masks is not None:
             apply_token_masks(logits[:num_sampling], token_masks)

@@ -72,3 +72,54 @@ def test_int8_stays_close_to_the_fp32_reference(make_engine, prompt_ids, int8_al
     reference = [run(exact, [p])[0] for p in prompt_ids]
     same_start = sum(ours[:4] == ref[:4] for ours, ref in zip(int8_alone, reference))
     assert same_start >= len(prompt_ids) - 2
+
+
+def test_sampled_rows_take_the_head_in_int8_and_greedy_rows_stay_exact(default_model) -> None:  # noqa: ANN001
+    """LlamaModel.logits: rows that sample at a temperature take the vocabulary projection in the
+    activation dtype, the others fp32 activations; a row's logits do not depend on its neighbours."""
+    from conveyor.model.attention import AttentionMetadata, PrefillChunk
+    from conveyor.runner.model_runner import allocate_kv_cache
+
+    model = default_model.model
+    ids = default_model.tokenizer.encode(PROMPTS[0])
+    n = len(ids)
+    blocks = -(-n // 16)
+    meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, torch.arange(blocks))])
+    saved = model.activation_dtype
+    try:
+        model.activation_dtype = "int8"
+        hidden = model.sampling_hidden(torch.tensor(ids), torch.arange(n), meta,
+                                       allocate_kv_cache(model.cfg, blocks, 16, torch.float32), torch.arange(n))
+        exact = model.logits(hidden)
+        int8 = model.logits(hidden, torch.ones(n, dtype=torch.bool))
+        mask = torch.arange(n) % 2 == 0
+        mixed = model.logits(hidden, mask)
+        assert torch.equal(mixed[~mask], exact[~mask]) and torch.equal(mixed[mask], int8[mask])
+        assert torch.equal(model.logits(hidden[2:3], torch.ones(1, dtype=torch.bool)), int8[2:3])
+        assert not torch.equal(int8, exact)  # a different product ...
+        kl = torch.nn.functional.kl_div(int8.log_softmax(-1), exact.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        assert float(kl.max()) < 1e-2, kl  # ... of nearly the same distribution
+        model.activation_dtype = "float32"  # the exact switch: every row exact
+        assert torch.equal(model.logits(hidden, torch.ones(n, dtype=torch.bool)), exact)
+    finally:
+        model.activation_dtype = saved
+
+
+def test_the_runner_marks_the_rows_that_sample(make_engine, prompt_ids, monkeypatch) -> None:  # noqa: ANN001
+    engine = make_engine(activation_dtype="int8")
+    model = engine.runner.model
+    marks: list[list[bool]] = []
+    plain = model.logits
+
+    def recording(h: torch.Tensor, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        marks.append([] if sampled is None else sampled.tolist())
+        return plain(h, sampled)
+
+    monkeypatch.setattr(model, "logits", recording)
+    engine.add_request(prompt_ids[0], GREEDY)
+    engine.add_request(prompt_ids[1], SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True))
+    while engine.has_unfinished_requests:
+        engine.step()
+    # the greedy request's steps alone take the screened argmax, without logits
+    assert marks and all(sorted(m) == [False, True] for m in marks), marks

@@ -46,7 +46,7 @@ def test_float16_cache_keeps_the_exact_paths_choices(default_model: LoadedModel)
     path's next token at nearly every position, at the same perplexity. A cache read back wrongly (a
     misplaced or unconverted element) drops both at once."""
     ids = default_model.tokenizer.encode(code_text())[:1024]
-    ref, test, agreement = score(default_model.model, ids, 256, (EXACT, ("float32", torch.float16)))
+    ref, test, agreement, _ = score(default_model.model, ids, 256, (EXACT, ("float32", torch.float16)))
     ppl_ratio = torch.tensor(test).mean().exp() / torch.tensor(ref).mean().exp()
     assert agreement >= 0.995 and abs(float(ppl_ratio) - 1.0) < 1e-3
 
