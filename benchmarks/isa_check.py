@@ -49,8 +49,9 @@ EMULATION_HEADER = Path(__file__).parent / "kernels" / "avx512_on_avx2.h"
 # SIMDe 0.7.4 (header-only, MIT), as Debian 12 packages it.
 SIMDE_DEB = "http://deb.debian.org/debian/pool/main/s/simde/libsimde-dev_0.7.4~rc2-2_all.deb"
 SIMDE_SHA256 = "471b66fdc79e0a479c4d11dc85c2b6313df1704b737ea2f7266753335c5d062b"
-# The native build's int8 product takes its AVX-512 path with all four (quant_int8.cpp).
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
+# The native build's int8 product takes its AVX-512 path with all four (quant_int8.cpp), as
+# /proc/cpuinfo spells them (VNNI with an underscore, VBMI without).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
 
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "F16": [0], "BF16": [0]}
