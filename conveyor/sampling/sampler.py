@@ -1,6 +1,7 @@
 """Vectorised sampling: logit adjustments (allowed tokens, bad words, min_tokens, logit_bias,
-penalties), greedy, temperature,
-min-p, top-k, top-p and per-request seeds, in one pass per step over the [rows, vocab] logits.
+penalties), greedy, temperature, min-p, top-k, top-p and per-request seeds, over the [rows, vocab]
+logits of a step. Nothing sorts a whole row: top-k and top-p keep candidates found by `topk`, and
+penalties touch only the tokens a request has seen.
 
 Each sampled row draws one uniform number and inverts its CDF. The number comes from the
 request's own generator when it has a seed, so its draws do not depend on its batch-mates.
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import Counter
 from typing import Callable, MutableMapping, Sequence
 
 import torch
 
 from conveyor.request import Request
+from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.outputs import SamplerOutput, verify_rows
 
 
@@ -100,42 +103,117 @@ def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_i
         logits.index_put_((torch.tensor(bias_rows, dtype=torch.long), torch.tensor(bias_cols, dtype=torch.long)),
                           torch.tensor(values, dtype=logits.dtype), accumulate=True)
     if penalized:
-        logits[penalized] = _penalize(logits[penalized], [requests[i] for i in penalized])
+        _penalize_(logits, {i: requests[i] for i in penalized})
     return logits
 
 
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts, from one scatter over the lists padded to one length
-    (padding goes to a spare column that is dropped)."""
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-    for i, tokens in enumerate(token_lists):
-        if tokens:
-            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    counts = torch.zeros(len(token_lists), vocab + 1)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape))
-    return counts[:, :vocab]
-
-
-def _penalize(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """logits: the rows of `requests` only, every one of which uses a penalty."""
-    params = [r.sampling_params for r in requests]
+def _penalize_(logits: torch.Tensor, rows: dict[int, Request]) -> None:
+    """Applies each row's penalties in place. A penalty changes only tokens its request has seen,
+    so only those cells are read and written, not the vocabulary."""
     vocab = logits.shape[-1]
-    output_counts = _token_counts([r.output_token_ids for r in requests], vocab)
-    repetition = torch.tensor([p.repetition_penalty for p in params])
-    if bool((repetition != 1.0).any()):
-        prompt_seen = _token_counts([r.prompt_token_ids if p.repetition_penalty != 1.0 else () for r, p in
-                                     zip(requests, params)], vocab) > 0
-        seen = prompt_seen | (output_counts > 0)
-        factor = torch.where(seen, repetition[:, None], torch.ones(()))
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
-    frequency = torch.tensor([p.frequency_penalty for p in params])
-    presence = torch.tensor([p.presence_penalty for p in params])
-    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+    cell_rows: list[int] = []
+    cell_tokens: list[int] = []
+    counts: list[int] = []
+    repetition: list[float] = []
+    frequency: list[float] = []
+    presence: list[float] = []
+    for row, request in rows.items():
+        p = request.sampling_params
+        output = Counter(t for t in request.output_token_ids if t < vocab)
+        seen = set(output)
+        if p.repetition_penalty != 1.0:
+            seen.update(t for t in request.prompt_token_ids if t < vocab)
+        cell_rows += [row] * len(seen)
+        cell_tokens += seen
+        counts += (output[t] for t in seen)
+        repetition += [p.repetition_penalty] * len(seen)
+        frequency += [p.frequency_penalty] * len(seen)
+        presence += [p.presence_penalty] * len(seen)
+    if not cell_rows:
+        return
+    cells = (torch.tensor(cell_rows, dtype=torch.long), torch.tensor(cell_tokens, dtype=torch.long))
+    values = logits[cells]
+    factor = torch.tensor(repetition)
+    values = torch.where(values > 0, values / factor, values * factor)
+    count = torch.tensor(counts, dtype=logits.dtype)
+    logits[cells] = values - torch.tensor(frequency) * count - torch.tensor(presence) * (count > 0)
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
+
+
+# Nucleus candidates start from this many of a row's best tokens and widen eightfold while the
+# nucleus runs past them: a full sort of a 150k vocabulary costs more than a decode step.
+FIRST_CANDIDATE_WIDTH = 256
+
+
+def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    # Of the tempered distribution, before top-k/top-p (vLLM): p < min_p * max p is dropped.
+    # In log space: logit < max logit + log(min_p); min_p 0 gives -inf and drops nothing.
+    min_p = torch.tensor([p.min_p for p in params])
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _draw_by_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's first position whose cumulative softmax reaches its uniform share of the total."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    position = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
+    return position.clamp_(max=logits.shape[-1] - 1)
+
+
+def _draw_from_vocabulary(scaled: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+    return _draw_by_cdf(scaled, uniform)
+
+
+def nucleus_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams], width: int = FIRST_CANDIDATE_WIDTH,
+                       row_log_total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, logits), each [rows, width]: every row's tokens that survive top-k and then
+    top-p (the smallest best-first prefix whose mass reaches top_p, of the distribution top-k
+    leaves; the likeliest token always survives), best first, the rest of the width at -inf.
+    The tokens a full sort of the row keeps, found by `topk` over a window that widens, for the
+    rows whose nucleus runs past it only."""
+    vocab = scaled.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    limit = torch.tensor(top_k)
+    top_p = torch.tensor([p.top_p for p in params])
+    by_k = limit < vocab
+    # A row with top-k is normalised over its k best, so the window holds them all; a row without
+    # over its whole row, so its window need only reach the end of its nucleus.
+    width = min(vocab, max([k for k in top_k if k < vocab] + [1 if bool(by_k.all()) else width]))
+    if row_log_total is None:
+        row_log_total = torch.logsumexp(scaled, dim=-1) if not bool(by_k.all()) else torch.zeros(len(params))
+    values, ids = scaled.topk(width, dim=-1)
+    drop = torch.arange(width)[None, :] >= limit[:, None]
+    values = values.masked_fill(drop, float("-inf"))
+    log_total = torch.where(by_k, torch.logsumexp(values, dim=-1), row_log_total) if bool(by_k.any()) else row_log_total
+    probs = (values - log_total[:, None]).exp()
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
+    mass = probs.cumsum(dim=-1)
+    drop |= (mass - probs) >= top_p[:, None]
+    drop |= values == float("-inf")
+    drop[:, 0] = False
+    values = values.masked_fill(drop, float("-inf"))
+    past = torch.nonzero(~by_k & (mass[:, -1] < top_p)).flatten().tolist()
+    if width == vocab or not past:
+        return ids, values
+    wide_ids, wide_values = nucleus_candidates(scaled[past], [params[i] for i in past], min(vocab, width * 8),
+                                               row_log_total[past])
+    pad = wide_ids.shape[1] - width
+    ids = torch.nn.functional.pad(ids, (0, pad))
+    values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    ids[past], values[past] = wide_ids, wide_values
+    return ids, values
+
+
+def _draw_from_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+    """Draws over the candidates in vocabulary order, as a draw over the whole masked row does, so
+    a seeded request draws the token it would draw were its row sorted whole."""
+    ids, values = nucleus_candidates(scaled, params)
+    vocab_order = ids.masked_fill(values == float("-inf"), scaled.shape[-1]).argsort(dim=-1)
+    ids, values = ids.gather(-1, vocab_order), values.gather(-1, vocab_order)
+    return ids.gather(-1, _draw_by_cdf(values, uniform)[:, None]).squeeze(1)
 
 
 class Sampler:
@@ -223,41 +301,19 @@ class Sampler:
         greedy = self._argmax(logits)
         if all(p.greedy for p in params):
             return greedy.tolist()
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-        scaled = logits / temperature[:, None]
-        if any(p.min_p > 0.0 for p in params):
-            scaled = self._min_p(scaled, params)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            scaled = self._truncate(scaled, params)
-        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-        uniform = self._uniforms(requests) * cdf[:, -1]
-        sampled = torch.searchsorted(cdf, uniform[:, None]).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-        is_greedy = torch.tensor([p.greedy for p in params])
-        return torch.where(is_greedy, greedy, sampled).tolist()
-
-    @staticmethod
-    def _min_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-        # Of the tempered distribution, before top-k/top-p (vLLM): p < min_p * max p is dropped.
-        # In log space: logit < max logit + log(min_p); min_p 0 gives -inf and drops nothing.
-        min_p = torch.tensor([p.min_p for p in params])
-        floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-        return logits.masked_fill(logits < floor, float("-inf"))
-
-    @staticmethod
-    def _truncate(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp_(max=vocab)
-        ranks = torch.arange(vocab)[None, :]
-        drop = ranks >= top_k[:, None]
-        top_p = torch.tensor([p.top_p for p in params])
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        uniform = self._uniforms(requests)
+        tokens = greedy.clone()
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        whole = [i for i in drawn if params[i].top_k <= 0 and params[i].top_p >= 1.0]
+        truncated = [i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0]
+        for rows, draw in ((whole, _draw_from_vocabulary), (truncated, _draw_from_candidates)):
+            if rows:
+                row_params = [params[i] for i in rows]
+                scaled = logits[rows] / torch.tensor([p.temperature for p in row_params])[:, None]
+                if any(p.min_p > 0.0 for p in row_params):
+                    scaled = _min_p(scaled, row_params)
+                tokens[rows] = draw(scaled, row_params, uniform[rows])
+        return tokens.tolist()
 
     # A seeded request that moves to another engine (KV handover) takes its draws along with it.
     def generator_state(self, request: Request) -> torch.Tensor | None:

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
-from conveyor.sampling.sampler import Sampler, adjust_logits
+from conveyor.sampling.sampler import FIRST_CANDIDATE_WIDTH, Sampler, adjust_logits, nucleus_candidates
 
 
 def requests(*params: SamplingParams) -> list[Request]:
@@ -299,3 +301,85 @@ def test_argmax_is_all_only_for_greedy_rows_nothing_reads_or_adjusts():
     held = made_request("held", [1], [2], SamplingParams(temperature=0.0, min_tokens=2))
     done = made_request("done", [1], [2, 3], SamplingParams(temperature=0.0, min_tokens=2))
     assert not Sampler.argmax_is_all([held]) and Sampler.argmax_is_all([done])  # min_tokens reached: nothing held back
+
+
+def sorted_row_reference(scaled: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-k then top-p by sorting each whole row in float64 (the textbook way): the row with
+    dropped tokens at -inf, and each token's mass before it in the order of the sort."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.double().sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp_(max=vocab)
+    drop = torch.arange(vocab)[None, :] >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor([p.top_p for p in params], dtype=torch.double)[:, None]
+    drop[:, 0] = False
+    kept = torch.empty_like(scaled).scatter_(-1, order, scaled.gather(-1, order).masked_fill(drop, float("-inf")))
+    return kept, torch.empty_like(mass_before).scatter_(-1, order, mass_before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(2, 3000), spread=st.floats(0.01, 8.0),
+       rows=st.lists(st.tuples(st.sampled_from([0, 1, 2, 5, 40, 300, 5000]),
+                               st.sampled_from([1.0, 0.99, 0.95, 0.9, 0.5, 0.1, 0.001])), min_size=1, max_size=6))
+def test_nucleus_candidates_keep_what_a_full_sort_keeps(seed, vocab, spread, rows):
+    # Flat rows (small spread) make the nucleus run past the first window, so it widens.
+    generator = torch.Generator().manual_seed(seed)
+    scaled = torch.randn(len(rows), vocab, generator=generator) * spread
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in rows]
+    ids, values = nucleus_candidates(scaled, params)
+    expected, mass_before = sorted_row_reference(scaled, params)
+    for row in range(len(rows)):
+        kept = values[row] > float("-inf")
+        # Best first, each with its own logit.
+        assert torch.equal(values[row][kept], scaled[row, ids[row][kept]])
+        assert bool((values[row][kept].diff() <= 0).all())
+        want = set(torch.nonzero(expected[row] > float("-inf")).flatten().tolist())
+        got = set(ids[row][kept].tolist())
+        # The reference sums in float64: only tokens whose mass before them is top_p to within
+        # float32 rounding may differ (with top_p 1, those of a tail too light to sample).
+        for token in got ^ want:
+            assert abs(float(mass_before[row, token]) - rows[row][1]) < 1e-5, (row, rows[row], token)
+
+
+def test_a_flat_nucleus_widens_the_window_to_its_end():
+    vocab = 20_000
+    scaled = torch.linspace(0.0, -0.5, vocab)[None, :]
+    ids, values = nucleus_candidates(scaled, [SamplingParams(top_p=0.9)])
+    kept = int((values > float("-inf")).sum())
+    assert kept > 8 * FIRST_CANDIDATE_WIDTH  # past two widenings
+    assert kept == int((sorted_row_reference(scaled, [SamplingParams(top_p=0.9)])[0] > float("-inf")).sum())
+
+
+def test_truncated_rows_draw_what_a_draw_over_the_whole_sorted_row_draws():
+    torch.manual_seed(5)
+    rows, vocab = 64, 4000
+    logits = torch.randn(rows, vocab) * 2
+    params = [SamplingParams(temperature=0.8, top_k=[0, 40, 400][i % 3], top_p=[0.95, 1.0, 0.7, 0.99][i % 4], seed=i)
+              for i in range(rows)]
+    params = [p if p.top_k or p.top_p < 1.0 else SamplingParams(temperature=0.8, top_p=0.9, seed=p.seed) for p in params]
+    tokens = Sampler()(logits, requests(*params)).tokens
+    uniform = torch.stack([torch.rand(1, generator=torch.Generator().manual_seed(i)) for i in range(rows)]).squeeze(1)
+    truncated = sorted_row_reference(logits / 0.8, params)[0].float()
+    cdf = truncated.softmax(dim=-1).cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
+    assert tokens == expected.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), histories=st.lists(
+    st.tuples(st.lists(st.integers(0, 63), min_size=1, max_size=30), st.lists(st.integers(0, 63), max_size=30),
+              st.sampled_from([1.0, 1.05, 1.5]), st.sampled_from([0.0, 0.5, -1.0]), st.sampled_from([0.0, 0.25, 2.0])),
+    min_size=1, max_size=5))
+def test_penalties_touch_only_seen_tokens_and_follow_their_definitions(seed, histories):
+    logits = torch.randn(len(histories), 64, generator=torch.Generator().manual_seed(seed)) * 3
+    reqs = [made_request(str(i), prompt, output, SamplingParams(repetition_penalty=r, frequency_penalty=f,
+                                                                 presence_penalty=p))
+            for i, (prompt, output, r, f, p) in enumerate(histories)]
+    adjusted = adjust_logits(logits, reqs)
+    for row, request in enumerate(reqs):
+        p = request.sampling_params
+        seen = set(request.output_token_ids) | (set(request.prompt_token_ids) if p.repetition_penalty != 1.0 else set())
+        unseen = [t for t in range(64) if t not in seen]
+        assert torch.equal(adjusted[row, unseen], logits[row, unseen])
+        assert torch.allclose(adjusted[row], reference_adjusted(logits[row], request), atol=1e-5)
