@@ -2,7 +2,9 @@
 `vpmaddubsw` + `vpmaddwd` + add) and bf16 dot products (AVX512-BF16 `vdpbf16ps`), each an
 instruction loop of 12 independent register chains (no memory traffic), on 1 and on all threads;
 and where the CPU has Intel's AMX tiles, their int8 (`tdpbssd`) and bf16 (`tdpbf16ps`) products,
-four independent 16 x 16 sums tiles fed by two pairs of input tiles loaded once.
+four independent 16 x 16 sums tiles fed by two pairs of input tiles loaded once, and the bf16
+products again with every input tile loaded before its products, as a matmul feeds them, from a
+working set in L1 (32 KiB a thread) and in L2 (1 MiB): the ceilings of a tile kernel's inner loop.
 These are the ceilings the products of docs/PERF.md are measured against: an fp32 FMA does 2 flops
 a lane, a `vpdpbusd` 8 integer ops a 32-bit lane (4 multiply-adds), a `vdpbf16ps` 4 flops a lane,
 a `tdpbssd` 16 x 16 x 64 multiply-adds, a `tdpbf16ps` 16 x 16 x 32.
@@ -23,6 +25,8 @@ SOURCE = r"""
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <algorithm>
+#include <vector>
 #include <torch/extension.h>
 
 // Each returns the number of operations done; 12 chains hide the instruction latency. OPAQUE tells
@@ -174,13 +178,52 @@ double amx_product(int64_t iters, int threads) {
 }
 double amx_int8(int64_t iters, int threads) { return amx_product<false>(iters, threads); }
 double amx_bf16(int64_t iters, int threads) { return amx_product<true>(iters, threads); }
+
+// bf16 tile products as a matmul feeds them: each step loads its four input tiles (two row tiles
+// of x, two panels of weights, 1 KiB each and contiguous) and issues the four products, walking
+// `groups` steps of 32 k over buffers of 4 x groups KiB a thread, so they stay in L1 or in L2.
+double amx_bf16_loaded(int64_t iters, int threads, int64_t groups) {
+  if (!amx_permitted()) return -1.0;
+  double total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    std::vector<uint16_t> buffer(static_cast<size_t>(4 * groups * 512), 0x3f80);  // bf16 1.0
+    const uint16_t *xa = buffer.data(), *xb = xa + groups * 512, *wa = xb + groups * 512, *wb = wa + groups * 512;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int64_t passes = std::max<int64_t>(1, iters / 16 / groups);
+    for (int64_t n = 0; n < passes; ++n)
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_loadd(4, xa + 512 * g, 64);
+        _tile_loadd(6, wa + 512 * g, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, wb + 512 * g, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb + 512 * g, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    alignas(64) static thread_local float sums[16 * 16];
+    _tile_stored(0, sums, 64);
+    KEEP(sums[0])
+    _tile_release();
+    total += (double)passes * groups * 4 * 16 * 16 * 32 * 2;
+  }
+  return total;
+}
+double amx_bf16_l1(int64_t iters, int threads) { return amx_bf16_loaded(iters, threads, 8); }     // 32 KiB
+double amx_bf16_l2(int64_t iters, int threads) { return amx_bf16_loaded(iters, threads, 256); }   // 1 MiB
 #else
 double amx_int8(int64_t, int) { return -1.0; }  // no AMX on this CPU (or in this compiler)
 double amx_bf16(int64_t, int) { return -1.0; }
+double amx_bf16_l1(int64_t, int) { return -1.0; }
+double amx_bf16_l2(int64_t, int) { return -1.0; }
 #endif
 """
 
-FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot", "amx_int8", "amx_bf16"]
+FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot", "amx_int8", "amx_bf16", "amx_bf16_l1", "amx_bf16_l2"]
 DECLARATIONS = "\n".join(f"double {name}(int64_t iters, int threads);" for name in FUNCTIONS)
 
 
@@ -194,7 +237,7 @@ def main() -> None:
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; giga-operations a second, best of {args.repeats}")
     print(f"{'threads':>7} {'fp32 FMA':>10} {'int8 dot':>10} {'bf16 dot':>10} {'int8/fp32':>10} {'bf16/fp32':>10}"
-          f" {'AMX int8':>10} {'AMX bf16':>10}")
+          f" {'AMX int8':>10} {'AMX bf16':>10} {'+L1 loads':>10} {'+L2 loads':>10}")
     for threads in args.threads:
         best: dict[str, float] = {}
         for name in FUNCTIONS:
@@ -206,7 +249,8 @@ def main() -> None:
             best[name] = max(rates)
         fp32, int8, bf16 = best["fp32_fma"], best["int8_dot"], best["bf16_dot"]
         print(f"{threads:>7} {fp32:>10.0f} {int8:>10.0f} {bf16:>10.0f} {int8 / fp32:>9.2f}x {bf16 / fp32:>9.2f}x"
-              f" {best['amx_int8']:>10.0f} {best['amx_bf16']:>10.0f}")
+              f" {best['amx_int8']:>10.0f} {best['amx_bf16']:>10.0f} {best['amx_bf16_l1']:>10.0f}"
+              f" {best['amx_bf16_l2']:>10.0f}")
 
 
 if __name__ == "__main__":
