@@ -19,6 +19,8 @@ alike. Switches:
   `--baseline REV` (same packed layout)
 - `int8-kernel-at`: the int8-activation matmul (quant_int8.cpp) of this tree vs its source at
   `--baseline REV`
+- `prompt-tiles`: prompt tokens' products on AMX bf16 tiles vs on the int8 kernel like generated
+  tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
 - `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
   16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before)
 
@@ -30,6 +32,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
     python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
     python benchmarks/ab_steps.py --switch half-weights --model out/qwen-bf16 --batch-sizes 1 16 32 --prefill 512
+    python benchmarks/ab_steps.py --switch prompt-tiles --model qwen2.5-coder-0.5b --batch-sizes 1 16 --prefill 512
     python benchmarks/ab_steps.py --switch sampled-head --temperature 0.8 --model qwen2.5-coder-0.5b --batch-sizes 1 16 32
 """
 from __future__ import annotations
@@ -128,6 +131,13 @@ def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
     return switch
 
 
+def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
+    """Off: prompt tokens on the int8 kernel like generated ones (EngineConfig.prompt_bf16_tiles)."""
+    if not runner.prompt_bf16_tiles:
+        raise SystemExit("--switch prompt-tiles: this CPU (or build) has no AMX-BF16 tiles, or the engine runs fp32")
+    return _patch_switch(runner, "prompt_bf16_tiles", False)
+
+
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
     "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
@@ -139,6 +149,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "half-weights": lambda runner: _half_weights_switch(runner.model),
     "sampled-head": lambda runner: _patch_switch(runner.model, "logits",
                                                  lambda h, sampled=None, exact=runner.model.logits: exact(h)),
+    "prompt-tiles": lambda runner: _prompt_tiles_switch(runner),
 }
 
 

@@ -130,6 +130,12 @@ class EngineConfig:
     # much; the vocabulary projection keeps fp32 activations so greedy argmax stays exact); "float32":
     # fp32 activations throughout, bit-identical to dequantize-then-multiply (the reference tests)
     activation_dtype: str = "int8"
+    # With int8 activations, on CPUs with AMX-BF16 (Intel Xeon from Sapphire Rapids): a prompt's
+    # tokens take their products on GGUF blocks on bf16 tiles (x and the weights rounded to bf16,
+    # sums in fp32), which prefills faster; generated tokens stay on the int8 kernel. By a token's
+    # origin, never its batch, so a token's result does not depend on what runs beside it. False:
+    # prompts on the int8 kernel too. Elsewhere it changes nothing.
+    prompt_bf16_tiles: bool = True
     # What the KV cache stores keys and values in (KV_CACHE_DTYPES); attention computes in fp32 either way
     kv_cache_dtype: str = "auto"
     block_size: int = 16

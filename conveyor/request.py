@@ -9,12 +9,14 @@ from conveyor.kv.keys import SequenceKey, TokenSlice
 from conveyor.sampling.params import SamplingParams
 
 
-def sequence_key(params: SamplingParams, token_slice: TokenSlice, request_id: str = "") -> SequenceKey:
+def sequence_key(params: SamplingParams, token_slice: TokenSlice, request_id: str = "",
+                 prompt_tokens: int | None = None) -> SequenceKey:
     """What the prefix cache keys a sequence's KV blocks by: the one place that says which of a
     request's fields keep its blocks apart from others' (a new one joins here and in
     conveyor/kv/keys.py). `request_id` names the sequence to the KV manager; a lookup of tokens
-    no request holds yet (an import, the router's estimate) needs none."""
-    return SequenceKey(request_id, token_slice, params.cache_salt)
+    no request holds yet (an import, the router's estimate) needs none. `prompt_tokens`: how many
+    of the sequence's tokens are its prompt (None: every token asked about)."""
+    return SequenceKey(request_id, token_slice, params.cache_salt, prompt_tokens)
 
 
 class RequestStatus(enum.Enum):
@@ -128,7 +130,7 @@ class Request:
         """What the prefix cache is asked with about this request. Built once (the scheduler asks at
         every step): its id never changes, nor do its parameters' key ingredients (the engine's
         checks bound other fields), and its token slice reads the tokens as they grow."""
-        return sequence_key(self.sampling_params, self.token_slice, self.request_id)
+        return sequence_key(self.sampling_params, self.token_slice, self.request_id, len(self.prompt_token_ids))
 
     def token_at(self, position: int) -> int:
         """The known token at `position`: prompt, output, then speculative tokens."""

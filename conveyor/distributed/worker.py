@@ -69,7 +69,7 @@ class _PendingImport:
 
     @property
     def sequence_key(self) -> SequenceKey:
-        return sequence_key(self.payload.params, self.token_slice, self.request_id)
+        return sequence_key(self.payload.params, self.token_slice, self.request_id, len(self.payload.prompt_token_ids))
 
     def token_slice(self, start: int, end: int) -> list[int]:
         prompt = self.payload.prompt_token_ids

@@ -63,7 +63,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.clock = clock
-        self.scheduler = build_scheduler(config, num_kv_blocks)  # it owns the KV manager
+        # It owns the KV manager, whose prefix-cache keys follow how the runner computes a token.
+        self.scheduler = build_scheduler(config, num_kv_blocks, bool(getattr(runner, "prompt_rows_apart", False)))
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.grammars = GrammarMatchers(tokenizer, vocab_size)  # structured outputs (conveyor/structured)
         self.last_step = StepStats()

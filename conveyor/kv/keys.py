@@ -27,6 +27,11 @@ class SequenceKey:
     # vLLM's `cache_salt`: only sequences with the same salt share cached blocks, so a tenant cannot
     # learn from a hit's speed what another tenant's prompts were. None is a salt of its own.
     salt: str | None = None
+    # How many of its tokens are the prompt (None: all of those asked about). Where the engine
+    # computes a prompt's tokens and generated ones with different kernels (bf16 tiles against int8),
+    # a block holding tokens past the prompt is keyed apart from the same tokens met as a prompt
+    # (`generated_apart`), so a hit hands a request only KV computed as it would compute it.
+    prompt_tokens: int | None = None
 
     def root(self, model_identity: str) -> bytes:
         """The parent key of the sequence's first block."""
@@ -35,17 +40,30 @@ class SequenceKey:
             key = hashlib.blake2b(key + b"salt:" + self.salt.encode(), digest_size=16).digest()
         return key
 
-    def block_keys(self, model_identity: str, num_blocks: int, block_size: int) -> Iterator[bytes]:
+    def block_keys(self, model_identity: str, num_blocks: int, block_size: int,
+                   generated_apart: bool = False) -> Iterator[bytes]:
         """The keys of the sequence's first num_blocks full blocks, first block first."""
         key = self.root(model_identity)
-        for start in range(0, num_blocks * block_size, block_size):
-            key = block_key(key, self.token_slice(start, start + block_size))
+        for index in range(num_blocks):
+            key = self.next_key(key, index, block_size, generated_apart)
             yield key
 
+    def next_key(self, parent: bytes, index: int, block_size: int, generated_apart: bool) -> bytes:
+        """Block `index`'s key, given its parent's."""
+        start = index * block_size
+        tokens = self.token_slice(start, start + block_size)
+        if generated_apart and self.prompt_tokens is not None and start + block_size > self.prompt_tokens:
+            return block_key(parent, tokens, generated_from=max(0, self.prompt_tokens - start))
+        return block_key(parent, tokens)
 
-def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+
+def block_key(parent: bytes, token_ids: Sequence[int], generated_from: int | None = None) -> bytes:
+    """`generated_from`: the block's first token that is not the prompt's (None: it is all prompt)."""
     # 128 bits: a collision (two contents taken for one) is never expected in a cache's lifetime.
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+    content = parent + array("q", token_ids).tobytes()
+    if generated_from is not None:
+        content += b"generated-from:" + str(generated_from).encode()
+    return hashlib.blake2b(content, digest_size=16).digest()
 
 
 def iter_block_keys(model_identity: str, token_ids: Sequence[int], block_size: int,

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 from conveyor.errors import OutOfBlocksError
 from conveyor.kv.block_pool import BlockPool
-from conveyor.kv.keys import SequenceKey, block_key
+from conveyor.kv.keys import SequenceKey
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -40,8 +40,11 @@ class KVUsage:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, model_identity: str = ""
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, model_identity: str = "",
+        generated_apart: bool = False,
     ) -> None:
+        """`generated_apart`: the runner computes a prompt's tokens and generated ones differently, so
+        blocks holding generated tokens are keyed apart (SequenceKey.prompt_tokens)."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -54,6 +57,7 @@ class KVCacheManager:
         # copy-on-write of a shared, partly filled block that one of its owners writes into.
         self.pending_copies: list[tuple[int, int]] = []
         self._model_identity = model_identity
+        self._generated_apart = generated_apart
         # Per request: keys of its leading full blocks computed so far (a memo: tokens only append),
         # and how many leading blocks of its table have been offered to the cache.
         self._keys: dict[str, list[bytes]] = {}
@@ -75,7 +79,7 @@ class KVCacheManager:
         while len(keys) <= index:
             i = len(keys)
             parent = keys[-1] if keys else key.root(self._model_identity)
-            keys.append(block_key(parent, key.token_slice(i * bs, (i + 1) * bs)))
+            keys.append(key.next_key(parent, i, bs, self._generated_apart))
         return keys[index]
 
     def _leading_hits(self, keys: Iterable[bytes]) -> list[int]:
@@ -103,7 +107,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         return self._leading_hits(key.block_keys(self._model_identity, max_tokens // self.block_size,
-                                                 self.block_size))
+                                                 self.block_size, self._generated_apart))
 
     def cache_full_blocks(self, key: SequenceKey, num_computed_tokens: int) -> None:
         """Key the request's blocks that its first num_computed_tokens tokens fill (their KV is

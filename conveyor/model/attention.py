@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, max_blocks], int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [D], int64: tokens each decode row attends to
     prefills: list[PrefillChunk]
+    # Rows [start, end) that compute prompt tokens (the rest compute generated ones): where the
+    # products take prompt tokens on their own kernel (linear.PromptRows), these are they.
+    prompt_rows: tuple[tuple[int, int], ...] = ()
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def decode_mask(self, block_size: int, window: int | None = None) -> torch.Tensor:

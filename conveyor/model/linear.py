@@ -180,22 +180,59 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, 
 Matmul = Callable[[torch.Tensor, torch.Tensor | None, PackedWeight | None, torch.Tensor | None], torch.Tensor]
 
 
-def matmul_path(activation_dtype: str = "float32") -> Matmul:
+@dataclass(frozen=True)
+class PromptRows:
+    """The rows of a step's products that compute prompt tokens, where those take the bf16 tile
+    kernel (quant_int8.cpp's bf16_tile_matmul) and the other rows, generated tokens, the int8
+    kernel. Chosen by a token's origin, never by how many rows a step has, so a token's result does
+    not depend on its batch: a prompt token computes the same on the tiles whatever else runs, a
+    generated token the same on the int8 kernel, in a decode, a speculative verification or a
+    recompute after preemption alike."""
+
+    num_rows: int
+    rows: torch.Tensor    # int64 indices of the prompt rows, ascending
+    others: torch.Tensor  # the rest
+
+    @classmethod
+    def of(cls, ranges: tuple[tuple[int, int], ...], num_rows: int) -> "PromptRows | None":
+        """From row ranges [start, end) (AttentionMetadata.prompt_rows); None when there are none."""
+        mask = torch.zeros(num_rows, dtype=torch.bool)
+        for start, end in ranges:
+            mask[start:end] = True
+        if not ranges or not bool(mask.any()):
+            return None
+        return cls(num_rows, mask.nonzero().flatten(), (~mask).nonzero().flatten())
+
+    @property
+    def every_row(self) -> bool:
+        return len(self.rows) == self.num_rows
+
+
+def bf16_tiles_available() -> bool:
+    """Whether this CPU and build run the bf16 tile kernel (AMX-BF16, and the OS lends the tiles)."""
+    module = int8_matmul_kernel()
+    return module is not None and hasattr(module, "bf16_tiles") and bool(module.bf16_tiles())
+
+
+def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | None = None) -> Matmul:
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
     resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
-    "int8" lets products on GGUF blocks quantize their activations where that is faster."""
+    "int8" lets products on GGUF blocks quantize their activations where that is faster.
+    `prompt_rows` (int8 only): the step's prompt rows, which then take the bf16 tiles."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
     int8_kernel = int8_matmul_kernel() if activation_dtype == "int8" else None
+    tiles = prompt_rows if int8_kernel is not None else None
 
     def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
+            rows = tiles if tiles is not None and tiles.num_rows == x.shape[0] else None
             if weight is None:  # held only packed: its kernel, whatever the switches say now
-                y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel(), int8_kernel)
+                y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel(), int8_kernel, rows)
                 assert y is not None
                 return y
             if packing:
-                y = packed_product(x, packed, bias, kernel, quant_kernel, int8_kernel)
+                y = packed_product(x, packed, bias, kernel, quant_kernel, int8_kernel, rows)
                 if y is not None:
                     return y
         if weight is None:
@@ -216,17 +253,19 @@ def int8_matmul_kernel() -> object | None:
 
 
 def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None,
-                   quant_kernel: object | None = None, int8_kernel: object | None = None) -> torch.Tensor | None:
+                   quant_kernel: object | None = None, int8_kernel: object | None = None,
+                   prompt_rows: PromptRows | None = None) -> torch.Tensor | None:
     """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
     quant_gemm()) is turned off. `int8_kernel` (int8_matmul_kernel()): products on blocks with at
-    least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers."""
+    least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers, but for `prompt_rows`
+    (x's rows that compute prompt tokens), which take its bf16 tiles."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
         outputs, start = [], 0
         for part in packed.parts:  # each column's sum is its own: the parts' products side by side are the whole's
             part_bias = None if bias is None else bias[start : start + part.out_features]
-            y = packed_product(x, part, part_bias, kernel, quant_kernel, int8_kernel)
+            y = packed_product(x, part, part_bias, kernel, quant_kernel, int8_kernel, prompt_rows)
             if y is None:
                 return None
             outputs.append(y)
@@ -235,12 +274,27 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
         int8_from = INT8_FROM_ROWS.get(packed.layout)
+        if int8_kernel is not None and int8_from is not None and prompt_rows is not None:
+            return _by_origin(x, packed, bias, qtype, int8_kernel, prompt_rows)
         if int8_kernel is not None and int8_from is not None and x.shape[0] >= int8_from:
             return int8_kernel.int8_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
         if quant_kernel is None:
             return None
         return quant_kernel.quantized_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
+
+
+def _by_origin(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, qtype: int, int8_kernel: object,
+               prompt_rows: PromptRows) -> torch.Tensor:
+    """x @ W^T with the prompt rows on the bf16 tiles and the others on the int8 kernel."""
+    tiles = int8_kernel.bf16_tile_matmul  # type: ignore[attr-defined]
+    if prompt_rows.every_row:
+        return tiles(x, packed.data, packed.out_features, bias, qtype)
+    y = torch.empty(x.shape[0], packed.out_features)
+    y[prompt_rows.rows] = tiles(x[prompt_rows.rows], packed.data, packed.out_features, bias, qtype)
+    y[prompt_rows.others] = int8_kernel.int8_matmul(  # type: ignore[attr-defined]
+        x[prompt_rows.others], packed.data, packed.out_features, bias, qtype)
+    return y
 
 
 # Past this many candidate columns a row's screened argmax gives up and the full product runs

@@ -13,8 +13,8 @@ from torch import nn
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
-from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, WeightSource, matmul_path, screen_norms,
-                                   screened_argmax)
+from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource, matmul_path,
+                                   screen_norms, screened_argmax)
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
@@ -78,6 +78,9 @@ class LlamaModel(nn.Module):
         self.dtype = torch.float32
         # "int8" or "float32": the activations products on GGUF blocks take (conveyor.model.linear)
         self.activation_dtype = "float32"
+        # True: with int8 activations, a step's prompt rows (AttentionMetadata.prompt_rows) take the
+        # bf16 tile kernel; the runner sets it only where that kernel runs (linear.bf16_tiles_available)
+        self.prompt_tiles = False
         self.max_positions = max_positions or cfg.max_position_embeddings
         # The head's column norms where greedy's screened argmax needs them (linear.screen_norms).
         self.head_norms: torch.Tensor | None = None
@@ -137,7 +140,8 @@ class LlamaModel(nn.Module):
         cos, sin = (t.to(x.dtype) for t in rope_at(self.rope_inv_freq, positions))
         local = None if self.rope_local_inv_freq is None else tuple(
             t.to(x.dtype) for t in rope_at(self.rope_local_inv_freq, positions))
-        ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype)
+        prompt_rows = PromptRows.of(meta.prompt_rows, x.shape[0]) if self.prompt_tiles else None
+        ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype, prompt_rows)
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None
         for layer, kv in zip(self.layers, kv_caches):

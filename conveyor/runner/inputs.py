@@ -54,12 +54,26 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     last_row: dict[str, int] = {}
     first_row: dict[str, int] = {}
 
+    # Rows computing prompt tokens, as ranges: a prompt's last token may be a one-row "decode" (its
+    # chunked prefill's remainder), a recompute after preemption covers prompt then output tokens.
+    prompt_rows: list[tuple[int, int]] = []
+
+    def add_prompt_rows(first: int, start: int, n: int, num_prompt: int) -> None:
+        count = min(n, num_prompt - start)
+        if count <= 0:
+            return
+        if prompt_rows and prompt_rows[-1][1] == first:
+            prompt_rows[-1] = (prompt_rows[-1][0], first + count)
+        else:
+            prompt_rows.append((first, first + count))
+
     decode_tables: list[list[int]] = []
     context_lens: list[int] = []
     for request, n in decodes:
         start = request.num_computed_tokens
         table = out.block_tables[request.request_id]
         first_row[request.request_id] = len(input_ids)
+        add_prompt_rows(len(input_ids), start, n, request.num_prompt_tokens)
         for pos in range(start, start + n):
             input_ids.append(request.token_at(pos))
             positions.append(pos)
@@ -74,6 +88,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         table = out.block_tables[request.request_id]
         chunks.append(PrefillChunk(len(input_ids), n, start, torch.tensor(table[: blocks_for(start + n, bs)])))
         first_row[request.request_id] = len(input_ids)
+        add_prompt_rows(len(input_ids), start, n, request.num_prompt_tokens)
         input_ids.extend(request.token_slice(start, start + n))
         positions.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -94,7 +109,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         count = 1 + len(request.spec_token_ids)
         logits_rows.extend(range(last - count + 1, last + 1))
         sampling_rows.append(count)
-    prompt_rows = []
+    logprob_rows = []
     for request, n in out.scheduled:
         if request.sampling_params.prompt_logprobs is None:
             continue
@@ -104,7 +119,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         if start < end:
             row = first_row[request.request_id] + start - request.num_computed_tokens
             logits_rows.extend(range(row, row + end - start))
-            prompt_rows.append((request, start, end - start))
+            logprob_rows.append((request, start, end - start))
     return ModelInputs(
         input_ids=torch.tensor(input_ids),
         positions=torch.tensor(positions),
@@ -114,8 +129,9 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
             prefills=chunks,
+            prompt_rows=tuple(prompt_rows),
         ),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
-        prompt_logprob_rows=prompt_rows,
+        prompt_logprob_rows=logprob_rows,
         sampling_rows=sampling_rows,
     )

@@ -11,6 +11,7 @@ from conveyor.config import EngineConfig, parse_memory
 from conveyor.errors import ConfigError
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
+from conveyor.model.linear import bf16_tiles_available
 from conveyor.model.llama import KVCache, LlamaModel, model_bytes
 from conveyor.model.loader import checkpoint_bytes, load_checkpoint, resolve_model_path
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
@@ -107,11 +108,14 @@ class ModelRunner:
         seed: int = 0,
         activation_dtype: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        prompt_bf16_tiles: bool = False,
     ) -> None:
         self.model = model
         # Engines may share one loaded model (tests, benchmarks): each runs its own activation dtype,
         # set on the model at every step (None: the model's own).
         self.activation_dtype = activation_dtype or model.activation_dtype
+        # EngineConfig.prompt_bf16_tiles, where the tiles run (set on the model at every step, as above)
+        self.prompt_bf16_tiles = prompt_bf16_tiles and model.dtype == torch.float32 and bf16_tiles_available()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.num_kv_blocks = num_kv_blocks
@@ -125,6 +129,13 @@ class ModelRunner:
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=layer_ops(torch.float32).argmax_rows)
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
+
+    @property
+    def prompt_rows_apart(self) -> bool:
+        """Whether a prompt's tokens compute differently from generated ones here (bf16 tiles against
+        int8): the prefix cache then keys a block holding generated tokens apart from the same tokens
+        met as a prompt (conveyor/kv/keys.py), so a hit never changes a result."""
+        return self.prompt_bf16_tiles and self.activation_dtype == "int8"
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: "LoadedModel | None" = None) -> "ModelRunner":
@@ -150,7 +161,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, config.block_size,
                     str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**20)
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
-                     config.activation_dtype, kv_dtype)
+                     config.activation_dtype, kv_dtype, config.prompt_bf16_tiles)
         # Twice the estimate: steps of the configured budget never hand their memory back.
         runner.keep_free_bytes = 2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
                                                             config.scheduler.max_num_seqs)
@@ -163,6 +174,7 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         inputs = build_inputs(out, self.block_size)
         self.model.activation_dtype = self.activation_dtype
+        self.model.prompt_tiles = self.prompt_bf16_tiles
         t1 = time.perf_counter()
         h = self.model.sampling_hidden(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
                                        inputs.logits_indices)

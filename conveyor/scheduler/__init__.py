@@ -12,11 +12,12 @@ def make_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
     return POLICIES[config.policy](config, kv)
 
 
-def build_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:
-    """An engine's scheduler with its KV manager of num_kv_blocks blocks."""
+def build_scheduler(config: EngineConfig, num_kv_blocks: int, generated_apart: bool = False) -> Scheduler:
+    """An engine's scheduler with its KV manager of num_kv_blocks blocks. `generated_apart`: the
+    runner computes prompt tokens and generated ones differently (its prompt_rows_apart)."""
     # Keys chain from the model's identity: a key never matches KV another model computed.
     kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                        model_identity=f"{config.model}|{config.dtype}")
+                        model_identity=f"{config.model}|{config.dtype}", generated_apart=generated_apart)
     return make_scheduler(config.scheduler, kv)
 
 

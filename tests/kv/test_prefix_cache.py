@@ -200,6 +200,34 @@ def test_generated_tokens_are_cached_once_their_block_is_full() -> None:
     assert start(kv, "turn2", turn2) == 8, "the answer's full block is a hit"
 
 
+@pytest.mark.parametrize("generated_apart", [False, True])
+def test_generated_tokens_are_keyed_apart_where_prompts_compute_differently(generated_apart: bool) -> None:
+    """Where the runner computes prompt tokens on one kernel and generated ones on another, the
+    answer's block (its tokens computed as generated) must not serve the next turn, whose prompt
+    holds the same tokens (computed as a prompt); its own prompt's blocks still do. Elsewhere the
+    answer's block is a hit as before."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, generated_apart=generated_apart)
+    history, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9]
+    key = SequenceKey("turn1", slicer(history + answer), prompt_tokens=len(history))
+    kv.allocate("turn1", len(history))
+    kv.cache_full_blocks(key, len(history))
+    for n in range(len(history) + 1, len(history) + len(answer) + 1):
+        kv.allocate("turn1", n)
+        kv.cache_full_blocks(key, n)
+    kv.free("turn1")
+    turn2 = history + answer + [10, 11]
+    hits = kv.cached_prefix(SequenceKey("turn2", slicer(turn2), prompt_tokens=len(turn2)), len(turn2) - 1)
+    assert len(hits) == (1 if generated_apart else 2)
+    # The same request again (a recompute after preemption) computes its answer as generated: a hit.
+    again = kv.cached_prefix(SequenceKey("turn1-again", slicer(history + answer), prompt_tokens=len(history)), 8)
+    assert len(again) == 2
+    # Keys of whole-prompt blocks do not change with the switch, nor with the prompt's length past them.
+    plain = list(SequenceKey("", slicer(turn2)).block_keys("m", 2, 4))
+    assert list(SequenceKey("", slicer(turn2), prompt_tokens=8).block_keys("m", 2, 4, True)) == plain
+    assert list(SequenceKey("", slicer(turn2), prompt_tokens=7).block_keys("m", 2, 4, True))[0] == plain[0]
+    assert list(SequenceKey("", slicer(turn2), prompt_tokens=7).block_keys("m", 2, 4, True))[1] != plain[1]
+
+
 def test_disabled_caching_never_keys_or_hits() -> None:
     kv = KVCacheManager(8, 2)
     tokens = list(range(7))

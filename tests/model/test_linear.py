@@ -157,3 +157,34 @@ def test_blocks_packed_a_run_at_a_time_are_the_whole_matrix_packed(monkeypatch: 
     assert packed is not None and packed.out_features == 50 and packed.layout == qtype
     assert runs == [(0, 16), (16, 32), (32, 48), (48, 50)]
     assert torch.equal(packed.data, once)
+
+
+@pytest.mark.skipif(not linear_module.bf16_tiles_available(), reason="no AMX-BF16 tiles on this CPU")
+def test_prompt_rows_take_the_tiles_and_the_other_rows_the_int8_kernel() -> None:
+    """A step's product with its prompt rows given: those rows are the tile kernel's bits, the others
+    the int8 kernel's, wherever they lie in the step; no prompt rows at all is the int8 product."""
+    from conveyor.model.kernels import quant_int8
+    from conveyor.model.quantized import KERNEL_QTYPE
+
+    from .test_quant_gemm import random_blocks
+
+    q = random_blocks("Q4_K", 48, 512, seed=1)
+    layer = Linear(512, 48, bias=True)
+    layer.load(q)
+    layer.bias = torch.nn.Parameter(torch.randn(48))
+    assert layer.packed is not None and layer.packed.layout == "Q4_K"
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    module, qtype = quant_int8(), KERNEL_QTYPE["Q4_K"]
+    tiles = module.bf16_tile_matmul(x, layer.packed.data, 48, layer.bias, qtype)  # type: ignore[union-attr]
+    int8 = module.int8_matmul(x, layer.packed.data, 48, layer.bias, qtype)  # type: ignore[union-attr]
+    rows = linear_module.PromptRows.of(((1, 3), (5, 9)), 9)
+    y = linear_module.matmul_path("int8", rows)(x, layer.weight, layer.packed, layer.bias)
+    prompt = torch.tensor([1, 2, 5, 6, 7, 8])
+    generated = torch.tensor([0, 3, 4])
+    assert torch.equal(y[prompt], tiles[prompt]) and torch.equal(y[generated], int8[generated])
+    every = linear_module.matmul_path("int8", linear_module.PromptRows.of(((0, 9),), 9))
+    assert torch.equal(every(x, layer.weight, layer.packed, layer.bias), tiles)
+    assert linear_module.PromptRows.of((), 9) is None
+    assert torch.equal(linear_module.matmul_path("int8", None)(x, layer.weight, layer.packed, layer.bias), int8)
+    fp32 = linear_module.matmul_path("float32", rows)(x, layer.weight, layer.packed, layer.bias)
+    assert not torch.equal(fp32, y), "fp32 activations take neither kernel"

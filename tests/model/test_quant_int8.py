@@ -133,6 +133,83 @@ def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> Non
         assert torch.equal(few, many[:rows]), (qtype, rows)
 
 
+def _tiles() -> bool:
+    module = quant_int8()
+    return module is not None and bool(module.bf16_tiles())
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def tile_product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 qtype: str) -> torch.Tensor:
+    return quant_int8().bf16_tile_matmul(x, packed, out_features, bias, KERNEL_QTYPE[qtype])  # type: ignore[union-attr,no-any-return]
+
+
+needs_tiles = pytest.mark.skipif(not _tiles(), reason="no AMX-BF16 tiles on this CPU")
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_the_tiles_multiply_by_each_weight_rounded_to_bf16(qtype: str) -> None:
+    """x = the identity reads the weights back (one exact product each): gguf's value rounded to
+    bf16, or its neighbour where the kernel's fused expansion rounds once where gguf's rounds twice."""
+    k, out_features = 512, 37
+    q = random_blocks(qtype, out_features, k, seed=11)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    read = tile_product(torch.eye(k), packed, out_features, None, qtype).T.double()
+    want = bf16(reference_fp32(q))
+    ulp = want.abs() * 2.0**-7
+    assert ((read - want).abs() <= ulp).all(), qtype
+    assert float((read != want).double().mean()) < 0.01, qtype
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("rows,k,out_features", [(1, 512, 37), (17, 512, 37), (40, 512, 80), (70, 4096, 200)])
+def test_the_tile_product_is_x_in_bf16_times_those_weights(qtype: str, rows: int, k: int, out_features: int) -> None:
+    """Up to the rounding of fp32 sums over k terms: rows padded past one and two tiles, a partial
+    last panel, an odd panel, several runs of panels a thread, with and without bias."""
+    q = random_blocks(qtype, out_features, k, seed=rows)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    weight = tile_product(torch.eye(k), packed, out_features, None, qtype).T.double()
+    gen = torch.Generator().manual_seed(k + rows)
+    x = with_outliers(torch.randn(rows, k, generator=gen), seed=rows)
+    bias = torch.randn(out_features, generator=gen)
+    for b in (None, bias):
+        y = tile_product(x, packed, out_features, b, qtype).double()
+        want = bf16(x) @ weight.T + (b.double() if b is not None else 0.0)
+        bound = (bf16(x).abs() @ weight.abs().T + (b.double().abs() if b is not None else 0.0)) * (k + 2) * 2.0**-24
+        assert ((y - want).abs() <= bound + 1e-30).all(), (qtype, rows, (y - want).abs().max().item())
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_a_tile_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> None:
+    k, out_features = 512, 37
+    q = random_blocks(qtype, out_features, k, seed=3)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    x = with_outliers(torch.randn(40, k, generator=torch.Generator().manual_seed(4)), seed=6)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
+    many = tile_product(x, packed, out_features, bias, qtype)
+    for rows in (1, 2, 5, 16, 17, 33):
+        few = tile_product(x[40 - rows:], packed, out_features, bias, qtype)
+        assert torch.equal(few, many[40 - rows:]), (qtype, rows)
+
+
+def test_the_tiles_are_refused_where_they_do_not_run() -> None:
+    module = quant_int8()
+    q = random_blocks("Q8_0", 16, 64)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
+    if module.bf16_tiles():  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="features"):
+            module.bf16_tile_matmul(torch.randn(2, 96), packed, 16, None, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
+    else:
+        with pytest.raises(RuntimeError, match="AMX"):
+            module.bf16_tile_matmul(torch.randn(2, 64), packed, 16, None, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
+
+
 def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others() -> None:
     qtype, k = "Q4_K", 512
     q = random_blocks(qtype, 16, k)

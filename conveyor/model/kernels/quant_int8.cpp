@@ -36,6 +36,9 @@
 #include <utility>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "panel_tile.h"
 
 #if !defined(__F16C__)
@@ -828,6 +831,144 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
   });
 }
 
+#if defined(CONVEYOR_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define CONVEYOR_AMX_BF16 1
+// --- Prompt products on AMX tiles in bf16 (Intel CPUs with AMX-BF16). A panel's blocks are
+// expanded once per block of rows into bf16 weights laid out as the tile unit reads them (a
+// group's 32 k as 16 rows of k pairs x 16 columns), x is rounded to bf16 once, and the sums stay
+// in fp32 tiles over the whole of K: the products never leave the tile unit until the end, which
+// is what the unit's peak needs (the int8 groups' per-32 scales cannot: docs/PERF.md). Each output
+// is its row's own chain of tile products in k order, so a row's bits do not depend on the rows
+// beside it; they differ from the int8 kernel's (x and the weights rounded to bf16 instead of x
+// quantised to int8), so a caller uses one kernel for a given kind of row, never by batch size.
+constexpr int64_t kAmxTileRows = 16;
+constexpr int64_t kGroupTileBytes = 16 * 64;  // a group's 32 k x 16 columns of bf16
+
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Tiles 0-3: sums of 2 x 2 (row tile, panel); 4-5: x's rows at a group's 32 k; 6-7: two panels'
+// weights at that group.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// A panel's groups (its unpacked codes and scales) as bf16 weights: group g at out + g * 1 KiB,
+// row i holding k 2i, 2i + 1 of each column as a pair.
+template <QType T>
+void expand_bf16(const uint8_t* codes, const float* scales, int64_t groups, uint8_t* out) {
+  using K = Kind<T>;
+  const __m512i byte = _mm512_set1_epi32(0xFF), offset = _mm512_set1_epi32(K::kOffset);
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(pairs);
+  for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, out += kGroupTileBytes) {
+    const __m512 minimum = K::kMin ? _mm512_loadu_ps(scales + 16) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s) {
+      const __m512 scale = _mm512_loadu_ps(scales + (K::kHalves && s >= 4 ? 16 : 0));
+      const __m512i v = _mm512_loadu_si512(codes + 64 * s);
+      __m512 w[4];
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), byte), offset);
+        w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, minimum);
+      }
+      _mm512_storeu_si512(out + 128 * s, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
+      _mm512_storeu_si512(out + 128 * s + 64, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2])));
+    }
+  }
+}
+
+template <QType T>
+void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
+                 const float* bias, float* y, int64_t out_features) {
+  using K = Kind<T>;
+  const int64_t k_dim = units * K::L.unit_k, groups = k_dim / 32;
+  const int64_t m_pad = (m + 2 * kAmxTileRows - 1) / (2 * kAmxTileRows) * (2 * kAmxTileRows);
+  // x in bf16 as the tiles read it: row tile t's group g (16 rows x 32 k) one KiB at
+  // xb + (t * groups + g) * 512; rows padded with zeros to whole pairs of row tiles.
+  std::vector<uint16_t> xb(static_cast<size_t>(m_pad * k_dim), 0);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = xb.data() + (r / kAmxTileRows) * groups * 512 + (r % kAmxTileRows) * 32;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t h = 0; h < 2; ++h)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + g * 512 + 16 * h),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * x_stride + 32 * g + 16 * h)));
+    }
+  });
+  // A thread expands a run of its panels (about 1 MiB of bf16, so in L2) once, then every row tile
+  // pair passes over them: each panel's blocks are expanded once a call, and x streams once a run.
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t run_pairs = std::max<int64_t>(1, (1 << 20) / (2 * groups * kGroupTileBytes));
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> codes, expanded;
+    thread_local std::vector<float> scales;
+    codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
+    scales.resize(static_cast<size_t>(groups * kGroupScales));
+    expanded.resize(static_cast<size_t>(2 * run_pairs * groups * kGroupTileBytes));
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    const int64_t panel_bytes = units * K::L.unit_bytes;
+    alignas(64) float sums[4][256];
+    for (int64_t run0 = begin; run0 < end; run0 += run_pairs) {
+      const int64_t run1 = std::min(end, run0 + run_pairs), last_panel = std::min(panels, 2 * run1);
+      for (int64_t p = 2 * run0; p < last_panel; ++p) {
+        K::unpack(w + p * panel_bytes, units, codes.data(), scales.data());
+        expand_bf16<T>(codes.data(), scales.data(), groups, expanded.data() + (p - 2 * run0) * groups * kGroupTileBytes);
+      }
+      for (int64_t r0 = 0; r0 < m_pad; r0 += 2 * kAmxTileRows) {
+        const uint16_t* xa = xb.data() + r0 / kAmxTileRows * groups * 512;
+        const uint16_t* xc = xa + groups * 512;
+        for (int64_t pair = run0; pair < run1; ++pair) {
+          const int64_t p0 = 2 * pair, count = std::min<int64_t>(2, panels - p0);
+          const uint8_t* w0 = expanded.data() + (p0 - 2 * run0) * groups * kGroupTileBytes;
+          const uint8_t* w1 = count == 2 ? w0 + groups * kGroupTileBytes : w0;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(4, xa + 512 * g, 64);
+            _tile_loadd(6, w0 + g * kGroupTileBytes, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + g * kGroupTileBytes, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, xc + 512 * g, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(1, sums[1], 64);
+          _tile_stored(2, sums[2], 64);
+          _tile_stored(3, sums[3], 64);
+          for (int t = 0; t < 4; ++t) {
+            const int64_t panel = p0 + (t & 1);
+            if (panel >= p0 + count) continue;
+            const int64_t col0 = panel * kPanel, cols = std::min(kPanel, out_features - col0);
+            for (int64_t i = 0; i < kAmxTileRows; ++i) {
+              const int64_t r = r0 + (t >> 1) * kAmxTileRows + i;
+              if (r >= m) break;
+              float* out = y + r * out_features + col0;
+              const float* row = sums[t] + 16 * i;
+              for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[col0 + c] : row[c];
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 }  // namespace
 
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
@@ -864,6 +1005,58 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
 #undef CONVEYOR_QTYPE
   }
   return y;
+}
+
+// The same product on AMX tiles in bf16 (see bf16_matmul); only where the CPU and the build have them.
+torch::Tensor bf16_tile_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                               const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+#if defined(CONVEYOR_AMX_BF16)
+  TORCH_CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "bf16_tile_matmul: x must be 2-D fp32");
+  TORCH_CHECK(known(qtype), "bf16_tile_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
+  const auto type = static_cast<QType>(qtype);
+  const Layout l = layout_of(type);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+              packed.size(2) == l.unit_bytes, "bf16_tile_matmul: bad packed weight (not pack_quantized's for this qtype)");
+  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), "bf16_tile_matmul: x has ", x.size(1), " features, the weight ",
+              packed.size(1) * l.unit_k);
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "bf16_tile_matmul: out_features does not match the packed weight");
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  torch::Tensor b;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "bf16_tile_matmul: bad bias");
+    bias_ptr = b.data_ptr<float>();
+  }
+  const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
+  auto y = torch::empty({m, out_features}, x.options());
+  if (m == 0) return y;
+  const float* xp = xs.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (type) {
+#define CONVEYOR_QTYPE(T) \
+  case QType::k##T: bf16_matmul<QType::k##T>(xp, xs.stride(0), m, wp, panels, units, bias_ptr, yp, out_features); break;
+    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
+    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
+#undef CONVEYOR_QTYPE
+  }
+  return y;
+#else
+  (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
+  TORCH_CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
+#endif
+}
+
+// Whether bf16_tile_matmul runs here: built with AMX-BF16 and lent the tiles by the OS.
+bool bf16_tiles() {
+#if defined(CONVEYOR_AMX_BF16)
+  return amx_permitted();
+#else
+  return false;
+#endif
 }
 
 // x [M, K] -> what the product multiplies: (int8 codes [M, K], fp32 dx [M, K / 32], fp32 outliers
@@ -906,6 +1099,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations,
         "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32], fp32 outliers [M, K])",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_tile_matmul", &bf16_tile_matmul,
+        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, on AMX tiles in bf16",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_tiles", &bf16_tiles, "whether bf16_tile_matmul runs on this CPU and build");
   m.attr("outlier_ratio") = kOutlierRatio;
   m.def("isa", &isa, "the instruction set this build's dot products use (avx512-vnni or avx2)");
 }
