@@ -16,6 +16,8 @@ HELP = {
     "activation_dtype": "int8 (default): products on GGUF blocks quantize activations to int8 and multiply in "
                         "integers, as llama.cpp does; float32: exact fp32 activations (results equal to "
                         "dequantize-then-multiply, as the reference tests need)",
+    "prompt_bf16_tiles": "with int8 activations on a CPU with AMX-BF16: a prompt's tokens on bf16 tiles (faster "
+                         "prefill), generated tokens on the int8 kernel (default: on; no effect elsewhere)",
     "kv_cache_dtype": "what the KV cache stores: auto (default: float16 for an fp32 model, as llama.cpp's "
                       "cache; a bf16 model's own dtype), float16, or float32 (exact: the reference tests)",
     "block_size": "tokens per KV block",

@@ -144,14 +144,18 @@ def _run_quality(args: argparse.Namespace) -> int:
 
     from conveyor.bench.quality import report, run_quality
     from conveyor.config import EngineConfig
+    from conveyor.model.linear import bf16_tiles_available
     from conveyor.runner.model_runner import load_model
 
     loaded = load_model(EngineConfig(model=args.model, num_threads=args.num_threads))
     kv_dtype = getattr(torch, args.kv_cache_dtype)
     if args.activation_dtype == "float32" and kv_dtype == torch.float32:
         raise SystemExit("bench quality: float32 activations with a float32 KV cache is the reference itself")
-    results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window, kv_dtype)
-    print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype))
+    if args.prompt_tiles and (args.activation_dtype != "int8" or not bf16_tiles_available()):
+        raise SystemExit("bench quality --prompt-tiles: needs int8 activations and a CPU with AMX-BF16 tiles")
+    results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window, kv_dtype,
+                          args.prompt_tiles)
+    print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype, args.prompt_tiles))
     return 0
 
 
@@ -234,6 +238,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                          help="the activations to score")
     quality.add_argument("--kv-cache-dtype", choices=["float16", "float32"], default="float16",
                          help="the KV cache to score")
+    quality.add_argument("--prompt-tiles", action="store_true",
+                         help="score int8 with every position computed as a prompt token on the bf16 tiles "
+                              "(CPUs with AMX-BF16; what a prompt's tokens take by default there)")
     quality.add_argument("--max-tokens", type=int, default=4096, help="tokens of each text scored")
     quality.add_argument("--window", type=int, default=512, help="tokens a teacher-forced window holds")
     quality.set_defaults(func=_run_quality)

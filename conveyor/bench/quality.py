@@ -75,12 +75,13 @@ Arithmetic = tuple[str, torch.dtype]
 EXACT: Arithmetic = ("float32", torch.float32)
 
 
-def score(model: torch.nn.Module, ids: list[int], window: int,
-          paths: tuple[Arithmetic, Arithmetic]) -> tuple[list[float], list[float], float, list[float]]:
+def score(model: torch.nn.Module, ids: list[int], window: int, paths: tuple[Arithmetic, Arithmetic],
+          prompt_tiles: bool = False) -> tuple[list[float], list[float], float, list[float]]:
     """Negative log-likelihoods of every next token on each path, the share of positions where
     their argmaxes agree, and the second path's negative log-likelihoods with its vocabulary
     projection in its own dtype (as a sampled row's). Windows of `window` tokens, each from an
-    empty cache (a cache per path)."""
+    empty cache (a cache per path). `prompt_tiles`: the second path computes every position as a
+    prompt token, on the bf16 tiles (EngineConfig.prompt_bf16_tiles)."""
     from conveyor.model.attention import AttentionMetadata, PrefillChunk
     from conveyor.runner.model_runner import allocate_kv_cache
 
@@ -99,7 +100,9 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
         argmaxes = []
         for which, (dtype, _) in enumerate(paths):
             model.activation_dtype = dtype  # type: ignore[assignment]
-            meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)])
+            model.prompt_tiles = prompt_tiles and which == 1  # type: ignore[assignment]
+            meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)],
+                                     prompt_rows=((0, n),))
             h = model.sampling_hidden(torch.tensor(chunk[:n]), torch.arange(n), meta, caches[which],  # type: ignore[operator]
                                       torch.arange(n))
             target = torch.tensor(chunk[1:])
@@ -115,25 +118,28 @@ def score(model: torch.nn.Module, ids: list[int], window: int,
 
 
 def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str, max_tokens: int,
-                window: int, kv_cache_dtype: torch.dtype = torch.float16) -> list[QualityResult]:
+                window: int, kv_cache_dtype: torch.dtype = torch.float16,
+                prompt_tiles: bool = False) -> list[QualityResult]:
     results = []
-    saved = getattr(model, "activation_dtype", "float32")
+    saved = getattr(model, "activation_dtype", "float32"), getattr(model, "prompt_tiles", False)
     try:
         for name, text in (("code (stdlib source)", code_text()), ("prose (stdlib docs, license)", prose_text())):
             ids = tokenizer.encode(text)[:max_tokens]  # type: ignore[attr-defined]
-            ref, test, agreement, sampled = score(model, ids, window, (EXACT, (activation_dtype, kv_cache_dtype)))
+            ref, test, agreement, sampled = score(model, ids, window, (EXACT, (activation_dtype, kv_cache_dtype)),
+                                                  prompt_tiles)
             results.append(QualityResult(name, len(ref), math.exp(sum(ref) / len(ref)), math.exp(sum(test) / len(test)),
                                          agreement, math.exp(sum(sampled) / len(sampled))))
     finally:
-        model.activation_dtype = saved  # type: ignore[assignment]
+        model.activation_dtype, model.prompt_tiles = saved  # type: ignore[assignment]
     return results
 
 
 def report(model_name: str, activation_dtype: str, results: list[QualityResult],
-           kv_cache_dtype: torch.dtype = torch.float16) -> str:
+           kv_cache_dtype: torch.dtype = torch.float16, prompt_tiles: bool = False) -> str:
     kv = str(kv_cache_dtype).removeprefix("torch.")
-    lines = [f"{model_name}: {activation_dtype} activations, {kv} KV cache, against fp32 with an fp32 KV cache "
-             "(teacher-forced)",
+    tiles = " (every position on the prompt's bf16 tiles)" if prompt_tiles else ""
+    lines = [f"{model_name}: {activation_dtype} activations{tiles}, {kv} KV cache, against fp32 with an fp32 KV "
+             "cache (teacher-forced)",
              f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl tested':>10} {'ratio':>7} {'top-1 agree':>11} "
              f"{'ppl sampled':>11} {'ratio':>7}"]
     for r in results:

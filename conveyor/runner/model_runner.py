@@ -162,6 +162,9 @@ class ModelRunner:
                     str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**20)
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
                      config.activation_dtype, kv_dtype, config.prompt_bf16_tiles)
+        if runner.prompt_rows_apart:
+            logger.info("prompt tokens on AMX bf16 tiles, generated tokens on the int8 kernel (--no-prompt-bf16-tiles: "
+                        "int8 for both)")
         # Twice the estimate: steps of the configured budget never hand their memory back.
         runner.keep_free_bytes = 2 * step_working_set_bytes(cfg, config.scheduler.max_num_batched_tokens,
                                                             config.scheduler.max_num_seqs)
