@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -834,13 +835,13 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
 #if defined(CONVEYOR_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CONVEYOR_AMX_BF16 1
 // --- Prompt products on AMX tiles in bf16 (Intel CPUs with AMX-BF16). A panel's blocks are
-// expanded once per block of rows into bf16 weights laid out as the tile unit reads them (a
-// group's 32 k as 16 rows of k pairs x 16 columns), x is rounded to bf16 once, and the sums stay
-// in fp32 tiles over the whole of K: the products never leave the tile unit until the end, which
-// is what the unit's peak needs (the int8 groups' per-32 scales cannot: docs/PERF.md). Each output
-// is its row's own chain of tile products in k order, so a row's bits do not depend on the rows
-// beside it; they differ from the int8 kernel's (x and the weights rounded to bf16 instead of x
-// quantised to int8), so a caller uses one kernel for a given kind of row, never by batch size.
+// expanded once a call into bf16 weights laid out as the tile unit reads them (a group's 32 k as
+// 16 rows of k pairs x 16 columns), x is rounded to bf16 once, and the sums stay in fp32 tiles
+// over the whole of K: the products never leave the tile unit until the end, which is what the
+// unit's peak needs (the int8 groups' per-32 scales cannot: docs/PERF.md). Each output is its
+// row's own chain of tile products in k order, so a row's bits do not depend on the rows beside
+// it; they differ from the int8 kernel's (x and the weights rounded to bf16 instead of x quantised
+// to int8), so a caller picks the kernel by a row's kind (a prompt token's), never by batch size.
 constexpr int64_t kAmxTileRows = 16;
 constexpr int64_t kGroupTileBytes = 16 * 64;  // a group's 32 k x 16 columns of bf16
 
@@ -894,10 +895,13 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
   const int64_t m_pad = (m + 2 * kAmxTileRows - 1) / (2 * kAmxTileRows) * (2 * kAmxTileRows);
   // x in bf16 as the tiles read it: row tile t's group g (16 rows x 32 k) one KiB at
   // xb + (t * groups + g) * 512; rows padded with zeros to whole pairs of row tiles.
-  std::vector<uint16_t> xb(static_cast<size_t>(m_pad * k_dim), 0);
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(m_pad * k_dim)]);
+  for (int64_t r = m; r < m_pad; ++r)  // the padding rows: zeros (their sums are never stored)
+    for (int64_t g = 0; g < groups; ++g)
+      std::memset(xb.get() + (r / kAmxTileRows) * groups * 512 + g * 512 + (r % kAmxTileRows) * 32, 0, 64);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      uint16_t* row = xb.data() + (r / kAmxTileRows) * groups * 512 + (r % kAmxTileRows) * 32;
+      uint16_t* row = xb.get() + (r / kAmxTileRows) * groups * 512 + (r % kAmxTileRows) * 32;
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t h = 0; h < 2; ++h)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + g * 512 + 16 * h),
@@ -925,7 +929,7 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
         expand_bf16<T>(codes.data(), scales.data(), groups, expanded.data() + (p - 2 * run0) * groups * kGroupTileBytes);
       }
       for (int64_t r0 = 0; r0 < m_pad; r0 += 2 * kAmxTileRows) {
-        const uint16_t* xa = xb.data() + r0 / kAmxTileRows * groups * 512;
+        const uint16_t* xa = xb.get() + r0 / kAmxTileRows * groups * 512;
         const uint16_t* xc = xa + groups * 512;
         for (int64_t pair = run0; pair < run1; ++pair) {
           const int64_t p0 = 2 * pair, count = std::min<int64_t>(2, panels - p0);
@@ -953,13 +957,12 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
             const int64_t panel = p0 + (t & 1);
             if (panel >= p0 + count) continue;
             const int64_t col0 = panel * kPanel, cols = std::min(kPanel, out_features - col0);
-            for (int64_t i = 0; i < kAmxTileRows; ++i) {
-              const int64_t r = r0 + (t >> 1) * kAmxTileRows + i;
-              if (r >= m) break;
-              float* out = y + r * out_features + col0;
-              const float* row = sums[t] + 16 * i;
-              for (int64_t c = 0; c < cols; ++c) out[c] = bias ? row[c] + bias[col0 + c] : row[c];
-            }
+            const __mmask16 real = static_cast<__mmask16>((1u << cols) - 1);
+            const __m512 add = bias ? _mm512_maskz_loadu_ps(real, bias + col0) : _mm512_setzero_ps();
+            const int64_t first = r0 + (t >> 1) * kAmxTileRows, rows = std::min(kAmxTileRows, m - first);
+            for (int64_t i = 0; i < rows; ++i)
+              _mm512_mask_storeu_ps(y + (first + i) * out_features + col0, real,
+                                    _mm512_add_ps(_mm512_load_ps(sums[t] + 16 * i), add));
           }
         }
       }
