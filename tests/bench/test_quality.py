@@ -25,8 +25,9 @@ TOKENS = 1024  # of each text (512 would not tell the old kernel's Gemma from th
 TOP1_BOUND = 0.97
 
 
-@pytest.mark.parametrize("tiles", [False, True], ids=["int8", "prompt-tiles"])
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+# The tiles on the largest model only: each case scores two texts twice, and the suite is kept short.
+@pytest.mark.parametrize("model, tiles", [("smollm2-135m", False), ("gemma3-270m", False),
+                                          ("qwen2.5-coder-0.5b", False), ("qwen2.5-coder-0.5b", True)])
 def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> None:
     if tiles and not bf16_tiles_available():
         pytest.skip("no AMX-BF16 tiles on this CPU")

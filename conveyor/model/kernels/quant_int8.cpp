@@ -34,6 +34,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -974,24 +975,27 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
 
 }  // namespace
 
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_matmul: x must be 2-D fp32");
-  TORCH_CHECK(known(qtype), "int8_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
+// The checks both products make and their dispatch on the block type: product(kind, x, x_stride,
+// m, w, panels, units, bias, y, out_features), kind a std::integral_constant<QType, T>.
+template <class Product>
+torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                        const c10::optional<torch::Tensor>& bias, int64_t qtype, Product&& product) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, ": x must be 2-D fp32");
+  TORCH_CHECK(known(qtype), name, ": qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Layout l = layout_of(type);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == l.unit_bytes, "int8_matmul: bad packed weight (not pack_quantized's for this qtype)");
-  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), "int8_matmul: x has ", x.size(1), " features, the weight ",
+              packed.size(2) == l.unit_bytes, name, ": bad packed weight (not pack_quantized's for this qtype)");
+  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), name, ": x has ", x.size(1), " features, the weight ",
               packed.size(1) * l.unit_k);
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "int8_matmul: out_features does not match the packed weight");
+              name, ": out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   torch::Tensor b;
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "int8_matmul: bad bias");
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, name, ": bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
@@ -1001,8 +1005,11 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   switch (type) {
-#define CONVEYOR_QTYPE(T) \
-  case QType::k##T: matmul<QType::k##T>(xp, xs.stride(0), m, wp, panels, units, bias_ptr, yp, out_features); break;
+#define CONVEYOR_QTYPE(T)                                                                                      \
+  case QType::k##T:                                                                                            \
+    product(std::integral_constant<QType, QType::k##T>{}, xp, xs.stride(0), m, wp, panels, units, bias_ptr, yp, \
+            out_features);                                                                                     \
+    break;
     CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
     CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
 #undef CONVEYOR_QTYPE
@@ -1010,43 +1017,21 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                          const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+  return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, [](auto kind, auto... args) {
+    matmul<decltype(kind)::value>(args...);
+  });
+}
+
 // The same product on AMX tiles in bf16 (see bf16_matmul); only where the CPU and the build have them.
 torch::Tensor bf16_tile_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                const c10::optional<torch::Tensor>& bias, int64_t qtype) {
 #if defined(CONVEYOR_AMX_BF16)
   TORCH_CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "bf16_tile_matmul: x must be 2-D fp32");
-  TORCH_CHECK(known(qtype), "bf16_tile_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
-  const auto type = static_cast<QType>(qtype);
-  const Layout l = layout_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == l.unit_bytes, "bf16_tile_matmul: bad packed weight (not pack_quantized's for this qtype)");
-  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), "bf16_tile_matmul: x has ", x.size(1), " features, the weight ",
-              packed.size(1) * l.unit_k);
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "bf16_tile_matmul: out_features does not match the packed weight");
-  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor b;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "bf16_tile_matmul: bad bias");
-    bias_ptr = b.data_ptr<float>();
-  }
-  const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
-  auto y = torch::empty({m, out_features}, x.options());
-  if (m == 0) return y;
-  const float* xp = xs.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (type) {
-#define CONVEYOR_QTYPE(T) \
-  case QType::k##T: bf16_matmul<QType::k##T>(xp, xs.stride(0), m, wp, panels, units, bias_ptr, yp, out_features); break;
-    CONVEYOR_QTYPE(Q4_0) CONVEYOR_QTYPE(Q4_1) CONVEYOR_QTYPE(Q5_0) CONVEYOR_QTYPE(Q5_1) CONVEYOR_QTYPE(Q8_0)
-    CONVEYOR_QTYPE(Q4_K) CONVEYOR_QTYPE(Q5_K) CONVEYOR_QTYPE(Q6_K)
-#undef CONVEYOR_QTYPE
-  }
-  return y;
+  return on_blocks("bf16_tile_matmul", x, packed, out_features, bias, qtype, [](auto kind, auto... args) {
+    bf16_matmul<decltype(kind)::value>(args...);
+  });
 #else
   (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
   TORCH_CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
