@@ -243,6 +243,10 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
     if args.switch in AT_REVISION:
         switch, labels = AT_REVISION[args.switch](args.baseline), ("this tree", args.baseline)
+        if args.switch == "int8-kernel-at" and llm.engine.runner.prompt_bf16_tiles:
+            # Both sides' prompts on the int8 kernels compared (a baseline may predate the tiles).
+            llm.engine.runner.prompt_bf16_tiles = False
+            print("int8-kernel-at: prompts on the int8 kernel too (not the AMX tiles), both sides")
     else:
         switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None

@@ -195,12 +195,13 @@ class PromptRows:
 
     @classmethod
     def of(cls, ranges: tuple[tuple[int, int], ...], num_rows: int) -> "PromptRows | None":
-        """From row ranges [start, end) (AttentionMetadata.prompt_rows); None when there are none."""
+        """From row ranges [start, end) (AttentionMetadata.prompt_rows, none empty); None when there
+        are none (a decode step: nothing built)."""
+        if not ranges:
+            return None
         mask = torch.zeros(num_rows, dtype=torch.bool)
         for start, end in ranges:
             mask[start:end] = True
-        if not ranges or not bool(mask.any()):
-            return None
         return cls(num_rows, mask.nonzero().flatten(), (~mask).nonzero().flatten())
 
     @property
@@ -211,7 +212,7 @@ class PromptRows:
 def bf16_tiles_available() -> bool:
     """Whether this CPU and build run the bf16 tile kernel (AMX-BF16, and the OS lends the tiles)."""
     module = int8_matmul_kernel()
-    return module is not None and hasattr(module, "bf16_tiles") and bool(module.bf16_tiles())
+    return module is not None and bool(module.bf16_tiles())  # type: ignore[attr-defined]
 
 
 def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | None = None) -> Matmul:

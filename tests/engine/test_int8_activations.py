@@ -38,6 +38,9 @@ def test_the_integer_kernel_runs_only_when_asked(make_engine, prompt_ids, monkey
     rows: list[int] = []
 
     class Recording:
+        def bf16_tiles(self) -> bool:  # prompts on the int8 kernel too (tests/engine/test_prompt_tiles.py)
+            return False
+
         def int8_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
             rows.append(x.shape[0])
             return module.int8_matmul(x, *args)  # type: ignore[union-attr]
