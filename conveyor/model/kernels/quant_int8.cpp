@@ -702,132 +702,6 @@ void rows_times_panel(QType t, const uint8_t* panel, int64_t units, int64_t unit
 }
 #endif
 
-constexpr int64_t kAmxTileRows = 16;  // an AMX tile's rows
-
-#if defined(CONVEYOR_INT8_512) && defined(__AMX_TILE__)
-#define CONVEYOR_AMX 1
-// --- AMX tiles (Intel CPUs from Sapphire Rapids): the OS lends them to a process that asks.
-
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
-
-// A tile configuration (palette 1): each tile register's rows and bytes a row.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig& tile(int t, int r, int bytes) {
-    rows[t] = static_cast<uint8_t>(r);
-    colsb[t] = static_cast<uint16_t>(bytes);
-    return *this;
-  }
-};
-#endif
-
-#if defined(CONVEYOR_AMX) && defined(__AMX_INT8__)
-#define CONVEYOR_AMX_INT8 1
-// --- The integer sums on AMX-INT8 tiles, 16 rows at a time. A panel's unpacked codes are already
-// laid out as the tile unit reads its second operand (per 4 k, 16 columns x 4 bytes), and x's
-// codes are quantised row by row (rows = 1: k order), so a group's 16 rows x 32 k load as one
-// tile. One tile product a group (Q6_K: one a half) gives each row's integer sum over the group
-// exactly, as the vpdpbusd chain does (integer sums do not depend on their order); the same fp32
-// steps then follow in the same order, so every output has the bits of tile<R> above: which rows
-// take which path is free, and a row count may choose it. What the tiles save is the chain of 8
-// vpdpbusd a row and group; the fp32 steps a row and group stay.
-// Consecutive groups take their own tiles, so one group's products need not wait for the last
-// group's sums to be stored. Whole groups: x's rows in 0 and 4, the codes in 1 and 5, the sums in 2
-// and 3. Q6_K's 16 k halves: x's rows in 0 and 4, the codes in 1 and 5, the sums in 2, 3, 6, 7.
-TileConfig int8_tile_config(bool halves) {
-  TileConfig c;
-  const int k_bytes = halves ? 16 : 32;
-  c.tile(0, 16, k_bytes).tile(4, 16, k_bytes).tile(1, k_bytes / 4, 64).tile(5, k_bytes / 4, 64);
-  c.tile(2, 16, 64).tile(3, 16, 64).tile(6, 16, 64).tile(7, 16, 64);
-  return c;
-}
-
-// Below this many rows a call keeps to vpdpbusd: a tile product costs as much for 16 rows as
-// for one, and the tile loads and stores around it outweigh a few rows' chains (docs/PERF.md).
-constexpr int64_t kInt8TileMinRows = 4;
-
-// R rows (a tile's first R; its other rows are padding) x 16 columns over a panel's groups, as
-// tile<R, kHalves, kMin>. xt: the tile's codes, group g's 16 rows x 32 bytes at xt + 512 g (one
-// contiguous load: rows k_dim apart loaded at half the speed); meta: row r's groups at meta + r * groups.
-template <int R, bool kHalves, bool kMin>
-void amx_tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta,
-              int64_t groups, const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
-  // Group g's integer sums go to buffer g % 2 one group ahead of their fp32 steps: the vector
-  // loads of a tile's stored sums wait for the store to complete, which by then it has.
-  alignas(64) int32_t sum_a[2][16 * 16], sum_b[2][kHalves ? 16 * 16 : 1];
-  auto integer_sums = [&](int64_t g) {
-    const uint8_t* group_codes = codes + g * kGroupCodeBytes;
-    const uint8_t* group_x = xt + 512 * g;
-    int32_t *a = sum_a[g % 2], *b = sum_b[kHalves ? g % 2 : 0];
-    if constexpr (kHalves) {
-      if (g % 2 == 0) {
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(0, group_x, 32);
-        _tile_loadd(1, group_codes, 64);
-        _tile_dpbsud(2, 0, 1);
-        _tile_loadd(4, group_x + 16, 32);
-        _tile_loadd(5, group_codes + 256, 64);
-        _tile_dpbsud(3, 4, 5);
-        _tile_stored(2, a, 64);
-        _tile_stored(3, b, 64);
-      } else {
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_loadd(0, group_x, 32);
-        _tile_loadd(1, group_codes, 64);
-        _tile_dpbsud(6, 0, 1);
-        _tile_loadd(4, group_x + 16, 32);
-        _tile_loadd(5, group_codes + 256, 64);
-        _tile_dpbsud(7, 4, 5);
-        _tile_stored(6, a, 64);
-        _tile_stored(7, b, 64);
-      }
-    } else if (g % 2 == 0) {
-      _tile_zero(2);
-      _tile_loadd(0, group_x, 32);
-      _tile_loadd(1, group_codes, 64);
-      _tile_dpbsud(2, 0, 1);
-      _tile_stored(2, a, 64);
-    } else {
-      _tile_zero(3);
-      _tile_loadd(4, group_x, 32);
-      _tile_loadd(5, group_codes, 64);
-      _tile_dpbsud(3, 4, 5);
-      _tile_stored(3, a, 64);
-    }
-  };
-  __m512 sums[R];
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
-  integer_sums(0);
-  for (int64_t g = 0; g < groups; ++g, scales += kGroupScales) {
-    ahead.step();
-    if (g + 1 < groups) integer_sums(g + 1);
-    const int32_t* a = sum_a[g % 2];
-    const int32_t* b = sum_b[kHalves ? g % 2 : 0];
-    const __m512 scale = _mm512_loadu_ps(scales);
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-      const Meta& mr = meta[r * groups + g];
-      __m512 part = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(a + 16 * r), _mm512_set1_epi32(mr.init_a))), scale);
-      if constexpr (kHalves)
-        part = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(b + 16 * r), _mm512_set1_epi32(mr.init_b))),
-            _mm512_loadu_ps(scales + 16), part);
-      sums[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(mr.dx), sums[r]);
-      if constexpr (kMin) sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(mr.cmin), _mm512_loadu_ps(scales + 16), sums[r]);
-    }
-  }
-  store_sums512<R>(sums, bias, y, y_stride, cols);
-}
-#endif
-
 // Everything the product needs for one block type, at compile time.
 template <QType T>
 struct Kind {
@@ -882,47 +756,23 @@ struct Kind {
 
 template <QType T>
 void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels, int64_t units,
-            const float* bias, float* y, int64_t out_features, bool amx) {
+            const float* bias, float* y, int64_t out_features) {
   using K = Kind<T>;
   const int64_t k_dim = units * K::L.unit_k, groups = k_dim / 32;
-#if defined(CONVEYOR_AMX_INT8)
-  const bool on_amx = amx && m >= kInt8TileMinRows && amx_permitted();
-#else
-  (void)amx;
-  constexpr bool on_amx = false;
-#endif
-  // x quantised, tile by tile: tile (r0, rows) holds its codes at xq + r0 * K, its Meta at meta +
-  // r0 * groups; on AMX tiles, one row a tile (k order, Meta by row), then copied in the tiles'
-  // order into xa (amx_tile's xt; a tile's rows past its last are zeros).
+  // x quantised, tile by tile: tile (r0, rows) holds its codes at xq + r0 * K, its Meta at meta + r0 * groups.
   std::vector<uint8_t> xq(static_cast<size_t>(m * k_dim));
   std::vector<Meta> meta(static_cast<size_t>(m * groups));
   // Row r's outliers at outliers[r * groups ..], outlier_counts[r] of them.
   std::vector<Outlier> outliers(static_cast<size_t>(m * groups));
   std::vector<int32_t> outlier_counts(static_cast<size_t>(m));
   std::vector<std::pair<int64_t, int64_t>> tiles;
-  if (on_amx)
-    for (int64_t r = 0; r < m; ++r) tiles.emplace_back(r, 1);
-  else
-    for_tiles(m, k_dim, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
+  for_tiles(m, k_dim, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (const auto& [r0, rows] : tiles)
       for (int64_t r = std::max(begin, r0); r < std::min(end, r0 + rows); ++r)
         outlier_counts[r] = quantize_row(x + r * x_stride, k_dim, K::kOffset, K::kHalves, rows, r - r0,
                                          xq.data() + r0 * k_dim, meta.data() + r0 * groups, outliers.data() + r * groups);
   });
-  std::vector<std::pair<int64_t, int64_t>> amx_tiles;  // (r0, rows), block by block
-  std::vector<uint8_t> xa;
-  if (on_amx) {
-    for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
-      for_balanced_tiles<kAmxTileRows>(block_rows, [&](int64_t t0, int64_t rows) { amx_tiles.emplace_back(b0 + t0, rows); });
-    });
-    xa.resize(amx_tiles.size() * static_cast<size_t>(groups * 512));
-    for (size_t i = 0; i < amx_tiles.size(); ++i)
-      for (int64_t j = 0; j < amx_tiles[i].second; ++j)
-        for (int64_t g = 0; g < groups; ++g)
-          std::memcpy(xa.data() + (static_cast<int64_t>(i) * groups + g) * 512 + 32 * j,
-                      xq.data() + (amx_tiles[i].first + j) * k_dim + 32 * g, 32);
-  }
   std::vector<Carried> carried;  // each row block's outliers
   for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
     carried.push_back(carried_by_rows(outliers.data(), outlier_counts.data(), b0, block_rows, groups, k_dim));
@@ -958,37 +808,13 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     scales.resize(static_cast<size_t>(groups * kGroupScales));
     const int64_t panel_bytes = units * K::L.unit_bytes;
     NextPanel ahead;  // a few lines a group of each tile
-#if defined(CONVEYOR_AMX_INT8)
-    if (on_amx) {
-      static const TileConfig whole = int8_tile_config(false), halves = int8_tile_config(true);
-      _tile_loadconfig(K::kHalves ? &halves : &whole);
-    }
-#endif
-    size_t block = 0, first_amx_tile = 0;
+    size_t block = 0;
     for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
-      const int64_t tile_rows = on_amx ? kAmxTileRows : kTileRows;
-      const int64_t tiles = (block_rows + tile_rows - 1) / tile_rows;
+      const int64_t tiles = (block_rows + kTileRows - 1) / kTileRows;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
         K::unpack(w + p * panel_bytes, units, codes.data(), scales.data());
         ahead.aim(p + 1 < end ? w + (p + 1) * panel_bytes : nullptr, panel_bytes, tiles * groups);
-#if defined(CONVEYOR_AMX_INT8)
-        if (on_amx) {
-          for (int64_t i = 0; i < tiles; ++i) {
-            const auto [r0, rows] = amx_tiles[first_amx_tile + static_cast<size_t>(i)];
-            with_rows<kAmxTileRows>(rows, [&](auto tile_rows) {
-              amx_tile<decltype(tile_rows)::value, K::kHalves, K::kMin>(
-                  codes.data(), scales.data(), xa.data() + (static_cast<int64_t>(first_amx_tile) + i) * groups * 512,
-                  meta.data() + r0 * groups, groups, bias ? bias + col0 : nullptr, y + r0 * out_features + col0,
-                  out_features, cols, ahead);
-            });
-          }
-          add_carried(carried[block], [&](int64_t k, float* column) {
-            buffered_column<K::kHalves, K::kSignedCodes>(codes.data(), scales.data(), k, K::kOffset, column);
-          }, table, y + col0, out_features, b0, cols);
-          continue;
-        }
-#endif
         for_balanced_tiles<kTileRows>(block_rows, [&](int64_t t0, int64_t rows) {
           const int64_t r0 = b0 + t0;
           with_rows<kTileRows>(rows, [&](auto tile_rows) {
@@ -1003,15 +829,11 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
         }, table, y + col0, out_features, b0, cols);
       }
       ++block;
-      first_amx_tile += static_cast<size_t>(tiles);
     });
-#if defined(CONVEYOR_AMX_INT8)
-    if (on_amx) _tile_release();
-#endif
   });
 }
 
-#if defined(CONVEYOR_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(CONVEYOR_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CONVEYOR_AMX_BF16 1
 // --- Prompt products on AMX tiles in bf16 (Intel CPUs with AMX-BF16). A panel's blocks are
 // expanded once a call into bf16 weights laid out as the tile unit reads them (a group's 32 k as
@@ -1021,15 +843,25 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
 // row's own chain of tile products in k order, so a row's bits do not depend on the rows beside
 // it; they differ from the int8 kernel's (x and the weights rounded to bf16 instead of x quantised
 // to int8), so a caller picks the kernel by a row's kind (a prompt token's), never by batch size.
+constexpr int64_t kAmxTileRows = 16;
 constexpr int64_t kGroupTileBytes = 16 * 64;  // a group's 32 k x 16 columns of bf16
+
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
 
 // Tiles 0-3: sums of 2 x 2 (row tile, panel); 4-5: x's rows at a group's 32 k; 6-7: two panels'
 // weights at that group.
-TileConfig bf16_tile_config() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.tile(t, 16, 64);
-  return c;
-}
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
 
 // A panel's groups (its unpacked codes and scales) as bf16 weights: group g at out + g * 1 KiB,
 // row i holding k 2i, 2i + 1 of each column as a pair.
@@ -1087,7 +919,7 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
     scales.resize(static_cast<size_t>(groups * kGroupScales));
     expanded.resize(static_cast<size_t>(2 * run_pairs * groups * kGroupTileBytes));
-    static const TileConfig config = bf16_tile_config();
+    const TileConfig config;
     _tile_loadconfig(&config);
     const int64_t panel_bytes = units * K::L.unit_bytes;
     alignas(64) float sums[4][256];
@@ -1185,12 +1017,10 @@ torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::T
   return y;
 }
 
-// amx: whether calls of enough rows may sum on AMX-INT8 tiles where the CPU has them (the same
-// bits either way; False for tests and A/B runs of the vpdpbusd path).
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias, int64_t qtype, bool amx) {
-  return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, [amx](auto kind, auto... args) {
-    matmul<decltype(kind)::value>(args..., amx);
+                          const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+  return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, [](auto kind, auto... args) {
+    matmul<decltype(kind)::value>(args...);
   });
 }
 
@@ -1205,16 +1035,6 @@ torch::Tensor bf16_tile_matmul(const torch::Tensor& x, const torch::Tensor& pack
 #else
   (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
   TORCH_CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
-#endif
-}
-
-// Whether int8_matmul sums on AMX-INT8 tiles here (from kInt8TileMinRows rows): built with them and
-// lent the tiles by the OS.
-bool int8_tiles() {
-#if defined(CONVEYOR_AMX_INT8)
-  return amx_permitted();
-#else
-  return false;
 #endif
 }
 
@@ -1263,9 +1083,7 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul,
         "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
-        py::arg("amx") = true, py::call_guard<py::gil_scoped_release>());
-  m.def("int8_tiles", &int8_tiles, "whether int8_matmul sums on AMX-INT8 tiles on this CPU and build");
+        py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations,
         "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32], fp32 outliers [M, K])",
         py::call_guard<py::gil_scoped_release>());
