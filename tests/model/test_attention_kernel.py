@@ -128,8 +128,9 @@ def test_kernel_rejects_a_context_longer_than_its_table(kernel):
 
 
 # Rows whose first block another row holds (prefix-cache hits) take the register-blocked span, the
-# others the token-by-token one: a row's output must not depend on which, or caching would change
-# outputs. The same rows, once sharing their prefix blocks and once holding copies of them.
+# others the token-by-token one (or, on CPUs where it is faster, the register-blocked one too): a
+# row's output must not depend on which, or caching would change outputs. The same rows, once
+# sharing their prefix blocks and once holding copies of them, those run by either span.
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1), (16, 6, 2)])
 @pytest.mark.parametrize("context_lens, window", [([40, 75], 0), ([300, 290, 37, 64, 100, 18], 0), ([300, 290], 50),
                                                   ([1000, 990, 33, 800], 0)])
@@ -153,8 +154,9 @@ def test_shared_and_copied_prefix_blocks_give_identical_outputs(kernel, head_dim
     q = torch.randn(len(context_lens), heads, head_dim, generator=gen)
     lens, scale = torch.tensor(context_lens), head_dim**-0.5
     shared = kernel(q, k_cache, v_cache, torch.tensor(shared_tables), lens, scale, window)
-    copied = kernel(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale, window)
-    assert torch.equal(shared, copied)
+    for unshared_span in ("token", "vector", "auto"):
+        copied = kernel(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale, window, unshared_span=unshared_span)
+        assert torch.equal(shared, copied), unshared_span
     torch.testing.assert_close(shared, _reference(q, k_cache, v_cache, torch.tensor(own_tables), lens, scale,
                                                   window or None), rtol=1e-5, atol=1e-5)
 
@@ -177,6 +179,8 @@ def test_float16_cache_matches_reference(kernel, head_dim, heads, kv_heads, cont
     out = kernel(q, k_cache, v_cache, tables, lens, scale, window)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, scale, window or None),
                                rtol=1e-5, atol=1e-5)
+    for unshared_span in ("token", "vector"):  # whichever span this CPU runs rows of their own on
+        assert torch.equal(out, kernel(q, k_cache, v_cache, tables, lens, scale, window, unshared_span=unshared_span))
     # the same values held in fp32 give the same result (only the reads differ)
     torch.testing.assert_close(out, kernel(q, k_cache.float(), v_cache.float(), tables, lens, scale, window),
                                rtol=1e-6, atol=1e-6)
@@ -184,6 +188,8 @@ def test_float16_cache_matches_reference(kernel, head_dim, heads, kv_heads, cont
 
 def test_kernel_refuses_mixed_or_bf16_caches(kernel):
     q, k_cache, v_cache, tables, lens = _decode_batch([8, 3])
+    with pytest.raises(RuntimeError, match="unshared_span"):
+        kernel(q, k_cache, v_cache, tables, lens, 0.5, 0, unshared_span="tiles")
     with pytest.raises(RuntimeError, match="one dtype"):
         kernel(q, k_cache.half(), v_cache, tables, lens, 0.5)
     with pytest.raises(RuntimeError, match="float32 or float16"):
