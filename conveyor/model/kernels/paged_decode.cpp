@@ -159,13 +159,34 @@ inline float exp_and_sum(float* s, int64_t n, float peak) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
+// The largest of n >= 1 scores. A maximum is exact in any order, so the lanes may split the row (a
+// scalar scan was most of the softmax's time); only a NaN's place could differ, and a NaN score
+// makes the row's sum, so its output, NaN either way.
+inline float row_max(const float* s, int64_t n) {
+  float peak = s[0];
+  int64_t t = 1;
+#if defined(__AVX2__)
+  if (n >= 33) {  // four running maxima of 8 lanes, so that one's latency does not hold the next
+    __m256 m[4];
+    for (auto& v : m) v = _mm256_set1_ps(s[0]);
+    for (; t + 32 <= n; t += 32)
+      for (int i = 0; i < 4; ++i) m[i] = _mm256_max_ps(m[i], _mm256_loadu_ps(s + t + 8 * i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (const float lane : lanes) peak = std::max(peak, lane);
+  }
+#endif
+  for (; t < n; ++t) peak = std::max(peak, s[t]);
+  return peak;
+}
+
 // Per head h: row h of `scores` (`row_stride` apart, n tokens) -> exp(score - max) in place, and
 // result[h] = [max, sum, head_dim zeros] for the values pass to add into.
 inline void softmax_rows(float* scores, int64_t row_stride, int64_t n, int64_t num_heads, int64_t head_dim, float* result) {
   const int64_t stride = head_dim + 2;
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores + h * row_stride;
-    const float peak = *std::max_element(s, s + n);
+    const float peak = row_max(s, n);
     result[h * stride] = peak;
     result[h * stride + 1] = exp_and_sum(s, n, peak);
     std::fill(result + h * stride + 2, result + (h + 1) * stride, 0.f);
