@@ -186,10 +186,14 @@ def test_float16_cache_matches_reference(kernel, head_dim, heads, kv_heads, cont
                                rtol=1e-6, atol=1e-6)
 
 
+def test_kernel_refuses_an_unknown_span(kernel):
+    q, k_cache, v_cache, tables, lens = _decode_batch([8, 3])
+    with pytest.raises(RuntimeError, match="unshared_span must be auto, token or vector"):
+        kernel(q, k_cache, v_cache, tables, lens, 0.5, 0, unshared_span="tiles")
+
+
 def test_kernel_refuses_mixed_or_bf16_caches(kernel):
     q, k_cache, v_cache, tables, lens = _decode_batch([8, 3])
-    with pytest.raises(RuntimeError, match="unshared_span"):
-        kernel(q, k_cache, v_cache, tables, lens, 0.5, 0, unshared_span="tiles")
     with pytest.raises(RuntimeError, match="one dtype"):
         kernel(q, k_cache.half(), v_cache, tables, lens, 0.5)
     with pytest.raises(RuntimeError, match="float32 or float16"):

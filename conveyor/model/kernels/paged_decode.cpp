@@ -358,10 +358,10 @@ struct VectorSpan {
 #endif
 
 // Which span runs rows that stream blocks of their own (rows sharing their first block take
-// VectorSpan wherever it handles the head size). The token-by-token walk, where measured faster
-// from DRAM (AMD Zen 4: VectorSpan alone read cold blocks at 0.46-0.74x its speed); VectorSpan on
-// Intel cores with AMX, where it was faster for every row (whole decode steps 1.04-1.21x,
-// docs/PERF.md). Both give the same bits, so the choice moves no output.
+// VectorSpan wherever it handles the head size): the token-by-token walk where it read cold blocks
+// faster (AMD Zen 4), VectorSpan on Intel cores with AMX, where it was faster for every row, cold
+// blocks included (docs/PERF.md, "Every row on the register-blocked span"). Both give the same
+// bits, so the choice moves no output.
 enum class UnsharedSpan { kToken, kVector };
 #if defined(__AMX_TILE__)
 constexpr UnsharedSpan kUnsharedSpan = UnsharedSpan::kVector;
