@@ -67,3 +67,28 @@ for key, name, higher in rows:
     print(f"{name:<14} {a:>10.{digits}f} {b:>10.{digits}f} {ratio:>{max(14, len(label))}}  {better}")
 PYEOF
 }
+
+rounds_summary() {  # rounds_summary PY DIR N PREFIX PEER: per-round output tok/s and ratios (conveyor-I.json
+    # against PREFIX-I.json; odd rounds ran the peer first); last line: the median round
+    "$1" - "$2" "$3" "$4" "$5" <<'PYEOF'
+import json, os, sys
+out_dir, n, prefix, peer = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def tok_s(name):
+    return json.load(open(os.path.join(out_dir, name)))["output_throughput"]
+rows = []
+for i in range(1, n + 1):
+    ours, theirs = tok_s(f"conveyor-{i}.json"), tok_s(f"{prefix}-{i}.json")
+    rows.append((i, ours, theirs, ours / theirs if theirs else float("inf")))
+print(f"output tok/s, {n} rounds (odd rounds {peer} first, even rounds conveyor first)")
+label = f"conveyor/{peer}"
+print(f"{'round':>5} {'first':>9} {'conveyor':>10} {peer:>10} {label:>19}")
+for i, ours, theirs, ratio in rows:
+    first = peer if i % 2 else "conveyor"
+    print(f"{i:>5} {first:>9} {ours:>10.1f} {theirs:>10.1f} {ratio:>18.2f}x")
+ranked = sorted(rows, key=lambda row: row[3])
+median = ranked[(n - 1) // 2]  # the lower middle one for an even count
+print(f"{label} over {n} rounds: min {ranked[0][3]:.2f}x, median {median[3]:.2f}x "
+      f"(round {median[0]}), max {ranked[-1][3]:.2f}x")
+print(median[0])
+PYEOF
+}

@@ -260,29 +260,6 @@ stop_conveyor() {
     log "conveyor stopped"
 }
 
-rounds_summary() {  # rounds_summary PY DIR N: per-round output tok/s and ratios; last line: the median round
-    "$1" - "$2" "$3" <<'PYEOF'
-import json, os, sys
-out_dir, n = sys.argv[1], int(sys.argv[2])
-def tok_s(name):
-    return json.load(open(os.path.join(out_dir, name)))["output_throughput"]
-rows = []
-for i in range(1, n + 1):
-    ours, theirs = tok_s(f"conveyor-{i}.json"), tok_s(f"llama-{i}.json")
-    rows.append((i, ours, theirs, ours / theirs if theirs else float("inf")))
-print(f"output tok/s, {n} rounds (odd rounds llama.cpp first, even rounds conveyor first)")
-print(f"{'round':>5} {'first':>9} {'conveyor':>10} {'llama.cpp':>10} {'conveyor/llama.cpp':>19}")
-for i, ours, theirs, ratio in rows:
-    first = "llama.cpp" if i % 2 else "conveyor"
-    print(f"{i:>5} {first:>9} {ours:>10.1f} {theirs:>10.1f} {ratio:>18.2f}x")
-ranked = sorted(rows, key=lambda row: row[3])
-median = ranked[(n - 1) // 2]  # the lower middle one for an even count
-print(f"conveyor/llama.cpp over {n} rounds: min {ranked[0][3]:.2f}x, median {median[3]:.2f}x "
-      f"(round {median[0]}), max {ranked[-1][3]:.2f}x")
-print(median[0])
-PYEOF
-}
-
 quality() {  # both sides' fast path against their own fp32 path, on the same texts (--quality above)
     local dir=$OUT_DIR/quality bin=$LLAMA_DIR/build/bin text
     mkdir -p "$dir"
@@ -373,7 +350,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
 done
 stop_conveyor
 stop_llama
-summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS")
+summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS" llama llama.cpp)
 median=${summary##*$'\n'}
 echo
 printf '%s\n' "${summary%$'\n'*}"

@@ -22,7 +22,14 @@
 #   --seed S               [SEED=0]
 #   --enforce-eager        [VLLM_ENFORCE_EAGER=1] vLLM without torch.compile (faster start, slower run)
 #   --out-dir DIR          [OUT_DIR=out/peers/vllm] results JSON, server logs, the exported model
-#   --only vllm|conveyor   [ONLY=] run one side (the table needs both result files in OUT_DIR)
+#   --only vllm|conveyor   [ONLY=] run one side (the table needs both result files in OUT_DIR); not
+#                          with --rounds above 1
+#   --rounds N             [ROUNDS=1] N > 1: both servers up at once (vLLM started first), N rounds
+#                          of the same benchmark back to back, the order alternating (round 1 vLLM
+#                          then conveyor, round 2 conveyor then vLLM, ...) so that the machine's drift
+#                          hits both alike; round I draws its requests with seed SEED + I - 1; prints
+#                          each round's output tok/s and ratio, their min / median / max, and the full
+#                          table for the median round. Results in OUT_DIR/vllm-I.json, conveyor-I.json
 #   --conveyor-weights W   [CONVEYOR_WEIGHTS=hf] hf: conveyor serves the exported HF folder (fp32), as
 #                          vLLM does; gguf: the GGUF itself, whose blocks its matmuls stream (as
 #                          conveyor's users run it: the fair comparison for a GGUF model)
@@ -49,6 +56,7 @@ SEED=${SEED:-0}
 VLLM_ENFORCE_EAGER=${VLLM_ENFORCE_EAGER:-0}
 OUT_DIR=${OUT_DIR:-$ROOT/out/peers/vllm}
 ONLY=${ONLY:-}
+ROUNDS=${ROUNDS:-1}
 CONVEYOR_WEIGHTS=${CONVEYOR_WEIGHTS:-hf}
 SETUP_ONLY=0
 BENCH_EXTRA=()
@@ -79,6 +87,7 @@ while [[ $# -gt 0 ]]; do
         --enforce-eager) VLLM_ENFORCE_EAGER=1; shift ;;
         --out-dir) OUT_DIR=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
+        --rounds) ROUNDS=$2; shift 2 ;;
         --conveyor-weights) CONVEYOR_WEIGHTS=$2; shift 2 ;;
         --setup-only) SETUP_ONLY=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
@@ -87,6 +96,14 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+if [[ ! $ROUNDS =~ ^[1-9][0-9]*$ ]]; then
+    echo "--rounds (ROUNDS) must be a whole number of at least 1, not '$ROUNDS'" >&2
+    exit 2
+fi
+if ((ROUNDS > 1)) && [[ -n $ONLY ]]; then
+    echo "--only $ONLY runs one server, --rounds $ROUNDS alternates both: use one or the other" >&2
+    exit 2
+fi
 [[ $CONVEYOR_WEIGHTS == hf || $CONVEYOR_WEIGHTS == gguf ]] || { echo "--conveyor-weights must be hf or gguf" >&2; exit 2; }
 if [[ $VLLM_DTYPE == auto ]]; then  # vLLM's own default on CPUs: bf16 where the CPU multiplies it natively
     if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then VLLM_DTYPE=bfloat16; else VLLM_DTYPE=float32; fi
@@ -155,8 +172,9 @@ warm_up() {  # a few short requests, so one-off first-call costs stay out of the
         --input-len 64 --output-len 16 --num-prompts 4 --disable-tqdm >/dev/null
 }
 
-run_vllm() {
-    local logfile=$OUT_DIR/vllm-server.log url=http://127.0.0.1:$VLLM_PORT pgid
+start_vllm() {
+    local logfile=$OUT_DIR/vllm-server.log
+    VLLM_URL=http://127.0.0.1:$VLLM_PORT
     local args=(serve "$HF_DIR" --served-model-name "$MODEL_NAME" --dtype "$VLLM_DTYPE"
                 --host 127.0.0.1 --port "$VLLM_PORT" --max-num-seqs "$MAX_NUM_SEQS"
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --generation-config vllm)
@@ -169,20 +187,26 @@ run_vllm() {
         XDG_CACHE_HOME="$SCRATCH/xdg" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
         DO_NOT_TRACK=1 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB" \
         setsid "$VLLM_VENV/bin/python" "$HERE/vllm_launcher.py" "${args[@]}" >"$logfile" 2>&1 &
-    pgid=$!
-    SERVER_PGIDS+=("$pgid")
-    wait_healthy "$url" "$pgid" "$VLLM_START_TIMEOUT" "$logfile"
-    warm_up "$url"
+    VLLM_PGID=$!
+    SERVER_PGIDS+=("$VLLM_PGID")
+    wait_healthy "$VLLM_URL" "$VLLM_PGID" "$VLLM_START_TIMEOUT" "$logfile"
+    warm_up "$VLLM_URL"
+}
+
+bench_vllm() {  # bench_vllm NAME: results in OUT_DIR/NAME.json and .txt
     log "benchmarking vLLM (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    bench "$url" vllm-cpu "$OUT_DIR/vllm.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/vllm.txt"
+    bench "$VLLM_URL" vllm-cpu "$OUT_DIR/$1.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/$1.txt"
     log "done (load average $(cut -d' ' -f1-3 /proc/loadavg); the benchmark itself adds ~2)"
-    stop_server "$pgid"
+}
+
+stop_vllm() {
+    stop_server "$VLLM_PGID"
     log "vLLM stopped"
 }
 
-run_conveyor() {
-    local logfile=$OUT_DIR/conveyor-server.log url=http://127.0.0.1:$CONVEYOR_PORT pgid
-    local model=$HF_DIR
+start_conveyor() {
+    local logfile=$OUT_DIR/conveyor-server.log model=$HF_DIR
+    CONVEYOR_URL=http://127.0.0.1:$CONVEYOR_PORT
     [[ $CONVEYOR_WEIGHTS == gguf ]] && model=$MODEL  # the model as given: its GGUF's blocks
     local args=(serve --model "$model" --served-model-name "$MODEL_NAME" --dtype float32
                 --host 127.0.0.1 --port "$CONVEYOR_PORT" --max-num-seqs "$MAX_NUM_SEQS"
@@ -190,14 +214,20 @@ run_conveyor() {
                 --max-waiting-requests 100000 --log-level warning)
     log "starting conveyor: conveyor ${args[*]}"
     setsid "$CONVEYOR_PY" -m conveyor.cli "${args[@]}" >"$logfile" 2>&1 &
-    pgid=$!
-    SERVER_PGIDS+=("$pgid")
-    wait_healthy "$url" "$pgid" 300 "$logfile"
-    warm_up "$url"
+    CONVEYOR_PGID=$!
+    SERVER_PGIDS+=("$CONVEYOR_PGID")
+    wait_healthy "$CONVEYOR_URL" "$CONVEYOR_PGID" 300 "$logfile"
+    warm_up "$CONVEYOR_URL"
+}
+
+bench_conveyor() {  # bench_conveyor NAME: results in OUT_DIR/NAME.json and .txt
     log "benchmarking conveyor (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    bench "$url" conveyor "$OUT_DIR/conveyor.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/conveyor.txt"
+    bench "$CONVEYOR_URL" conveyor "$OUT_DIR/$1.json" "${BENCH_EXTRA[@]}" | tee "$OUT_DIR/$1.txt"
     log "done (load average $(cut -d' ' -f1-3 /proc/loadavg); the benchmark itself adds ~2)"
-    stop_server "$pgid"
+}
+
+stop_conveyor() {
+    stop_server "$CONVEYOR_PGID"
     log "conveyor stopped"
 }
 
@@ -210,11 +240,48 @@ fi
 log "workload: $DATASET, $NUM_PROMPTS prompts, rate $REQUEST_RATE, max_num_seqs $MAX_NUM_SEQS," \
     "max_num_batched_tokens $MAX_NUM_BATCHED_TOKENS, vLLM in $VLLM_DTYPE, conveyor on $CONVEYOR_WEIGHTS weights," \
     "KV ${KV_CACHE_GIB} GiB each"
-[[ -z $ONLY || $ONLY == vllm ]] && run_vllm
-[[ -z $ONLY || $ONLY == conveyor ]] && run_conveyor
+if ((ROUNDS == 1)); then  # one server at a time
+    if [[ -z $ONLY || $ONLY == vllm ]]; then
+        start_vllm
+        bench_vllm vllm
+        stop_vllm
+    fi
+    if [[ -z $ONLY || $ONLY == conveyor ]]; then
+        start_conveyor
+        bench_conveyor conveyor
+        stop_conveyor
+    fi
+    echo
+    echo "===== vLLM CPU $VLLM_VERSION ====="
+    cat "$OUT_DIR/vllm.txt"
+    echo "===== conveyor ====="
+    cat "$OUT_DIR/conveyor.txt"
+    ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/vllm.json" "vLLM CPU"
+    exit 0
+fi
+
+# --rounds N > 1: both servers up, the order alternating from round to round
+start_vllm
+start_conveyor
+FIRST_SEED=$SEED
+for ((round = 1; round <= ROUNDS; round++)); do
+    SEED=$((FIRST_SEED + round - 1))  # bench reads it
+    if ((round % 2)); then
+        log "round $round of $ROUNDS: vLLM, then conveyor"
+        bench_vllm "vllm-$round"
+        bench_conveyor "conveyor-$round"
+    else
+        log "round $round of $ROUNDS: conveyor, then vLLM"
+        bench_conveyor "conveyor-$round"
+        bench_vllm "vllm-$round"
+    fi
+done
+stop_conveyor
+stop_vllm
+summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS" vllm "vLLM CPU")
+median=${summary##*$'\n'}
 echo
-echo "===== vLLM CPU $VLLM_VERSION ====="
-cat "$OUT_DIR/vllm.txt"
-echo "===== conveyor ====="
-cat "$OUT_DIR/conveyor.txt"
-ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor.json" "$OUT_DIR/vllm.json" "vLLM CPU"
+printf '%s\n' "${summary%$'\n'*}"
+echo
+echo "===== round $median, the median ratio (vLLM CPU $VLLM_VERSION) ====="
+ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor-$median.json" "$OUT_DIR/vllm-$median.json" "vLLM CPU"

@@ -190,23 +190,27 @@ class PromptRows:
     recompute after preemption alike."""
 
     num_rows: int
-    rows: torch.Tensor    # int64 indices of the prompt rows, ascending
-    others: torch.Tensor  # the rest
+    ranges: tuple[tuple[int, int], ...]  # the prompt rows, as runs [start, end), ascending
+    others: tuple[tuple[int, int], ...]  # the rest, likewise
 
     @classmethod
     def of(cls, ranges: tuple[tuple[int, int], ...], num_rows: int) -> "PromptRows | None":
-        """From row ranges [start, end) (AttentionMetadata.prompt_rows, none empty); None when there
-        are none (a decode step: nothing built)."""
+        """From row ranges [start, end) (AttentionMetadata.prompt_rows: disjoint, none empty); None
+        when there are none (a decode step)."""
         if not ranges:
             return None
-        mask = torch.zeros(num_rows, dtype=torch.bool)
-        for start, end in ranges:
-            mask[start:end] = True
-        return cls(num_rows, mask.nonzero().flatten(), (~mask).nonzero().flatten())
+        ordered, others, at = tuple(sorted(ranges)), [], 0
+        for start, end in ordered:
+            if start > at:
+                others.append((at, start))
+            at = end
+        if at < num_rows:
+            others.append((at, num_rows))
+        return cls(num_rows, ordered, tuple(others))
 
     @property
     def every_row(self) -> bool:
-        return len(self.rows) == self.num_rows
+        return not self.others
 
 
 def bf16_tiles_available() -> bool:
@@ -293,10 +297,12 @@ def _by_origin(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
     tiles = int8_kernel.bf16_tile_matmul  # type: ignore[attr-defined]
     if prompt_rows.every_row:
         return tiles(x, packed.data, packed.out_features, bias, qtype)
+    # Each run of rows is multiplied in place and written into its rows of y: gathering a kind's
+    # rows and scattering its result cost a third of a large product again (docs/PERF.md).
     y = torch.empty(x.shape[0], packed.out_features)
-    y[prompt_rows.rows] = tiles(x[prompt_rows.rows], packed.data, packed.out_features, bias, qtype)
-    y[prompt_rows.others] = int8_kernel.int8_matmul(  # type: ignore[attr-defined]
-        x[prompt_rows.others], packed.data, packed.out_features, bias, qtype)
+    for kernel, runs in ((tiles, prompt_rows.ranges), (int8_kernel.int8_matmul, prompt_rows.others)):  # type: ignore[attr-defined]
+        for start, end in runs:
+            kernel(x[start:end], packed.data, packed.out_features, bias, qtype, out=y[start:end])
     return y
 
 

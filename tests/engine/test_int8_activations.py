@@ -41,9 +41,9 @@ def test_the_integer_kernel_runs_only_when_asked(make_engine, prompt_ids, monkey
         def bf16_tiles(self) -> bool:  # prompts on the int8 kernel too (tests/engine/test_prompt_tiles.py)
             return False
 
-        def int8_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        def int8_matmul(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             rows.append(x.shape[0])
-            return module.int8_matmul(x, *args)  # type: ignore[union-attr]
+            return module.int8_matmul(x, *args, **kwargs)  # type: ignore[union-attr]
 
     monkeypatch.setattr(kernels, "quant_int8", lambda: Recording())
     run(make_engine(activation_dtype="int8", max_num_seqs=4), prompt_ids[:1])

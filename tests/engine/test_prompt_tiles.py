@@ -29,13 +29,13 @@ def recorded(monkeypatch):  # noqa: ANN001, ANN201
         def bf16_tiles(self) -> bool:
             return bool(module.bf16_tiles())  # type: ignore[union-attr]
 
-        def bf16_tile_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        def bf16_tile_matmul(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             calls["tiles"].append(x.shape[0])
-            return module.bf16_tile_matmul(x, *args)  # type: ignore[union-attr,no-any-return]
+            return module.bf16_tile_matmul(x, *args, **kwargs)  # type: ignore[union-attr,no-any-return]
 
-        def int8_matmul(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        def int8_matmul(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             calls["int8"].append(x.shape[0])
-            return module.int8_matmul(x, *args)  # type: ignore[union-attr,no-any-return]
+            return module.int8_matmul(x, *args, **kwargs)  # type: ignore[union-attr,no-any-return]
 
         def __getattr__(self, name: str) -> object:
             return getattr(module, name)

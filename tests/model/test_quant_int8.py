@@ -222,6 +222,29 @@ def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others() -> None:
     assert torch.equal(y[1:2], alone)
 
 
+def test_a_product_writes_into_rows_of_a_larger_result() -> None:
+    # linear._by_origin writes each run of a step's rows (prompt tokens, generated ones) straight
+    # into its rows of the step's result: the same bits as a result of its own, the rows around untouched.
+    qtype, k, n = "Q5_0", 256, 40
+    q = random_blocks(qtype, n, k, seed=7)
+    packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]
+    x = with_outliers(torch.randn(20, k, generator=torch.Generator().manual_seed(8)), seed=9)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(10))
+    module = quant_int8()
+    products = [module.int8_matmul]  # type: ignore[union-attr]
+    if module.bf16_tiles():  # type: ignore[union-attr]
+        products.append(module.bf16_tile_matmul)  # type: ignore[union-attr]
+    for product in products:
+        y = torch.full((26, n), 7.0)
+        returned = product(x[3:20], packed, n, bias, KERNEL_QTYPE[qtype], out=y[5:22])
+        assert returned.data_ptr() == y[5:22].data_ptr()
+        assert torch.equal(y[5:22], product(x[3:20], packed, n, bias, KERNEL_QTYPE[qtype]))
+        assert (y[:5] == 7.0).all() and (y[22:] == 7.0).all()
+        for bad in (torch.empty(17, n + 1), torch.empty(17, n, dtype=torch.float64), torch.empty(n, 17).T):
+            with pytest.raises(RuntimeError, match="out must be a contiguous fp32"):
+                product(x[3:20], packed, n, bias, KERNEL_QTYPE[qtype], out=bad)
+
+
 def test_bad_arguments_are_refused() -> None:
     q = random_blocks("Q8_0", 16, 64)
     packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]

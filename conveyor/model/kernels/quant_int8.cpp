@@ -976,10 +976,13 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
 }  // namespace
 
 // The checks both products make and their dispatch on the block type: product(kind, x, x_stride,
-// m, w, panels, units, bias, y, out_features), kind a std::integral_constant<QType, T>.
+// m, w, panels, units, bias, y, out_features), kind a std::integral_constant<QType, T>. `out`: where
+// to write y (contiguous fp32 [M, out_features], e.g. a run of a larger result's rows), else a new
+// tensor.
 template <class Product>
 torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                        const c10::optional<torch::Tensor>& bias, int64_t qtype, Product&& product) {
+                        const c10::optional<torch::Tensor>& bias, int64_t qtype, const c10::optional<torch::Tensor>& out,
+                        Product&& product) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, ": x must be 2-D fp32");
   TORCH_CHECK(known(qtype), name, ": qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
@@ -999,7 +1002,11 @@ torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::T
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
-  auto y = torch::empty({m, out_features}, x.options());
+  if (out.has_value())
+    TORCH_CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == out_features &&
+                out->scalar_type() == torch::kFloat && out->is_contiguous(),
+                name, ": out must be a contiguous fp32 [", m, ", ", out_features, "] tensor");
+  auto y = out.has_value() ? *out : torch::empty({m, out_features}, x.options());
   if (m == 0) return y;
   const float* xp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -1018,22 +1025,24 @@ torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::T
 }
 
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias, int64_t qtype) {
-  return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, [](auto kind, auto... args) {
+                          const c10::optional<torch::Tensor>& bias, int64_t qtype,
+                          const c10::optional<torch::Tensor>& out) {
+  return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
     matmul<decltype(kind)::value>(args...);
   });
 }
 
 // The same product on AMX tiles in bf16 (see bf16_matmul); only where the CPU and the build have them.
 torch::Tensor bf16_tile_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+                               const c10::optional<torch::Tensor>& bias, int64_t qtype,
+                               const c10::optional<torch::Tensor>& out) {
 #if defined(CONVEYOR_AMX_BF16)
   TORCH_CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
-  return on_blocks("bf16_tile_matmul", x, packed, out_features, bias, qtype, [](auto kind, auto... args) {
+  return on_blocks("bf16_tile_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
     bf16_matmul<decltype(kind)::value>(args...);
   });
 #else
-  (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
+  (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype, (void)out;
   TORCH_CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
 #endif
 }
@@ -1082,14 +1091,18 @@ std::string isa() {
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul,
-        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8",
-        py::call_guard<py::gil_scoped_release>());
+        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8; "
+        "out: a contiguous [M, N] fp32 tensor to write it into",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations,
         "x [M, K] -> (int8 codes [M, K], fp32 scales [M, K / 32], fp32 outliers [M, K])",
         py::call_guard<py::gil_scoped_release>());
   m.def("bf16_tile_matmul", &bf16_tile_matmul,
-        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, on AMX tiles in bf16",
-        py::call_guard<py::gil_scoped_release>());
+        "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, on AMX tiles in bf16; "
+        "out: as int8_matmul's",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_tiles", &bf16_tiles, "whether bf16_tile_matmul runs on this CPU and build");
   m.attr("outlier_ratio") = kOutlierRatio;
   m.def("isa", &isa, "the instruction set this build's dot products use (avx512-vnni or avx2)");
