@@ -92,3 +92,34 @@ print(f"{label} over {n} rounds: min {ranked[0][3]:.2f}x, median {median[3]:.2f}
 print(median[0])
 PYEOF
 }
+
+# --rounds N > 1 in both peer scripts, once their two servers are up. Reads ROUNDS, SEED, OUT_DIR,
+# CONVEYOR_PY and the script's bench_conveyor.
+alternate_rounds() {  # alternate_rounds PEER_BENCH PREFIX PEER: round I benchmarks both into
+    # OUT_DIR/PREFIX-I and conveyor-I, the peer first in odd rounds; requests drawn with seed SEED + I - 1
+    local peer_bench=$1 prefix=$2 peer=$3 first_seed=$SEED round
+    for ((round = 1; round <= ROUNDS; round++)); do
+        SEED=$((first_seed + round - 1))  # bench reads it
+        if ((round % 2)); then
+            log "round $round of $ROUNDS: $peer, then conveyor"
+            "$peer_bench" "$prefix-$round"
+            bench_conveyor "conveyor-$round"
+        else
+            log "round $round of $ROUNDS: conveyor, then $peer"
+            bench_conveyor "conveyor-$round"
+            "$peer_bench" "$prefix-$round"
+        fi
+    done
+    SEED=$first_seed
+}
+
+print_rounds() {  # print_rounds PREFIX PEER TITLE: each round's ratio, then the median round's table
+    local summary median
+    summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS" "$1" "$2")
+    median=${summary##*$'\n'}
+    echo
+    printf '%s\n' "${summary%$'\n'*}"
+    echo
+    echo "===== round $median, the median ratio ($3) ====="
+    ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor-$median.json" "$OUT_DIR/$1-$median.json" "$2"
+}

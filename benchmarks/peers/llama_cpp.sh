@@ -335,25 +335,7 @@ fi
 # --rounds N > 1: both servers up, the order alternating from round to round
 start_llama
 start_conveyor
-FIRST_SEED=$SEED
-for ((round = 1; round <= ROUNDS; round++)); do
-    SEED=$((FIRST_SEED + round - 1))  # bench reads it
-    if ((round % 2)); then
-        log "round $round of $ROUNDS: llama.cpp, then conveyor"
-        bench_llama "llama-$round"
-        bench_conveyor "conveyor-$round"
-    else
-        log "round $round of $ROUNDS: conveyor, then llama.cpp"
-        bench_conveyor "conveyor-$round"
-        bench_llama "llama-$round"
-    fi
-done
+alternate_rounds bench_llama llama llama.cpp
 stop_conveyor
 stop_llama
-summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS" llama llama.cpp)
-median=${summary##*$'\n'}
-echo
-printf '%s\n' "${summary%$'\n'*}"
-echo
-echo "===== round $median, the median ratio (llama.cpp $LLAMA_COMMIT) ====="
-ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor-$median.json" "$OUT_DIR/llama-$median.json" "llama.cpp"
+print_rounds llama "llama.cpp" "llama.cpp $LLAMA_COMMIT"

@@ -263,25 +263,7 @@ fi
 # --rounds N > 1: both servers up, the order alternating from round to round
 start_vllm
 start_conveyor
-FIRST_SEED=$SEED
-for ((round = 1; round <= ROUNDS; round++)); do
-    SEED=$((FIRST_SEED + round - 1))  # bench reads it
-    if ((round % 2)); then
-        log "round $round of $ROUNDS: vLLM, then conveyor"
-        bench_vllm "vllm-$round"
-        bench_conveyor "conveyor-$round"
-    else
-        log "round $round of $ROUNDS: conveyor, then vLLM"
-        bench_conveyor "conveyor-$round"
-        bench_vllm "vllm-$round"
-    fi
-done
+alternate_rounds bench_vllm vllm vLLM
 stop_conveyor
 stop_vllm
-summary=$(rounds_summary "$CONVEYOR_PY" "$OUT_DIR" "$ROUNDS" vllm "vLLM CPU")
-median=${summary##*$'\n'}
-echo
-printf '%s\n' "${summary%$'\n'*}"
-echo
-echo "===== round $median, the median ratio (vLLM CPU $VLLM_VERSION) ====="
-ratio_table "$CONVEYOR_PY" "$OUT_DIR/conveyor-$median.json" "$OUT_DIR/vllm-$median.json" "vLLM CPU"
+print_rounds vllm "vLLM CPU" "vLLM CPU $VLLM_VERSION"

@@ -32,7 +32,9 @@ log = logging.getLogger("conveyor.engine")
 
 class Runner(Protocol):
     """Optionally also `save_rng_state(out) -> state` and `restore_rng_state(state)`, so that a step
-    re-run after a failure (LLMEngine._execute_isolating) draws the same random numbers."""
+    re-run after a failure (LLMEngine._execute_isolating) draws the same random numbers, and
+    `prompt_rows_apart` (True where prompt and generated tokens compute differently: the prefix
+    cache then keys them apart; absent means False)."""
 
     def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
         """Compute the scheduled tokens (their KV blocks: `out.block_tables`, after `out.block_copies`);

@@ -919,7 +919,9 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
     scales.resize(static_cast<size_t>(groups * kGroupScales));
     expanded.resize(static_cast<size_t>(2 * run_pairs * groups * kGroupTileBytes));
-    const TileConfig config;
+    // Static: a configuration on the stack was seen (in an experiment, e5ec78f) not yet stored
+    // when ldtilecfg read it; the compiler does not treat that read as a use of the stores.
+    static const TileConfig config;
     _tile_loadconfig(&config);
     const int64_t panel_bytes = units * K::L.unit_bytes;
     alignas(64) float sums[4][256];
