@@ -15,6 +15,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource, matmul_path,
                                    screen_norms, screened_argmax)
+from conveyor.model.memory import return_freed_memory
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
@@ -232,6 +233,10 @@ class LlamaModel(nn.Module):
             mlp = src + "mlp."
             put_linear(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
             put_linear(dst + "down", [mlp + "down_proj.weight"])
+            # The fused projections' parts were freed beside the layers still to come, and below
+            # glibc's mapping threshold they stay in the heap until trimmed: a load would peak a few
+            # layers' parts above what the model then holds.
+            return_freed_memory()
             put_norm(dst + "input_norm", dense(src + "input_layernorm.weight"))
             if self.cfg.sandwich_norms:  # HF's post_attention_layernorm is then the attention output's norm
                 put_norm(dst + "attn_out_norm", dense(src + "post_attention_layernorm.weight"))

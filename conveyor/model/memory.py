@@ -79,8 +79,9 @@ def share_one_heap() -> None:
 
 
 def return_freed_memory() -> None:
-    """Hands the heap's free pages back to the system (glibc's malloc_trim): after a load, and after
-    a step that freed more than steps keep (ModelRunner.execute's prompt logits)."""
+    """Hands the heap's free pages back to the system (glibc's malloc_trim): after each layer of a
+    load (LlamaModel.load_weights), after the load, and after a step that freed more than steps keep
+    (ModelRunner.execute's prompt logits)."""
     if (libc := _libc()) is not None:
         libc.malloc_trim(0)
 

@@ -79,7 +79,10 @@ def test_fp32_activations_never_take_the_tiles(make_engine, recorded) -> None:  
 
 def test_the_next_turn_changes_no_output_and_hits_what_was_computed_alike(make_engine) -> None:  # noqa: ANN001
     """With the tiles, the answer was computed as generated tokens and the next turn reads it as a
-    prompt: only the first prompt's blocks are a hit, and the tokens equal a run without the cache."""
+    prompt: only the first prompt's blocks are a hit, and the tokens equal a run without the cache.
+    Without them the answer's blocks are a hit too; its keys were computed a row at a time there and
+    as one prompt without the cache, which int8 rounding need not make equal (test_int8_activations),
+    so the tokens are compared where every key read was computed alike: with the tiles."""
     on = make_engine(activation_dtype="int8", max_num_seqs=4)
     off = make_engine(activation_dtype="int8", max_num_seqs=4, enable_prefix_caching=False)
     first = prompts(on)[0]
@@ -95,4 +98,5 @@ def test_the_next_turn_changes_no_output_and_hits_what_was_computed_alike(make_e
     computed = len(first) + len(answer) - 1  # the answer's last token never had its KV written
     expected = len(first) if on.runner.prompt_rows_apart else computed
     assert outs[0].num_cached_tokens == (expected // bs) * bs
-    assert outs[0].token_ids == run(off, [(turn2, greedy)])[(0, 0)]
+    if on.runner.prompt_rows_apart:
+        assert outs[0].token_ids == run(off, [(turn2, greedy)])[(0, 0)]
