@@ -134,7 +134,7 @@ constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside th
 #else
 constexpr int kTileRows = 4;
 // Up to this many rows multiply each panel's codes as they are unpacked, in registers (AVX2 builds;
-// AVX-512 builds keep the buffer at every row count: the fused path is not measured there).
+// AVX-512 builds keep the buffer at every row count: fused there, no faster, docs/PERF.md).
 constexpr int kFusedRows = 4;
 #endif
 // A block of rows stays in L2 while a thread's panels pass: its codes, rows x K bytes, up to this
