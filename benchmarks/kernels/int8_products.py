@@ -8,6 +8,9 @@ product so that the machine's drift hits both alike. Prints min / median millise
 all the products and the ratio of medians (baseline / this tree); checks nothing but that both ran.
 The activations matter: the kernel's cost depends on how many of a row's features it carries
 exactly (docs/PERF.md, "Lone large features, carried exactly").
+At a few rows, where a pass is bound by reading the weights, one build's run of a product finds
+the weights in the L3 the other's just filled, which hides differences there: compare whole decode
+steps with benchmarks/ab_steps.py --switch int8-kernel-at instead.
 
     python benchmarks/kernels/int8_products.py --model qwen2.5-coder-0.5b --baseline HEAD~1 --rows 1 8 16 32 512
 """

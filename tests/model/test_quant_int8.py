@@ -97,7 +97,7 @@ def test_a_lone_large_feature_costs_the_others_no_precision() -> None:
 
 
 # Rows through one tile, balanced tiles, and (with K = 4096, 96-row blocks) several row blocks; 1-4
-# rows also through AVX2's fused path (codes multiplied as they are unpacked).
+# rows through the fused path (codes multiplied as they are unpacked, in registers).
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("rows,k", [(1, 512), (2, 512), (3, 512), (4, 512), (5, 512), (13, 512), (40, 512), (230, 4096)])
 def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -> None:
@@ -120,8 +120,8 @@ def test_product_equals_the_dequantised_product(qtype: str, rows: int, k: int) -
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> None:
-    # Greedy equality under batching, chunked prefill and speculation rests on it: a few rows (AVX2:
-    # the fused path) and many (the buffered tiles) give each row the same bits.
+    # Greedy equality under batching, chunked prefill and speculation rests on it: a few rows (the
+    # fused path) and many (the buffered tiles) give each row the same bits.
     k, out_features = 512, 37
     q = random_blocks(qtype, out_features, k, seed=3)
     packed = quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype])  # type: ignore[union-attr]

@@ -21,7 +21,8 @@
 // broadcast 4 bytes of x gives 16 columns 4 multiply-adds each) beside the groups' fp32 scales, and
 // tiles of up to 12 rows (AVX2: 4 rows, 8 columns at a time) read it from L1/L2. x is quantised
 // once a call, laid out tile by tile ([K / 4][rows][4 bytes]) so that a tile reads it through one
-// pointer.
+// pointer. Up to kFusedRows rows skip the buffer: each group's codes are unpacked into registers and
+// multiplied there (rows_times_panel), in the tiles' order.
 //
 // Non-finite x: a group holding inf or NaN gets a NaN scale, so the row's outputs are NaN. A group
 // whose max |x| is below 1e-30 quantises to zero (its share of any output is below 32e-30 |w|).
@@ -133,10 +134,10 @@ constexpr float kOutlierRatio = 2.0f;
 constexpr int kTileRows = 12;  // 12 sums + 12 integer sums + a weight beside them in 32 zmm registers
 #else
 constexpr int kTileRows = 4;
-// Up to this many rows multiply each panel's codes as they are unpacked, in registers (AVX2 builds;
-// AVX-512 builds keep the buffer at every row count: fused there, no faster, docs/PERF.md).
-constexpr int kFusedRows = 4;
 #endif
+// Up to this many rows multiply each panel's codes as they are unpacked, in registers, instead of
+// unpacking them into the thread's buffer and reading them back (rows_times_panel).
+constexpr int kFusedRows = 4;
 // A block of rows stays in L2 while a thread's panels pass: its codes, rows x K bytes, up to this
 // many (a quarter of the smallest L2 the kernel meets, 512 KiB on AVX2-only EPYCs). Each panel's
 // codes are unpacked once a block, so short K (most of a small model's products) takes long blocks.
@@ -413,14 +414,14 @@ const Tables& tables() {
 }
 inline __m512i table(const uint8_t* p) { return _mm512_load_si512(p); }
 
-// One group's codes (32 k) -> out, 8 x 64 bytes, unsigned (Q8_0's with 128 added).
+// One group's codes (32 k) as 8 steps of 4 k x 16 columns x 4 codes, unsigned (Q8_0's with 128 added).
 template <int kBits>
-inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Tables& tb) {
+inline void group_codes(const uint8_t* codes, int64_t g, const Tables& tb, __m512i (&w)[8]) {
   if constexpr (kBits == 8) {
     const uint8_t* src = codes + g * 32 * 16;
     const __m512i perm = table(tb.q8), flip = _mm512_set1_epi8(static_cast<char>(0x80));
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s)
-      _mm512_storeu_si512(out + 64 * s, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 64 * s)), flip));
+      w[s] = _mm512_xor_si512(_mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 64 * s)), flip);
   } else {
     const uint8_t* chunk = codes + g * kChunkBytes(kBits);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -440,14 +441,52 @@ inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Ta
         a = _mm512_ternarylogic_epi32(a, _mm512_multishift_epi64_epi8(table(tb.bit6_a), src), bits, 0xF8);
         b = _mm512_ternarylogic_epi32(b, _mm512_multishift_epi64_epi8(table(tb.bit6_b), src), bits, 0xF8);
       }
-      _mm512_storeu_si512(out + 128 * h, a);
-      _mm512_storeu_si512(out + 128 * h + 64, b);
+      w[2 * h] = a;
+      w[2 * h + 1] = b;
     }
   }
 }
 
-// R rows x 16 columns over a panel's groups. kHalves: Q6_K (two scales a group, each its own
-// integer sum); kMin: a minimum a group.
+// One group's codes -> out, 8 x 64 bytes.
+template <int kBits>
+inline void unpack_codes(const uint8_t* codes, int64_t g, uint8_t* out, const Tables& tb) {
+  __m512i w[8];
+  group_codes<kBits>(codes, g, tb, w);
+  _Pragma("GCC unroll 8") for (int s = 0; s < 8; ++s) _mm512_storeu_si512(out + 64 * s, w[s]);
+}
+
+// One group's share of R rows' sums, its codes step by step from code(s) (step s: 4 k x 16 columns
+// x 4 codes): the buffered tiles read them from the buffer, the fused rows from registers, and both
+// sum in this one order, so a row's bits do not depend on which path ran it. kHalves: Q6_K (two
+// scales a group, each its own integer sum); kMin: a minimum a group.
+template <int R, bool kHalves, bool kMin, class Codes>
+__attribute__((always_inline)) inline void add_group(Codes&& code, const float* scales, const int32_t* xw, const Meta* meta,
+                                                  __m512 (&sums)[R]) {
+  __m512 part[R];
+  _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
+    __m512i acc[R];
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_set1_epi32(half ? meta[r].init_b : meta[r].init_a);
+    constexpr int kSteps = kHalves ? 4 : 8;
+    _Pragma("GCC unroll 8") for (int s = half * kSteps; s < (half + 1) * kSteps; ++s) {
+      const __m512i w = code(s);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(xw[s * R + r]));
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + 16 * half);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      part[r] = half ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, part[r])
+                     : _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(meta[r].dx), sums[r]);
+  if constexpr (kMin) {
+    const __m512 minimum = _mm512_loadu_ps(scales + 16);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(meta[r].cmin), minimum, sums[r]);
+  }
+}
+
+// R rows x 16 columns over a panel's groups, their codes and scales from the thread's buffer.
 template <int R, bool kHalves, bool kMin>
 void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Meta* meta, int64_t groups,
           const float* bias, float* y, int64_t y_stride, int64_t cols, NextPanel& ahead) {
@@ -455,31 +494,44 @@ void tile(const uint8_t* codes, const float* scales, const uint8_t* xt, const Me
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, codes += kGroupCodeBytes, scales += kGroupScales, xt += 32 * R, meta += R) {
     ahead.step();
-    const int32_t* xw = reinterpret_cast<const int32_t*>(xt);
-    __m512 part[R];
-    _Pragma("GCC unroll 2") for (int half = 0; half < (kHalves ? 2 : 1); ++half) {
-      __m512i acc[R];
-      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_set1_epi32(half ? meta[r].init_b : meta[r].init_a);
-      constexpr int kSteps = kHalves ? 4 : 8;
-      _Pragma("GCC unroll 8") for (int s = half * kSteps; s < (half + 1) * kSteps; ++s) {
-        const __m512i w = _mm512_loadu_si512(codes + 64 * s);
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
-          acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(xw[s * R + r]));
-      }
-      const __m512 scale = _mm512_loadu_ps(scales + 16 * half);
-      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
-        part[r] = half ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, part[r])
-                       : _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
-    }
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) sums[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(meta[r].dx), sums[r]);
-    if constexpr (kMin) {
-      const __m512 minimum = _mm512_loadu_ps(scales + 16);
-      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
-        sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(meta[r].cmin), minimum, sums[r]);
-    }
+    add_group<R, kHalves, kMin>([codes](int s) { return _mm512_loadu_si512(codes + 64 * s); }, scales,
+                                reinterpret_cast<const int32_t*>(xt), meta, sums);
   }
   store_sums512<R>(sums, bias, y, y_stride, cols);
+}
+
+// A few rows against a whole panel, each group's codes unpacked into registers and multiplied there
+// (with so few rows to share them, storing them to the buffer and reading them back cost more than
+// the products: docs/PERF.md). Each group's scales are left at panel_scales (the buffer's layout)
+// for packed_column.
+template <int R, int kBits, bool kHalves, bool kMin>
+void rows_times_panel(QType t, const uint8_t* panel, int64_t units, int64_t unit_bytes, int64_t header,
+                      int64_t unit_groups, const uint8_t* xt, const Meta* meta, const float* bias, float* y,
+                      int64_t y_stride, int64_t cols, float* panel_scales, NextPanel& ahead) {
+  const Tables& tb = tables();
+  __m512 sums[R];
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u, panel += unit_bytes)
+    for (int64_t g = 0; g < unit_groups; ++g, xt += 32 * R, meta += R, panel_scales += kGroupScales) {
+      ahead.step();
+      unpack_scales(t, panel, g, panel_scales);
+      __m512i w[8];
+      group_codes<kBits>(panel + header, g, tb, w);
+      add_group<R, kHalves, kMin>([&w](int s) { return w[s]; }, panel_scales, reinterpret_cast<const int32_t*>(xt),
+                                  meta, sums);
+    }
+  store_sums512<R>(sums, bias, y, y_stride, cols);
+}
+
+// buffered_column's 16 weights with the codes read from the packed panel itself (the fused path has
+// no buffer of them; `scales`: the panel's groups' scales as rows_times_panel left them).
+template <int kBits, bool kHalves, bool kSigned>
+inline void packed_column(const uint8_t* panel, int64_t unit_bytes, int64_t header, int64_t unit_groups,
+                          const float* scales, int64_t k, int32_t offset, float* out) {
+  const int64_t g = k / 32;
+  alignas(64) uint8_t group[kGroupCodeBytes];
+  unpack_codes<kBits>(panel + g / unit_groups * unit_bytes + header, g % unit_groups, group, tables());
+  buffered_column<kHalves, kSigned>(group, scales + g * kGroupScales, k % 32, offset, out);
 }
 
 #else  // AVX2
@@ -744,14 +796,19 @@ struct Kind {
 
 #if !defined(CONVEYOR_INT8_512)
   static constexpr int kSteps16 = L.bits == 4 ? 8 : L.bits == 5 ? 4 : L.bits == 6 ? 2 : 1;
+#endif
   template <int R>
   static void run_rows(const uint8_t* panel, int64_t units, const uint8_t* xt, const Meta* meta, const float* bias,
                        float* y, int64_t y_stride, int64_t cols, float* panel_scales, NextPanel& ahead) {
+#if defined(CONVEYOR_INT8_512)
+    rows_times_panel<R, L.bits, kHalves, kMin>(T, panel, units, L.unit_bytes, L.header, L.unit_k / 32, xt, meta, bias,
+                                               y, y_stride, cols, panel_scales, ahead);
+#else
     rows_times_panel<R, L.bits, kHalves, kMin, kSteps16, L.bits == 8>(T, panel, units, L.unit_bytes, L.header,
                                                                       L.unit_k / 32, xt, meta, bias, y, y_stride, cols,
                                                                       panel_scales, ahead);
-  }
 #endif
+  }
 };
 
 template <QType T>
@@ -777,7 +834,6 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
   for_blocks(m, row_block(k_dim), [&](int64_t b0, int64_t block_rows) {
     carried.push_back(carried_by_rows(outliers.data(), outlier_counts.data(), b0, block_rows, groups, k_dim));
   });
-#if !defined(CONVEYOR_INT8_512)
   if (m <= kFusedRows) {  // one tile (kFusedRows <= kTileRows): its codes at xq, its Meta at meta; one block
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       const int64_t panel_bytes = units * K::L.unit_bytes;
@@ -800,7 +856,6 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     });
     return;
   }
-#endif
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<float> scales, table;
