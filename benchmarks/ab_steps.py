@@ -14,6 +14,9 @@ alike. Switches:
   the full vocabulary projection and the sampler
 - `sampled-head`: rows that sample at a temperature taking the vocabulary projection in the
   activation dtype (LlamaModel.logits) vs in fp32 like greedy rows (use with `--temperature`)
+- `vector-span`: decode attention's rows that stream blocks of their own on the register-blocked
+  span vs the token-by-token walk (the paged decode kernel's `unshared_span`, both forced; which one
+  a build runs by default is kUnsharedSpan in paged_decode.cpp)
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
 - `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
   `--baseline REV` (same packed layout)
@@ -27,6 +30,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
     python benchmarks/ab_steps.py --switch screened-argmax --model gemma3-270m --batch-sizes 1 8 32 --repeats 20
+    python benchmarks/ab_steps.py --switch vector-span --model qwen2.5-coder-0.5b --batch-sizes 1 16 32 --repeats 8
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 32
     python benchmarks/ab_steps.py --switch decode-kernel-at --baseline HEAD~1 --batch-sizes 32 --contexts 32 --share 4:1024
     python benchmarks/ab_steps.py --switch quant-kernel-at --baseline HEAD~1 --model gemma3-270m --batch-sizes 1 8 32
@@ -38,6 +42,7 @@ alike. Switches:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -131,6 +136,19 @@ def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
     return switch
 
 
+def _unshared_span_switch() -> Callable[[bool], None]:
+    """On: every unshared row on VectorSpan; off: on the token walk (paged_decode.cpp's two spans)."""
+    kernel = llama.paged_decode_kernel()
+    if kernel is None:
+        raise SystemExit("--switch vector-span: the paged decode kernel is not available")
+    vector, token = (functools.partial(kernel, unshared_span=span) for span in ("vector", "token"))
+
+    def switch(on: bool) -> None:
+        chosen = vector if on else token
+        llama.paged_decode_kernel = lambda: chosen  # type: ignore[assignment]
+    return switch
+
+
 def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
     """Off: prompt tokens on the int8 kernel like generated ones (EngineConfig.prompt_bf16_tiles)."""
     if not runner.prompt_bf16_tiles:
@@ -150,6 +168,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "sampled-head": lambda runner: _patch_switch(runner.model, "logits",
                                                  lambda h, sampled=None, exact=runner.model.logits: exact(h)),
     "prompt-tiles": lambda runner: _prompt_tiles_switch(runner),
+    "vector-span": lambda runner: _unshared_span_switch(),
 }
 
 

@@ -9,7 +9,7 @@
 // and values are read once and shared by the query heads of their group (GQA). A sliding window
 // (Gemma's local layers) starts each row at its window's first token: blocks before it are never read.
 // Rows that share their first block with another row take a register-blocked span (VectorSpan);
-// on Intel cores with AMX every row does (kUnsharedSpan).
+// on AVX-512 builds every row does (kUnsharedSpan).
 #include "torch_api.h"
 
 #include <algorithm>
@@ -358,12 +358,14 @@ struct VectorSpan {
 #endif
 
 // Which span runs rows that stream blocks of their own (rows sharing their first block take
-// VectorSpan wherever it handles the head size): the token-by-token walk where it read cold blocks
-// faster (AMD Zen 4), VectorSpan on Intel cores with AMX, where it was faster for every row, cold
-// blocks included (docs/PERF.md, "Every row on the register-blocked span"). Both give the same
-// bits, so the choice moves no output.
+// VectorSpan wherever it handles the head size): VectorSpan on AVX-512 builds, where it was faster
+// for every row, cold blocks included, on both kinds of core measured (Intel with AMX, AMD Zen 4 once
+// the cache held fp16: the walk converts each key and value once per query head of its group); the
+// token-by-token walk on AVX2-only builds, where VectorSpan has not been measured against it since
+// (docs/PERF.md, "Every row on the register-blocked span"). Both give the same bits, so the choice
+// moves no output.
 enum class UnsharedSpan { kToken, kVector };
-#if defined(__AMX_TILE__)
+#if defined(__AVX512F__)
 constexpr UnsharedSpan kUnsharedSpan = UnsharedSpan::kVector;
 #else
 constexpr UnsharedSpan kUnsharedSpan = UnsharedSpan::kToken;
