@@ -12,20 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.bench.quality import run_quality
+from conveyor.bench.quality import run_quality, target_nll
 from conveyor.config import EngineConfig
 from conveyor.errors import ModelLoadError
 from conveyor.model import kernels
 from conveyor.model.linear import bf16_tiles_available
 from conveyor.runner.model_runner import load_model
 
-pytestmark = pytest.mark.skipif(kernels.quant_int8() is None, reason="no integer kernel on this CPU")
 
 TOKENS = 1024  # of each text (512 would not tell the old kernel's Gemma from the new)
 TOP1_BOUND = 0.97
 
 
 # The tiles on the largest model only: each case scores two texts twice, and the suite is kept short.
+@pytest.mark.skipif(kernels.quant_int8() is None, reason="no integer kernel on this CPU")
 @pytest.mark.parametrize("model, tiles", [("smollm2-135m", False), ("gemma3-270m", False),
                                           ("qwen2.5-coder-0.5b", False), ("qwen2.5-coder-0.5b", True)])
 def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> None:
@@ -45,3 +45,15 @@ def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> No
         # requests that sample take the vocabulary projection in int8 too
         assert abs(r.sampled_ppl_ratio - 1.0) <= 0.005, (model, r)
         assert r.sampled_ppl != r.ppl, (model, r)  # the sampled rows' projection is a different product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_nll_is_minus_the_float64_log_softmax_at_the_target(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 262_144, generator=gen) * 8).to(dtype)  # Gemma's vocabulary, a model's spread
+    logits[0, 5] = 60.0  # one row nearly certain, its target elsewhere
+    target = torch.randint(0, 262_144, (64,), generator=gen)
+    want = -torch.log_softmax(logits.double(), dim=-1)[torch.arange(64), target]
+    got = target_nll(logits, target)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
