@@ -24,6 +24,8 @@ alike. Switches:
   `--baseline REV`
 - `prompt-tiles`: prompt tokens' products on AMX bf16 tiles vs on the int8 kernel like generated
   tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
+- `mlp-rows`: a step's MLP in runs of at most llama.MLP_ROWS rows vs all of its rows at once
+  (what a prefill holds: use with `--prefill`)
 - `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
   16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before)
 
@@ -37,6 +39,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
     python benchmarks/ab_steps.py --switch half-weights --model out/qwen-bf16 --batch-sizes 1 16 32 --prefill 512
     python benchmarks/ab_steps.py --switch prompt-tiles --model qwen2.5-coder-0.5b --batch-sizes 1 16 --prefill 512
+    python benchmarks/ab_steps.py --switch mlp-rows --model qwen2.5-coder-0.5b --batch-sizes 1 32 --prefill 2048
     python benchmarks/ab_steps.py --switch sampled-head --temperature 0.8 --model qwen2.5-coder-0.5b --batch-sizes 1 16 32
 """
 from __future__ import annotations
@@ -59,6 +62,7 @@ from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama
 from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight
+from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
 from conveyor.model.quantized import HALF_TYPES
 from conveyor.runner.model_runner import ModelRunner
@@ -156,6 +160,14 @@ def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
     return _patch_switch(runner, "prompt_bf16_tiles", False)
 
 
+def _mlp_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
+    """Off: a step's MLP takes all of its rows at once (llama.MLP_ROWS unbounded). Steps then keep
+    free heap for that larger working set on both sides (up to 4,096 rows), so that neither side's
+    page faults decide the figure."""
+    reuse_freed_memory(2 * 4096 * step_working_set_bytes(runner.model_config, 1, 0))
+    return _patch_switch(llama, "MLP_ROWS", 1 << 30)
+
+
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
     "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
@@ -169,6 +181,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
                                                  lambda h, sampled=None, exact=runner.model.logits: exact(h)),
     "prompt-tiles": lambda runner: _prompt_tiles_switch(runner),
     "vector-span": lambda runner: _unshared_span_switch(),
+    "mlp-rows": lambda runner: _mlp_rows_switch(runner),
 }
 
 

@@ -212,6 +212,11 @@ class PromptRows:
     def every_row(self) -> bool:
         return not self.others
 
+    def within(self, start: int, end: int) -> "PromptRows | None":
+        """These rows restricted to [start, end), numbered from `start`: a product on those rows alone."""
+        ranges = tuple((max(s, start) - start, min(e, end) - start) for s, e in self.ranges if s < end and e > start)
+        return PromptRows.of(ranges, end - start)
+
 
 def bf16_tiles_available() -> bool:
     """Whether this CPU and build run the bf16 tile kernel (AMX-BF16, and the OS lends the tiles)."""

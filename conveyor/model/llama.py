@@ -15,7 +15,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource, matmul_path,
                                    screen_norms, screened_argmax)
-from conveyor.model.memory import return_freed_memory
+from conveyor.model.memory import MLP_ROWS, return_freed_memory
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
@@ -45,27 +45,40 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
-        ops: LayerOps, matmul: Matmul, decode_kernel: PagedDecodeKernel | None,
-        prefill_kernel: PagedPrefillKernel | None = None,
+        ops: LayerOps, matmul: Matmul, mlp_parts: list[tuple[int, int, Matmul]],
+        decode_kernel: PagedDecodeKernel | None, prefill_kernel: PagedPrefillKernel | None = None,
     ) -> torch.Tensor:
         """Updates the residual stream x in place and returns it. `ops`, `matmul` and the attention
-        kernels are resolved once per forward pass (the env switches are not read per op)."""
+        kernels are resolved once per forward pass (the env switches are not read per op);
+        `mlp_parts`: the MLP's runs of rows [start, end) with their products (mlp_row_parts)."""
+        # Each temporary is dropped as soon as it is used: at a prefill's rows they are megabytes
+        # each, and the heap a step peaks at is what the process keeps (model/memory.py).
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         qk_norm = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm, eps)
         qkv = self.qkv.forward(ops.rms_norm(x, self.input_norm, eps), matmul)
         q, k, v = ops.rope_and_cache(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, cfg.num_heads,
                                      cfg.num_kv_heads, qk_norm)
+        del qkv
         attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel, self.window, prefill_kernel)
+        del q, k, v
         attn_out = self.o_proj.forward(attn.view(x.shape[0], -1), matmul)
+        del attn
         if self.attn_out_norm is not None:
             attn_out = ops.rms_norm(attn_out, self.attn_out_norm, eps)
         h = ops.add_rms_norm_(x, attn_out, self.post_attention_norm, eps)
-        gate_up = self.gate_up.forward(h, matmul)
-        act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else ops.gelu_tanh_and_mul(gate_up)
-        mlp_out = self.down.forward(act, matmul)
-        if self.mlp_out_norm is not None:
-            mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
-        return x.add_(mlp_out)
+        del attn_out
+        for start, end, part_matmul in mlp_parts:
+            whole = end - start == x.shape[0]  # a decode step's one run: no views to make
+            gate_up = self.gate_up.forward(h if whole else h[start:end], part_matmul)
+            act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else ops.gelu_tanh_and_mul(gate_up)
+            del gate_up
+            mlp_out = self.down.forward(act, part_matmul)
+            del act
+            if self.mlp_out_norm is not None:
+                mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
+            (x if whole else x[start:end]).add_(mlp_out)
+            del mlp_out
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -145,9 +158,10 @@ class LlamaModel(nn.Module):
         ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype, prompt_rows)
         decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
         prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None
+        mlp_parts = mlp_row_parts(x.shape[0], matmul, self.activation_dtype, prompt_rows)
         for layer, kv in zip(self.layers, kv_caches):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
-            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, decode_kernel, prefill_kernel)
+            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, mlp_parts, decode_kernel, prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
 
@@ -247,6 +261,20 @@ class LlamaModel(nn.Module):
             if self.cfg.qk_norm:
                 put_norm(dst + "q_norm", dense(attn + "q_norm.weight"))
                 put_norm(dst + "k_norm", dense(attn + "k_norm.weight"))
+
+
+def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
+                  prompt_rows: PromptRows | None) -> list[tuple[int, int, Matmul]]:
+    """A step's rows in runs of at most MLP_ROWS, each with its product (`matmul` where one run
+    takes them all). Every MLP op is row-local and a row's product does not depend on the rows
+    beside it (linear.INT8_FROM_ROWS; a prompt row takes the bf16 tiles in any run), so a run's rows
+    get the bits they would in one product of all."""
+    if num_rows <= MLP_ROWS:
+        return [(0, num_rows, matmul)]
+    return [(start, min(start + MLP_ROWS, num_rows),
+             matmul_path(activation_dtype, None if prompt_rows is None
+                         else prompt_rows.within(start, min(start + MLP_ROWS, num_rows))))
+            for start in range(0, num_rows, MLP_ROWS)]
 
 
 def fuse(parts: list[WeightSource]) -> WeightSource:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.memory import step_working_set_bytes
+from conveyor.model.memory import MLP_ROWS, step_working_set_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
                                 reason="glibc's mallopt")
@@ -79,9 +79,12 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
     one = step_working_set_bytes(cfg, 1, 0)
     # 4 bytes a float: residual, normed input and attention output (hidden), q and its output,
     # k and v, gate/up and their product; one byte for the product's int8 codes
-    assert one == 4 * (3 * 64 + 2 * 64 + 2 * 32 + 3 * 256) + 256
+    row, mlp_row = 4 * (3 * 64 + 2 * 64 + 2 * 32), 4 * 3 * 256 + 256
+    assert one == row + mlp_row
     assert step_working_set_bytes(cfg, 10, 0) == 10 * one
     assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
+    # the MLP runs MLP_ROWS rows at a time (LlamaModel's layers): its part stops growing there
+    assert step_working_set_bytes(cfg, 4 * MLP_ROWS, 0) == 4 * MLP_ROWS * row + MLP_ROWS * mlp_row
 
 
 SPIKE = r"""
