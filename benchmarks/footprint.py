@@ -1,7 +1,9 @@
 """Memory and start-up of a serving process, conveyor's next to llama-server's, on the same GGUF file
 with the same context capacity: resident memory while serving (VmRSS after a few requests), the
-peak (VmHWM, loading included), and seconds from the command to a ready /health; and the bytes a
-conveyor decode step streams (conveyor.bench.roofline.model_costs) against the file's tensor bytes.
+peak (VmHWM, loading included), both again after SLOTS prompts of ~80% of a slot sent at once (a
+full-budget prefill, whose working set a server keeps for the next), and seconds from the command
+to a ready /health; and the bytes a conveyor decode step streams
+(conveyor.bench.roofline.model_costs) against the file's tensor bytes.
 
     .venv/bin/python benchmarks/footprint.py --model qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/footprint.py --model gemma3-270m --slots 4 --ctx-per-slot 1024 --repeats 3
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +68,9 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server not ready")
 
 
-def measure(cmd: list[str], port: int, log: Path) -> dict[str, float]:
+def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None, slots: int = 4) -> dict[str, float]:
+    """Ready time, then memory after three short requests; with `long_prompt`, again after `slots`
+    of them sent at once (a full-budget prefill's working set, which the process then keeps)."""
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,8 +83,16 @@ def measure(cmd: list[str], port: int, log: Path) -> dict[str, float]:
         for _ in range(3):
             post(port, {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0})
         mem = status(proc.pid)
-        return {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
-                "anon_gib": mem["RssAnon"] / 2**30, "file_gib": mem["RssFile"] / 2**30}
+        result = {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
+                  "anon_gib": mem["RssAnon"] / 2**30, "file_gib": mem["RssFile"] / 2**30}
+        if long_prompt is not None:
+            bodies = [{"model": model, "prompt": f"# {i}\n{long_prompt}", "max_tokens": 16, "temperature": 0}
+                      for i in range(slots)]
+            with ThreadPoolExecutor(slots) as pool:
+                list(pool.map(lambda body: post(port, body), bodies))
+            mem = status(proc.pid)
+            result |= {"loaded_rss_gib": mem["VmRSS"] / 2**30, "loaded_peak_gib": mem["VmHWM"] / 2**30}
+        return result
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -119,19 +132,25 @@ def main() -> int:
         if args.also_no_mmap:
             servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
     ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132, "llama.cpp no-mmap": 8132}
+    from conveyor.model.loader import load_tokenizer
+
+    # A prompt filling most of a slot: SLOTS of them at once are a full-budget prefill.
+    unit = "def quicksort(items):\n    "
+    long_prompt = unit * int(0.8 * args.ctx_per_slot / len(load_tokenizer(str(model_path)).encode(unit * 10)) * 10)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
         for name, cmd in servers.items():
-            results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log"))
+            results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log", long_prompt, args.slots))
     print(f"{model_path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
           f"medians of {args.repeats}")
-    print(f"{'server':<18} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} {'ready s':>8}")
+    print(f"{'server':<18} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} {'ready s':>8} "
+          f"{'after long prompts: resident / peak GiB':>40}")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
         print(f"{name:<18} {m['rss_gib']:>13.3f} {m['anon_gib']:>9.3f} {m['file_gib']:>9.3f} {m['peak_gib']:>9.3f} "
-              f"{m['ready_s']:>8.1f}")
+              f"{m['ready_s']:>8.1f} {m['loaded_rss_gib']:>31.3f} / {m['loaded_peak_gib']:.3f}")
     from conveyor.bench.roofline import model_costs
     from conveyor.config import EngineConfig
     from conveyor.model.gguf_loader import read_gguf
@@ -150,7 +169,8 @@ def main() -> int:
         if peer in medians:
             c, ll = medians["conveyor"], medians[peer]
             print(f"conveyor / {peer}: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
-                  f"of {peer}'s resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x")
+                  f"of {peer}'s resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x; "
+                  f"after long prompts: resident {c['loaded_rss_gib'] / ll['loaded_rss_gib']:.2f}x")
     (out_dir / "footprint.json").write_text(json.dumps({"model": str(model_path), "results": results}, indent=2))
     return 0
 
