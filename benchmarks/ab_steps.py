@@ -24,7 +24,7 @@ alike. Switches:
   `--baseline REV`
 - `prompt-tiles`: prompt tokens' products on AMX bf16 tiles vs on the int8 kernel like generated
   tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
-- `mlp-rows`: a step's MLP in runs of at most llama.MLP_ROWS rows vs all of its rows at once
+- `mlp-rows`: a step's MLP in runs of at most memory.MLP_ROWS rows vs all of its rows at once
   (what a prefill holds: use with `--prefill`)
 - `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
   16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before)
@@ -60,7 +60,7 @@ from conveyor import LLM
 from conveyor.bench.decode import start_decode_batch
 from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.model import linear, llama
+from conveyor.model import linear, llama, memory
 from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight
 from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
@@ -82,7 +82,7 @@ def _env_switch(name: str) -> Callable[[bool], None]:
     return switch
 
 
-def _patch_switch(module: object, attr: str, off: Callable) -> Callable[[bool], None]:
+def _patch_switch(module: object, attr: str, off: object) -> Callable[[bool], None]:
     original = getattr(module, attr)
 
     def switch(on: bool) -> None:
@@ -161,11 +161,11 @@ def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
 
 
 def _mlp_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
-    """Off: a step's MLP takes all of its rows at once (llama.MLP_ROWS unbounded). Steps then keep
-    free heap for that larger working set on both sides (up to 4,096 rows), so that neither side's
-    page faults decide the figure."""
+    """Off: a step's MLP takes all of its rows at once (memory.MLP_ROWS unbounded). Steps then keep
+    free heap for that larger working set on both sides (twice a whole 4,096-row step's, above any
+    `--prefill` the default budget allows), so that neither side's page faults decide the figure."""
     reuse_freed_memory(2 * 4096 * step_working_set_bytes(runner.model_config, 1, 0))
-    return _patch_switch(llama, "MLP_ROWS", 1 << 30)
+    return _patch_switch(memory, "MLP_ROWS", 1 << 30)
 
 
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {

@@ -13,7 +13,8 @@ The stages run in this process, in order, through the library (LLMEngine, no HTT
 server's own modules are imported at the second stage); each figure is VmRSS after it. The
 tokenizer's share is measured apart, before the load: a copy built from the file's metadata (the
 load then builds its own). llama-server (benchmarks/peers/llama_cpp.sh --setup-only) runs after
-the stages, alone, measured as footprint.py measures it; without it only conveyor's stages print.
+the stages in a process of its own (this one idle beside it), measured as footprint.py measures
+it; without it only conveyor's stages print.
 """
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ def main() -> int:
     weights = model_bytes(loaded.model)
     stages.append(("+ model loaded (weights, tokenizer)", resident()))
     engine = LLMEngine.from_config(config, loaded)
-    kv = num_blocks * kv_block_bytes(loaded.model.cfg, config.block_size,
-                                               kv_cache_dtype(config.kv_cache_dtype, torch.float32))
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, torch.float32)
+    kv = num_blocks * kv_block_bytes(loaded.model.cfg, config.block_size, kv_dtype)
     stages.append(("+ KV pool and engine", resident()))
     prompt = "def quicksort(items):\n    " * 40  # footprint.py's requests
     llm = LLM.from_engine(engine)

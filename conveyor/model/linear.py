@@ -236,8 +236,9 @@ def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | Non
     def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
-            # Every layer product takes all of the step's rows; one on other rows (none today) would
-            # take the int8 kernel for all of them.
+            # A product takes the rows its PromptRows counts: all of the step's, or one run of the
+            # MLP's with its own PromptRows (llama.mlp_row_parts); any other would take the int8
+            # kernel for all of its rows.
             rows = tiles if tiles is not None and tiles.num_rows == x.shape[0] else None
             if weight is None:  # held only packed: its kernel, whatever the switches say now
                 y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel(), int8_kernel, rows)

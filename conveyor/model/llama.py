@@ -15,7 +15,8 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource, matmul_path,
                                    screen_norms, screened_argmax)
-from conveyor.model.memory import MLP_ROWS, return_freed_memory
+from conveyor.model import memory
+from conveyor.model.memory import return_freed_memory
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
@@ -265,16 +266,19 @@ class LlamaModel(nn.Module):
 
 def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
                   prompt_rows: PromptRows | None) -> list[tuple[int, int, Matmul]]:
-    """A step's rows in runs of at most MLP_ROWS, each with its product (`matmul` where one run
-    takes them all). Every MLP op is row-local and a row's product does not depend on the rows
-    beside it (linear.INT8_FROM_ROWS; a prompt row takes the bf16 tiles in any run), so a run's rows
-    get the bits they would in one product of all."""
-    if num_rows <= MLP_ROWS:
+    """A step's rows in runs of at most memory.MLP_ROWS, each with its product (`matmul` where one
+    run takes them all). Every MLP op is row-local, and on conveyor's kernels (blocks, fp32 panels,
+    int8 activations, the bf16 tiles a prompt row takes in any run) a row's product does not depend
+    on the rows beside it (linear.INT8_FROM_ROWS), so a run's rows get the bits they would in one
+    product of all. torch's own products (F.linear, oneDNN: the kernels off, --dtype bfloat16) may
+    split their work by the row count, as they do under chunked prefill."""
+    run = memory.MLP_ROWS
+    if num_rows <= run:
         return [(0, num_rows, matmul)]
-    return [(start, min(start + MLP_ROWS, num_rows),
+    return [(start, min(start + run, num_rows),
              matmul_path(activation_dtype, None if prompt_rows is None
-                         else prompt_rows.within(start, min(start + MLP_ROWS, num_rows))))
-            for start in range(0, num_rows, MLP_ROWS)]
+                         else prompt_rows.within(start, min(start + run, num_rows))))
+            for start in range(0, num_rows, run)]
 
 
 def fuse(parts: list[WeightSource]) -> WeightSource:

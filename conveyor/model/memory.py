@@ -19,7 +19,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 # A step's MLP runs at most this many rows at a time (LlamaModel's DecoderLayer): its gate/up output
-# and activation, the largest temporaries of a step (two thirds of a row's working set on the 0.5B),
+# and activation, the largest temporaries of a step (three quarters of a row's working set on the 0.5B),
 # are then held for these rows, not for all of a full-budget prefill's 2,048, and steps keep only
 # that much (reuse_freed_memory); llama.cpp's server computes 512-token micro-batches alike.
 MLP_ROWS = 512
