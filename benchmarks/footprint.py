@@ -68,6 +68,15 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server not ready")
 
 
+def long_prompt(model: str, ctx_per_slot: int) -> str:
+    """A prompt filling ~80% of a slot: SLOTS of them at once are a full-budget prefill."""
+    sys.path.insert(0, str(ROOT))
+    from conveyor.model.loader import load_tokenizer
+
+    unit = "def quicksort(items):\n    "
+    return unit * int(0.8 * ctx_per_slot / len(load_tokenizer(model).encode(unit * 10)) * 10)
+
+
 def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None, slots: int = 4) -> dict[str, float]:
     """Ready time, then memory after three short requests; with `long_prompt`, again after `slots`
     of them sent at once (a full-budget prefill's working set, which the process then keeps)."""
@@ -132,15 +141,11 @@ def main() -> int:
         if args.also_no_mmap:
             servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
     ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132, "llama.cpp no-mmap": 8132}
-    from conveyor.model.loader import load_tokenizer
-
-    # A prompt filling most of a slot: SLOTS of them at once are a full-budget prefill.
-    unit = "def quicksort(items):\n    "
-    long_prompt = unit * int(0.8 * args.ctx_per_slot / len(load_tokenizer(str(model_path)).encode(unit * 10)) * 10)
+    prompt = long_prompt(str(model_path), args.ctx_per_slot)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
         for name, cmd in servers.items():
-            results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log", long_prompt, args.slots))
+            results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log", prompt, args.slots))
     print(f"{model_path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
           f"medians of {args.repeats}")
     print(f"{'server':<18} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} {'ready s':>8} "

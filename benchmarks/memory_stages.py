@@ -2,9 +2,9 @@
 process on the same GGUF file with the same context capacity (benchmarks/footprint.py's settings):
 the interpreter, conveyor's serving layers (api, engine, scheduler, kv: they import no torch),
 torch (the runner's and the model's tensor library), the loaded model (its weights and tokenizer),
-the KV pool with the engine, and a few requests served. Then what the process would hold without
-torch's share, against llama-server: how much of a gap is the tensor library, not how weights and
-KV are held.
+the KV pool with the engine, a few requests served, and SLOTS long prompts at once (footprint.py's
+full-budget prefill). Then what the process would hold without torch's share, against llama-server:
+how much of a gap is the tensor library, not how weights and KV are held.
 
     .venv/bin/python benchmarks/memory_stages.py --model smollm2-135m
     .venv/bin/python benchmarks/memory_stages.py --model gemma3-270m --slots 4 --ctx-per-slot 1024
@@ -91,6 +91,11 @@ def main() -> int:
     for _ in range(3):
         llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0))
     stages.append(("+ 3 requests served", resident()))
+    from footprint import LLAMA_SERVER, long_prompt, measure
+
+    text = long_prompt(str(path), args.ctx_per_slot)  # footprint.py's full-budget prefill
+    llm.generate([f"# {i}\n{text}" for i in range(args.slots)], SamplingParams(max_tokens=16, temperature=0))
+    stages.append((f"+ {args.slots} long prompts at once", resident()))
 
     print(f"{path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads")
     print(f"{'stage':<44} {'resident MiB':>12} {'added':>8}")
@@ -99,15 +104,13 @@ def main() -> int:
         print(f"{name:<44} {rss / MIB:>12.1f} {(rss - last) / MIB:>8.1f}")
         last = rss
     torch_share = stages[2][1] - stages[1][1]
-    final = stages[-1][1]
+    final, loaded_final = stages[-2][1], stages[-1][1]
     print(f"of which: weights {weights / MIB:.1f} MiB, KV pool {kv / MIB:.1f} MiB, tokenizer {tokenizer / MIB:.1f} MiB, "
           f"torch's import {torch_share / MIB:.1f} MiB")
-    print(f"without torch's import: {(final - torch_share) / MIB:.1f} MiB")
+    print(f"without torch's import: {(final - torch_share) / MIB:.1f} MiB, after the long prompts "
+          f"{(loaded_final - torch_share) / MIB:.1f} MiB")
     del llm, engine, loaded
     gc.collect()
-
-    from footprint import LLAMA_SERVER, measure
-
     if not LLAMA_SERVER.is_file():
         print("llama-server not built (benchmarks/peers/llama_cpp.sh --setup-only): no comparison")
         return 0
@@ -116,10 +119,11 @@ def main() -> int:
     time.sleep(1)
     peer = measure([str(LLAMA_SERVER), "-m", str(path), "--port", "8132", "--host", "127.0.0.1", "-t", str(args.threads),
                     "-tb", str(args.threads), "--parallel", str(args.slots), "-c", str(tokens), "--cont-batching"],
-                   8132, out_dir / "llama.cpp stages.log")
-    peer_rss = peer["rss_gib"] * 2**30
-    print(f"llama-server resident {peer_rss / MIB:.1f} MiB: conveyor {final / peer_rss:.2f}x, "
-          f"without torch's import {(final - torch_share) / peer_rss:.2f}x")
+                   8132, out_dir / "llama.cpp stages.log", text, args.slots)
+    for when, ours, theirs in (("after 3 requests", final, peer["rss_gib"] * 2**30),
+                               ("after the long prompts", loaded_final, peer["loaded_rss_gib"] * 2**30)):
+        print(f"{when}: llama-server resident {theirs / MIB:.1f} MiB: conveyor {ours / theirs:.2f}x, "
+              f"without torch's import {(ours - torch_share) / theirs:.2f}x")
     return 0
 
 
