@@ -36,6 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / "benchmarks/peers/.llama-cpp/build/bin/llama-server"
+PROMPT_UNIT = "def quicksort(items):\n    "
+SHORT_PROMPT = PROMPT_UNIT * 40  # a few hundred tokens of prefill, then decode
+
+
+def llama_server_cmd(model: Path, port: int, threads: int, slots: int, tokens: int) -> list[str]:
+    """llama-server with room for `tokens` of context over `slots` slots, as conveyor gets it."""
+    return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+            "-tb", str(threads), "--parallel", str(slots), "-c", str(tokens), "--cont-batching"]
 
 
 def status(pid: int) -> dict[str, int]:
@@ -73,8 +81,7 @@ def long_prompt(model: str, ctx_per_slot: int) -> str:
     sys.path.insert(0, str(ROOT))
     from conveyor.model.loader import load_tokenizer
 
-    unit = "def quicksort(items):\n    "
-    return unit * int(0.8 * ctx_per_slot / len(load_tokenizer(model).encode(unit * 10)) * 10)
+    return PROMPT_UNIT * int(0.8 * ctx_per_slot / len(load_tokenizer(model).encode(PROMPT_UNIT * 10)) * 10)
 
 
 def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None, slots: int = 4) -> dict[str, float]:
@@ -88,9 +95,8 @@ def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None
         ready = time.monotonic() - started
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
-        prompt = "def quicksort(items):\n    " * 40  # a few hundred tokens of prefill, then decode
         for _ in range(3):
-            post(port, {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0})
+            post(port, {"model": model, "prompt": SHORT_PROMPT, "max_tokens": 64, "temperature": 0})
         mem = status(proc.pid)
         result = {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
                   "anon_gib": mem["RssAnon"] / 2**30, "file_gib": mem["RssFile"] / 2**30}
@@ -135,9 +141,7 @@ def main() -> int:
     if args.also_dequantized:
         servers["conveyor fp32"] = [*servers["conveyor"], "--dequantize-weights"]
     if LLAMA_SERVER.is_file() and model_path.is_file():
-        servers["llama.cpp"] = [str(LLAMA_SERVER), "-m", str(model_path), "--port", "8132", "--host", "127.0.0.1",
-                                "-t", str(args.threads), "-tb", str(args.threads), "--parallel", str(args.slots),
-                                "-c", str(tokens), "--cont-batching"]
+        servers["llama.cpp"] = llama_server_cmd(model_path, 8132, args.threads, args.slots, tokens)
         if args.also_no_mmap:
             servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
     ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132, "llama.cpp no-mmap": 8132}

@@ -29,6 +29,7 @@ MIB = 2**20
 
 
 def resident() -> int:
+    # Not footprint.status: importing footprint first (urllib, ssl) would move the first stage.
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
@@ -86,13 +87,12 @@ def main() -> int:
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, torch.float32)
     kv = num_blocks * kv_block_bytes(loaded.model.cfg, config.block_size, kv_dtype)
     stages.append(("+ KV pool and engine", resident()))
-    prompt = "def quicksort(items):\n    " * 40  # footprint.py's requests
-    llm = LLM.from_engine(engine)
-    for _ in range(3):
-        llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0))
-    stages.append(("+ 3 requests served", resident()))
-    from footprint import LLAMA_SERVER, long_prompt, measure
+    from footprint import LLAMA_SERVER, SHORT_PROMPT, llama_server_cmd, long_prompt, measure
 
+    llm = LLM.from_engine(engine)
+    for _ in range(3):  # footprint.py's requests
+        llm.generate([SHORT_PROMPT], SamplingParams(max_tokens=64, temperature=0))
+    stages.append(("+ 3 requests served", resident()))
     text = long_prompt(str(path), args.ctx_per_slot)  # footprint.py's full-budget prefill
     llm.generate([f"# {i}\n{text}" for i in range(args.slots)], SamplingParams(max_tokens=16, temperature=0))
     stages.append((f"+ {args.slots} long prompts at once", resident()))
@@ -117,9 +117,8 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     time.sleep(1)
-    peer = measure([str(LLAMA_SERVER), "-m", str(path), "--port", "8132", "--host", "127.0.0.1", "-t", str(args.threads),
-                    "-tb", str(args.threads), "--parallel", str(args.slots), "-c", str(tokens), "--cont-batching"],
-                   8132, out_dir / "llama.cpp stages.log", text, args.slots)
+    peer = measure(llama_server_cmd(path, 8132, args.threads, args.slots, tokens), 8132,
+                   out_dir / "llama.cpp stages.log", text, args.slots)
     for when, ours, theirs in (("after 3 requests", final, peer["rss_gib"] * 2**30),
                                ("after the long prompts", loaded_final, peer["loaded_rss_gib"] * 2**30)):
         print(f"{when}: llama-server resident {theirs / MIB:.1f} MiB: conveyor {ours / theirs:.2f}x, "
