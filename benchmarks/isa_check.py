@@ -255,12 +255,29 @@ def main() -> None:
             for b in (None, bias):
                 int8_identical &= torch.equal(native_int8.int8_matmul(x, packed["native"], n, b, code),  # type: ignore[attr-defined]
                                               other_int8.int8_matmul(x, packed[args.march], n, b, code))  # type: ignore[attr-defined]
-        ok = same_packing and exact and identical and int8_identical
+        # BF16 with fast activations: x rounded to bf16 on vdpbf16ps, in a build for a CPU with
+        # AVX512-BF16 only (elsewhere the engine keeps the exact product); against float64.
+        bf16_note, bf16_ok = "", True
+        if qtype == "BF16":  # weights of a model's size (any bit pattern's products would overflow)
+            sane = torch.from_numpy(rng.uniform(-1, 1, (n, k)).astype(np.float32)).to(torch.bfloat16)
+            sane_blocks = sane.view(torch.uint8).reshape(n, -1)
+            runs = {"native": (native_int8, native_quant), args.march: (other_int8, other_quant)}
+            for kernel, packer in runs.values():
+                if kernel.bf16_dot():  # type: ignore[attr-defined]
+                    x = torch.randn(33, k)
+                    xb, wd = x.to(torch.bfloat16).double(), sane.double()
+                    y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias).double()  # type: ignore[attr-defined]
+                    want = xb @ wd.T + bias.double()
+                    bound = (xb.abs() @ wd.abs().T + bias.double().abs()) * (k + 2) * 2.0**-24
+                    bf16_ok &= bool(((y - want).abs() <= bound + 1e-30).all())
+            built = ", ".join(f"{name} {bool(kernel.bf16_dot())}" for name, (kernel, _) in runs.items())  # type: ignore[attr-defined]
+            bf16_note = f"; bf16 products (built: {built}) match float64 {bf16_ok}"
+        ok = same_packing and exact and identical and int8_identical and bf16_ok
         failures += not ok
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
               f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}, "
               f"int8 products bit-identical ({native_int8.isa()} / {other_int8.isa()}) "
-              f"{int8_identical if qtype in INT8_TYPES else 'n/a (fp32 products only)'}")  # type: ignore[attr-defined]
+              f"{int8_identical if qtype in INT8_TYPES else 'n/a (fp32 products only)'}{bf16_note}")  # type: ignore[attr-defined]
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")

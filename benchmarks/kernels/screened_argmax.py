@@ -24,7 +24,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.kernels import quant_gemm
-from conveyor.model.linear import int8_screen, screened_argmax
+from conveyor.model.linear import screen_candidates, screened_argmax
 from conveyor.model.quantized import KERNEL_QTYPE
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -102,7 +102,7 @@ def main() -> None:
     else:
         assert norms is not None
         route = f"int8 product ({kernel_isa()}) and column norms"
-        counts = sorted(int(c) for c in int8_screen(hidden, packed, norms)[0].sum(dim=-1))
+        counts = sorted(int(c) for c in screen_candidates(hidden, packed, norms)[0].sum(dim=-1))
     print(f"head: {packed.out_features} x {hidden.shape[1]} {packed.layout} ({packed.nbytes / 1e6:.0f} MB), screened by "
           f"{route}; {hidden.shape[0]} real hidden states; same argmax for every row: {same}")
     print(f"columns computed exactly per row: min {counts[0]}, median {counts[len(counts) // 2]}, "

@@ -6,7 +6,10 @@ form, laid out in panels of 16 output columns (kernels/quant_gemm.cpp): a produc
 fp32 in registers (a few rows) or a panel at a time into an L2-sized buffer (more rows), with
 results bit-identical to dequantize-then-multiply; the embedding looks up rows by expanding just
 their panels; a tied output head multiplies by the embedding's own blocks. An untied embedding is
-never multiplied by, so it keeps the file's own row-major blocks (left in its memory map).
+never multiplied by, so it keeps the file's own row-major blocks (left in its memory map). With
+activation_dtype "int8" (the default) products on the same bytes are faster and approximate
+(kernels/quant_int8.cpp): x quantized to int8 against integer blocks, x rounded to bf16 against
+BF16 weights on CPUs with AVX512-BF16.
 
 A dense fp32 weight (an fp32 HF folder, a GGUF F32 tensor) lives as fp32 panels
 (kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be
@@ -37,8 +40,9 @@ _ONEDNN_ROWS_HINT = 32
 # this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
 # "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
 # row is quantized and multiplied alone), which greedy equality under batching, chunked prefill and
-# speculation rely on. A threshold above 1 would trade that away. Other types (Q2_K, Q3_K, F16,
-# BF16) keep fp32 activations.
+# speculation rely on. A threshold above 1 would trade that away. BF16 weights take x rounded to
+# bf16 instead, at every row count, where the CPU has AVX512-BF16 (quant_int8.cpp's bf16_dot_matmul);
+# the other types (Q2_K, Q3_K, F16) keep fp32 activations.
 INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INT8_TYPES}
 
 
@@ -224,10 +228,18 @@ def bf16_tiles_available() -> bool:
     return module is not None and bool(module.bf16_tiles())  # type: ignore[attr-defined]
 
 
+def bf16_dot_available() -> bool:
+    """Whether this CPU and build multiply BF16 weights by bf16 activations (AVX512-BF16), which
+    activation_dtype "int8" then takes for them."""
+    module = int8_matmul_kernel()
+    return module is not None and bool(module.bf16_dot())  # type: ignore[attr-defined]
+
+
 def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | None = None) -> Matmul:
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
     resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
-    "int8" lets products on GGUF blocks quantize their activations where that is faster.
+    "int8" lets products on GGUF blocks quantize their activations where that is faster, and
+    products on BF16 weights round them to bf16 where the CPU has AVX512-BF16.
     `prompt_rows` (int8 only): the step's prompt rows, which then take the bf16 tiles."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
     int8_kernel = int8_matmul_kernel() if activation_dtype == "int8" else None
@@ -271,7 +283,8 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
     quant_gemm()) is turned off. `int8_kernel` (int8_matmul_kernel()): products on blocks with at
     least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers, but for `prompt_rows`
-    (x's rows that compute prompt tokens), which take its bf16 tiles."""
+    (x's rows that compute prompt tokens), which take its bf16 tiles; products on BF16 weights
+    round x to bf16 (where the build has AVX512-BF16)."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
@@ -286,6 +299,8 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
+        if packed.layout == "BF16" and int8_kernel is not None and int8_kernel.bf16_dot():  # type: ignore[attr-defined]
+            return int8_kernel.bf16_dot_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
         int8_from = INT8_FROM_ROWS.get(packed.layout)
         if int8_kernel is not None and int8_from is not None and prompt_rows is not None:
             return _by_origin(x, packed, bias, qtype, int8_kernel, prompt_rows)
@@ -343,7 +358,7 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
         tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
     else:
         assert column_norms is not None
-        tokens = torch.cat([_int8_screened_argmax(x[first:first + SCREEN_ROWS], packed, column_norms, kernel)
+        tokens = torch.cat([_screened_argmax_in_rows(x[first:first + SCREEN_ROWS], packed, column_norms, kernel)
                             for first in range(0, x.shape[0], SCREEN_ROWS)])
     gave_up = tokens < 0
     if bool(gave_up.any()):
@@ -358,9 +373,9 @@ def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
     with, for a vocabulary projection in blocks the int8 kernel reads. None where that screen does
     not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32 product reads its codes
     as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's head on any block
-    type"), layouts the int8 kernel does not read, no int8 build, weights not all finite."""
-    if (packed is None or packed.layout not in INT8_TYPES or packed.layout == "Q8_0" or not packed.finite
-            or int8_matmul_kernel() is None):
+    type"), layouts the int8 kernel does not read (BF16 is screened by the bf16 product where the
+    CPU has AVX512-BF16), no int8 build, weights not all finite."""
+    if packed is None or not packed.finite or not _screens(packed.layout):
         return None
     norms = _quant_kernel().column_norms(packed.data, packed.out_features, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
     if not bool(torch.isfinite(norms).all()):
@@ -368,62 +383,93 @@ def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
     return (norms * (1 + 2.0**-20)).float()  # fp64 -> fp32 rounds to nearest: up by more than that
 
 
+def _screens(layout: str) -> bool:
+    """Whether `screen_candidates` has an approximate product for weights of this layout here."""
+    kernel = int8_matmul_kernel()
+    if kernel is None:
+        return False
+    if layout == "BF16":
+        return bool(kernel.bf16_dot())  # type: ignore[attr-defined]
+    return layout in INT8_TYPES and layout != "Q8_0"
+
+
 def _gamma(n: int) -> float:
     """n u / (1 - n u), u = 2^-24: the relative error bound of an n-term fp32 sum."""
     return n * 2.0**-24 / (1 - n * 2.0**-24)
 
 
-def int8_screen(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def screen_candidates(x: torch.Tensor, packed: PackedWeight,
+                      column_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(candidates [rows, N] bool, finite [rows] bool): the columns that can hold each row's maximum
     of the fp32 product x @ W^T, and the rows whose approximate logits are all finite (a row with an
-    overflowed one says nothing). The int8 product (quant_int8.cpp: x in groups of 32, scale
-    max|x| / 127, rounded to nearest, a lone large feature carried exactly) differs from the exact
-    one by sum_k w_k e_k, e being x's rounding, |e_k| <= max|x_g| / 254 in group g (|x_k| in a group
-    below the kernel's zero threshold): by Cauchy-Schwarz, by at most |w_col| |e|. Both products'
-    fp32 rounding adds at most a few gamma_n of |w_col| (|x| + |e|) (a block's minimum no larger
-    than its largest weight, as quantisers choose it); the bound takes 16 times that. A candidate's
-    upper bound reaches the row's largest lower bound."""
+    overflowed one says nothing). The approximate product is the one activation_dtype "int8" takes:
+    on integer blocks the int8 kernel's (quant_int8.cpp: x in groups of 32, scale max|x| / 127,
+    rounded to nearest, a lone large feature carried exactly), on BF16 weights the bf16 one (x
+    rounded to 8 significant bits, a subnormal to 0). It differs from the exact one by
+    sum_k w_k e_k, e being x's rounding: in int8 |e_k| <= max|x_g| / 254 in group g (|x_k| in a group
+    below the kernel's zero threshold), in bf16 |e_k| <= 2^-8 |x_k| or 2^-126; by Cauchy-Schwarz, by
+    at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
+    |w_col| (|x| + |e|) (a block's minimum no larger than its largest weight, as quantisers choose
+    it); the bound takes 16 times that, and a subnormal sum flushed to zero (vdpbf16ps) at most
+    2^-126 a step. A candidate's upper bound reaches the row's largest lower bound."""
     qtype = KERNEL_QTYPE[packed.layout]
-    int8_kernel = int8_matmul_kernel()
-    approx = int8_kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
+    kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
     xd = x.double()
-    group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
-    per_group = torch.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
-    err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
+    if packed.layout == "BF16":
+        approx = kernel.bf16_dot_matmul(x, packed.data, packed.out_features, None)  # type: ignore[attr-defined]
+        err = xd.norm(dim=-1) * (2.0**-8 * 1.001) + k_dim**0.5 * 2.0**-126
+    else:
+        approx = kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
+        group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
+        per_group = torch.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
+        err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
     rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (xd.norm(dim=-1) + err)
     scale = ((err + rounding) * (1 + 2.0**-20)).float()
+    if packed.layout == "BF16":
+        # bf16's bound is small enough that the largest column norm serves every column: two passes
+        # over approx instead of six (they would cost more than the product saves). |approx| <=
+        # |w_col| (|x| + |e|) bounds its own rounding.
+        widest = float(column_norms.max())
+        slack_rows = (widest * (scale.double() + 2.0**-19 * xd.norm(dim=-1)) * (1 + 2.0**-20) + k_dim * 2.0**-126).float()
+        largest = approx.amax(dim=-1)  # NaN where a logit is: no candidate, the row gives up
+        candidates = approx >= (largest - 2 * slack_rows)[:, None]
+        return candidates, torch.isfinite(largest) & torch.isfinite(approx.amin(dim=-1))
     bound = column_norms[None, :] * scale[:, None]
-    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20)  # the fp32 rounding of approx +- bound
+    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20).add_(k_dim * 2.0**-126)  # approx's rounding
     lower_max = (approx - slack).amax(dim=-1)
     candidates = (approx + slack) >= lower_max[:, None]  # NaN (an overflowed approx) is never >=: a row gives up
-    return candidates, torch.isfinite(approx).all(dim=-1)
+    return candidates, torch.isfinite(approx.amax(dim=-1)) & torch.isfinite(approx.amin(dim=-1))
 
 
-def _int8_screened_argmax(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor,
-                          quant_kernel: object) -> torch.Tensor:
+def _screened_argmax_in_rows(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor,
+                             quant_kernel: object) -> torch.Tensor:
     """Each row's argmax of the fp32 product, -1 where it has more than MAX_SCREENED_CANDIDATES
-    (int8_screen). The candidates are computed by quant_gemm's own product on just their panels,
+    (screen_candidates). The candidates are computed by quant_gemm's own product on just their panels,
     bit for bit the full product's (a column's sum does not depend on its neighbours: isa_check's
     builds, which tile panels differently, agree on it)."""
     qtype = KERNEL_QTYPE[packed.layout]
-    candidates, finite = int8_screen(x, packed, column_norms)
+    candidates, finite = screen_candidates(x, packed, column_norms)
     rows = x.shape[0]
-    counts = candidates.sum(dim=-1)
+    # From the candidates' indices (a few a row): passes over the [rows, N] mask cost more than the
+    # product they save.
+    row_of, column_of = candidates.nonzero(as_tuple=True)
+    counts = torch.bincount(row_of, minlength=rows)
     tokens = torch.full((rows,), -1, dtype=torch.long)
     screened = (counts > 0) & (counts <= MAX_SCREENED_CANDIDATES) & finite
     if not bool(screened.any()):
         return tokens
-    wanted = candidates[screened]
-    panels = torch.unique(wanted.any(dim=0).nonzero().squeeze(1) // PANEL)
+    kept = screened[row_of]
+    row_of, column_of = row_of[kept], column_of[kept]
+    panels = torch.unique(column_of // PANEL)
     exact = quant_kernel.quantized_matmul(x[screened], packed.data.index_select(0, panels),  # type: ignore[attr-defined]
                                           len(panels) * PANEL, None, qtype)
     columns = (panels[:, None] * PANEL + torch.arange(PANEL)).reshape(-1)
-    real = columns < packed.out_features
-    mask = wanted[:, columns.clamp(max=packed.out_features - 1)] & real
+    place = torch.searchsorted(panels, column_of // PANEL) * PANEL + column_of % PANEL
+    mask = torch.zeros_like(exact, dtype=torch.bool)
+    mask[(torch.cumsum(screened, 0) - 1)[row_of], place] = True  # a row's place among the screened rows
     tokens[screened] = columns[exact.masked_fill(~mask, float("-inf")).argmax(dim=-1)]
     return tokens
-
 
 WeightSource = torch.Tensor | QuantizedWeight | PackedWeight
 

@@ -1,8 +1,9 @@
 """Greedy tokens from a head screened by the int8 kernel's product and the head's column norms
 (conveyor.model.linear.screened_argmax with screen_norms: every block type the int8 kernel reads but
-Q8_0, AVX2 and AVX-512 builds alike) are the full fp32 product's argmax, index for index: on random
-blocks of each type, rows past a tile, outlier features, a partial last panel, exact ties, the
-fallbacks, and on SmolLM2-135M's real hidden states with its head re-quantized."""
+Q8_0, AVX2 and AVX-512 builds alike; BF16 weights by the bf16 product on CPUs with AVX512-BF16) are
+the full fp32 product's argmax, index for index: on random blocks of each type, rows past a tile,
+outlier features, a partial last panel, exact ties, the fallbacks, and on SmolLM2-135M's real
+hidden states with its head re-quantized."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,14 +13,16 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model import linear as linear_module
-from conveyor.model.linear import (PackedWeight, int8_matmul_kernel, int8_screen, linear, pack_blocks, screen_norms,
+from conveyor.model.linear import (PackedWeight, int8_matmul_kernel, screen_candidates, linear, pack_blocks, screen_norms,
                                    screened_argmax)
 from conveyor.model.quantized import INT8_TYPES, QuantizedWeight
 from tests.model.test_quant_gemm import random_blocks, reference_fp32
 
 pytestmark = pytest.mark.skipif(int8_matmul_kernel() is None, reason="the int8 screen needs the int8 kernel")
 
-SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0")
+_kernel = int8_matmul_kernel()
+BF16_DOT = _kernel is not None and bool(_kernel.bf16_dot())  # type: ignore[attr-defined]
+SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0") + (["BF16"] if BF16_DOT else [])
 K = 512  # two K-quant super-blocks, 16 groups of 32
 N = 1000  # 62 full panels and one of 8 columns
 
@@ -88,7 +91,7 @@ def test_near_ties_are_settled_exactly() -> None:
     logits = linear(x, None, packed)[0]
     assert 0 < abs(float(logits[20] - logits[500])) < 1e-3 * float(logits[500].abs())
     for sign in (1.0, -1.0):
-        candidates, _ = int8_screen(sign * x, packed, norms)
+        candidates, _ = screen_candidates(sign * x, packed, norms)
         if sign > 0:
             assert bool(candidates[0, 20]) and bool(candidates[0, 500])
         assert torch.equal(screened_argmax(sign * x, packed, norms), full_argmax(sign * x, packed))
@@ -113,11 +116,14 @@ def test_what_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
     assert screened_argmax(torch.randn(1, K), packed, None) is None  # no norms: the full product
     assert screen_norms(pack_blocks(random_blocks("Q8_0", N, K, seed=5))) is None  # Q8_0: q8_0_argmax or the full product
     assert screen_norms(pack_blocks(random_blocks("Q3_K", N, K, seed=5))) is None  # the int8 kernel does not read it
+    assert screen_norms(pack_blocks(random_blocks("F16", N, K, seed=5))) is None  # nor F16
+    if not BF16_DOT:  # no bf16 product to screen with
+        assert screen_norms(pack_blocks(random_blocks("BF16", N, K, seed=5))) is None
     monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
     assert screened_argmax(torch.randn(1, K), packed, norms) is None
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"] + (["BF16"] if BF16_DOT else []))
 def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> None:
     """SmolLM2's Q8_0 head dequantized and quantized again to `qtype` (gguf-py's quantizer), against
     final hidden states of greedy runs: every row's screened token is the full product's."""
@@ -129,7 +135,7 @@ def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> 
     head = model.head.packed
     assert head is not None
     weight = head.rows(torch.arange(head.out_features)).numpy()
-    blocks = quants.quantize(weight, GGMLQuantizationType[qtype])
+    blocks = quants.quantize(weight, GGMLQuantizationType[qtype])  # BF16: the weights rounded to it
     packed = pack_blocks(QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks))))
     assert packed is not None
     norms = screen_norms(packed)
@@ -138,7 +144,7 @@ def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> 
     got = screened_argmax(hidden, packed, norms)
     assert got is not None
     assert torch.equal(got, full_argmax(hidden, packed))
-    candidates, _ = int8_screen(hidden, packed, norms)  # real states: a few columns each, not the vocabulary
+    candidates, _ = screen_candidates(hidden, packed, norms)  # real states: a few columns each, not the vocabulary
     assert int(candidates.sum(dim=-1).median()) < 200
 
 

@@ -188,3 +188,29 @@ def test_prompt_rows_take_the_tiles_and_the_other_rows_the_int8_kernel() -> None
     assert torch.equal(linear_module.matmul_path("int8", None)(x, layer.weight, layer.packed, layer.bias), int8)
     fp32 = linear_module.matmul_path("float32", rows)(x, layer.weight, layer.packed, layer.bias)
     assert not torch.equal(fp32, y), "fp32 activations take neither kernel"
+
+
+def test_bf16_weights_take_the_bf16_product_with_fast_activations() -> None:
+    """activation_dtype "int8" multiplies BF16 weights by x rounded to bf16 where the CPU has
+    AVX512-BF16 (and exactly elsewhere); "float32" keeps the exact product everywhere."""
+    from conveyor.model.kernels import quant_gemm, quant_int8
+    from conveyor.model.quantized import KERNEL_QTYPE
+
+    from .test_quant_gemm import random_blocks
+
+    module = quant_int8()
+    if module is None:
+        pytest.skip("no int8 kernel here")
+    layer = Linear(512, 48, bias=True)
+    layer.load(random_blocks("BF16", 48, 512, seed=2))
+    layer.bias = torch.nn.Parameter(torch.randn(48))
+    assert layer.packed is not None and layer.packed.layout == "BF16"
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    exact = quant_gemm().quantized_matmul(x, layer.packed.data, 48, layer.bias, KERNEL_QTYPE["BF16"])  # type: ignore[union-attr]
+    fast = linear_module.matmul_path("int8")(x, layer.weight, layer.packed, layer.bias)
+    if module.bf16_dot():  # type: ignore[attr-defined]
+        assert torch.equal(fast, module.bf16_dot_matmul(x, layer.packed.data, 48, layer.bias))  # type: ignore[attr-defined]
+        assert not torch.equal(fast, exact)
+    else:
+        assert torch.equal(fast, exact)
+    assert torch.equal(linear_module.matmul_path("float32")(x, layer.weight, layer.packed, layer.bias), exact)

@@ -210,6 +210,67 @@ def test_the_tiles_are_refused_where_they_do_not_run() -> None:
             module.bf16_tile_matmul(torch.randn(2, 64), packed, 16, None, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
 
 
+def _bf16_dot() -> bool:
+    module = quant_int8()
+    return module is not None and bool(module.bf16_dot())  # type: ignore[attr-defined]
+
+
+needs_bf16_dot = pytest.mark.skipif(not _bf16_dot(), reason="no AVX512-BF16 on this CPU")
+
+
+def bf16_panels(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed BF16 panels, gguf-py's float64 values of those weights)."""
+    q = random_blocks("BF16", rows, k, seed=seed)
+    return quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE["BF16"]), reference_fp32(q).double()  # type: ignore[union-attr]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows,k,out_features", [(1, 32, 37), (5, 512, 37), (12, 512, 80), (13, 512, 80),
+                                                 (16, 96, 17), (40, 4096, 200)])
+def test_bf16_weights_times_x_rounded_to_bf16(rows: int, k: int, out_features: int) -> None:
+    """BF16 panels against float64: bf16(x) @ W^T + b, up to the rounding of fp32 sums over k terms;
+    one tile, tiles sharing rows evenly, a partial last panel, an odd panel, with and without bias."""
+    packed, weight = bf16_panels(out_features, k, seed=rows)
+    gen = torch.Generator().manual_seed(k + rows)
+    x = with_outliers(torch.randn(rows, k, generator=gen), seed=rows)
+    bias = torch.randn(out_features, generator=gen)
+    for b in (None, bias):
+        y = quant_int8().bf16_dot_matmul(x, packed, out_features, b).double()  # type: ignore[union-attr]
+        want = bf16(x) @ weight.T + (b.double() if b is not None else 0.0)
+        bound = (bf16(x).abs() @ weight.abs().T + (b.double().abs() if b is not None else 0.0)) * (k + 2) * 2.0**-24
+        assert ((y - want).abs() <= bound + 1e-30).all(), (rows, (y - want).abs().max().item())
+    exact = quant_gemm().quantized_matmul(x, packed, out_features, None, KERNEL_QTYPE["BF16"])  # type: ignore[union-attr]
+    assert not torch.equal(exact, quant_int8().bf16_dot_matmul(x, packed, out_features, None))  # type: ignore[union-attr]
+
+
+@needs_bf16_dot
+def test_a_bf16_row_s_result_does_not_depend_on_the_rows_beside_it() -> None:
+    k, out_features = 512, 37
+    packed, _ = bf16_panels(out_features, k, seed=3)
+    x = with_outliers(torch.randn(40, k, generator=torch.Generator().manual_seed(4)), seed=6)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
+    many = quant_int8().bf16_dot_matmul(x, packed, out_features, bias)  # type: ignore[union-attr]
+    for rows in (1, 2, 5, 8, 12, 13, 16, 25, 33):
+        few = quant_int8().bf16_dot_matmul(x[40 - rows:], packed, out_features, bias)  # type: ignore[union-attr]
+        assert torch.equal(few, many[40 - rows:]), rows
+
+
+def test_the_bf16_product_is_refused_where_it_does_not_run() -> None:
+    module = quant_int8()
+    packed, _ = bf16_panels(16, 64, seed=1)
+    if not module.bf16_dot():  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            module.bf16_dot_matmul(torch.randn(2, 64), packed, 16, None)  # type: ignore[union-attr]
+        return
+    with pytest.raises(RuntimeError, match="features"):
+        module.bf16_dot_matmul(torch.randn(2, 96), packed, 16, None)  # type: ignore[union-attr]
+    q8 = quant_gemm().pack_quantized(random_blocks("Q8_0", 16, 64).blocks, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="not BF16 panels"):
+        module.bf16_dot_matmul(torch.randn(2, 64), q8, 16, None)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="out_features"):
+        module.bf16_dot_matmul(torch.randn(2, 64), packed, 40, None)  # type: ignore[union-attr]
+
+
 def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others() -> None:
     qtype, k = "Q4_K", 512
     q = random_blocks(qtype, 16, k)

@@ -14,7 +14,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.model.linear import Embedding, Linear, PackedWeight
+from conveyor.model.linear import Embedding, Linear, PackedWeight, bf16_dot_available
 from conveyor.model.llama import model_bytes
 from conveyor.model.loader import LoadedCheckpoint
 from conveyor.runner.model_runner import LoadedModel, load_model
@@ -124,9 +124,10 @@ def run(model: LoadedModel, path: Path) -> list[tuple[list[int], list[Any], list
 
 def test_logprobs_equal_the_fp32_weights_bit_for_bit(source: tuple[Path, str]) -> None:
     """Prefill (the L2-buffer tiles) and decode (the in-register tiles) on the 16-bit panels against
-    fp32 panels of the same values: every logprob equal, not close."""
+    fp32 panels of the same values: every logprob equal, not close (exact activations: the fast
+    default rounds x to bf16 for BF16 weights on CPUs with AVX512-BF16, tested below)."""
     path, _ = source
-    held = run(load_model(EngineConfig(model=str(path))), path)
+    held = run(load_model(EngineConfig(model=str(path), activation_dtype="float32")), path)
     dense = run(load_model(EngineConfig(model=str(path), dequantize_weights=True)), path)
     assert all(len(tokens) == NEW_TOKENS and len(scored) == NEW_TOKENS for tokens, scored, _ in held)
     assert held == dense
@@ -150,7 +151,8 @@ def test_greedy_tokens_equal_transformers_on_the_bf16_folder(bf16_folder: Path) 
 
 def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) -> None:
     """An embedding no head multiplies by is read by rows only: its bf16 rows are read from the
-    safetensors file's mapping (as a GGUF's blocks are), and the results are the dense path's."""
+    safetensors file's mapping (as a GGUF's blocks are), and the results are the dense path's
+    (exact activations)."""
     from safetensors.torch import load_file, save_file
 
     from tests.helpers import make_tiny_hf_checkpoint
@@ -160,7 +162,7 @@ def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) 
     save_file({n: t.to(torch.bfloat16) for n, t in weights.items()}, str(folder / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
-    model = load_model(EngineConfig(model=str(folder)))
+    model = load_model(EngineConfig(model=str(folder), activation_dtype="float32"))
     embed = model.model.embed
     assert embed.blocks is not None and embed.blocks.qtype == "BF16" and embed.packed is None
     address = embed.blocks.blocks.data_ptr()
@@ -180,3 +182,19 @@ def test_a_bf16_folder_loads_without_a_second_copy(bf16_folder: Path) -> None:
     assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
     stored = (bf16_folder / "model.safetensors").stat().st_size
     assert 0.99 * stored <= status["weights"] <= 1.01 * stored, status
+
+
+@pytest.mark.skipif(not bf16_dot_available(), reason="no AVX512-BF16 on this CPU")
+def test_the_fast_default_on_bf16_weights_stays_within_the_quality_bounds(bf16_folder: Path) -> None:
+    """On a CPU with AVX512-BF16 the default activations multiply BF16 weights by x rounded to bf16;
+    scored against the exact path on SmolLM2's bf16 folder, teacher-forced on the fixed texts, it
+    keeps the bounds the int8 path keeps (tests/bench/test_quality.py)."""
+    from conveyor.bench.quality import run_quality
+    from tests.bench.test_quality import TOKENS, TOP1_BOUND
+
+    loaded = load_model(EngineConfig(model=str(bf16_folder)))
+    for r in run_quality(loaded.model, loaded.tokenizer, "int8", TOKENS, 512, torch.float16):
+        assert r.tokens == TOKENS - 1
+        assert abs(r.ppl_ratio - 1.0) <= 0.005, r
+        assert r.top1_agreement >= TOP1_BOUND, r
+        assert abs(r.sampled_ppl_ratio - 1.0) <= 0.005, r

@@ -1030,6 +1030,98 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
 }
 #endif
 
+#if defined(CONVEYOR_INT8_512) && defined(__AVX512BF16__)
+#define CONVEYOR_BF16_DOT 1
+// --- 16-bit brain-float weights (BF16 panels: an HF folder's bf16 weights served in fp32, a GGUF's
+// BF16 tensors) against x rounded to bf16, on AVX512-BF16's vdpbf16ps: 32 multiply-adds an
+// instruction where the fp32 kernel's FMA does 16, and the weights' bytes as they lie. A panel is
+// K / 2 rows of 64 bytes, each two k steps of its 16 columns (quant_gemm.cpp's HalfUnit); one
+// permute turns such a row into the pairs vdpbf16ps reads (column c's k, k + 1 in lane c). x is
+// rounded to bf16 once a call (to nearest even), and each output is its row's own chain of pair
+// products in k order, accumulated in fp32: a row's bits do not depend on the rows beside it or on
+// how many there are. They differ from the exact product's by x's rounding (at most 2^-9 of each
+// |x_k|), as the int8 path's do by its quantisation: the same switch (activation_dtype) chooses.
+constexpr int64_t kBf16TileRows = 12;  // 12 rows x 2 panels of sums: 24 of the 32 zmm registers
+constexpr int64_t kHalfUnitK = 32, kHalfUnitBytes = kHalfUnitK * kPanel * 2;
+
+inline __m512i bf16_pair_order() {
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(pairs);
+}
+
+// Rows [r0, r0 + R) of x (bf16 pairs, xb_stride words a row) times P panels at w[0..P): y's rows,
+// `cols` columns of the last panel real (the others whole).
+template <int R, int P>
+void bf16_dot_tile(const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int64_t panel_bytes, int64_t k_pairs,
+                   const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  const __m512i order = bf16_pair_order();
+  __m512 sums[R][P];
+  _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k_pairs; ++j) {
+    __m512bh wv[P];
+    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)
+      wv[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(w + p * panel_bytes + 64 * j));
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * xb_stride + j]));
+      _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xv, wv[p]);
+    }
+  }
+  const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
+  _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) {
+    const __mmask16 real = p + 1 == P ? last : static_cast<__mmask16>(0xFFFF);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(real, bias + p * kPanel) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(y + r * y_stride + p * kPanel, real, _mm512_add_ps(sums[r][p], add));
+  }
+}
+
+template <int P, int R = kBf16TileRows>
+void bf16_dot_rows(int64_t rows, const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int64_t panel_bytes,
+                   int64_t k_pairs, const float* bias, float* y, int64_t y_stride, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return bf16_dot_rows<P, R - 1>(rows, xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
+  }
+  bf16_dot_tile<R, P>(xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
+}
+
+void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels,
+                          int64_t units, const float* bias, float* y, int64_t out_features) {
+  const int64_t k_pairs = units * kHalfUnitK / 2, panel_bytes = units * kHalfUnitBytes;
+  std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(m * k_pairs)]);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t k = 0; k < 2 * k_pairs; k += 32)  // cvtne2ps_pbh(hi, lo): lo's 16 first, so pair j is k 2j, 2j + 1
+        _mm512_storeu_si512(xb.get() + r * k_pairs + k / 2,
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * x_stride + k + 16),
+                                                          _mm512_loadu_ps(x + r * x_stride + k)));
+  });
+  // A thread takes pairs of panels (two panels' sums for a tile of rows) and passes every row over
+  // them, so each weight is read from memory once a call and from L2 after the first tile.
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p0 = 2 * pair, count = std::min<int64_t>(2, panels - p0), col0 = p0 * kPanel;
+      const int64_t cols = std::min(kPanel, out_features - (p0 + count - 1) * kPanel);
+      // Rows shared evenly among the fewest tiles (16 rows: 8 + 8, not 12 + 4): a tile's permutes
+      // and weight loads are shared by its rows.
+      const int64_t tiles = (m + kBf16TileRows - 1) / kBf16TileRows;
+      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+        const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
+        const uint32_t* xr = xb.get() + r0 * k_pairs;
+        float* yr = y + r0 * out_features + col0;
+        const float* b = bias ? bias + col0 : nullptr;
+        if (count == 2)
+          bf16_dot_rows<2>(rows, xr, k_pairs, w + p0 * panel_bytes, panel_bytes, k_pairs, b, yr, out_features, cols);
+        else
+          bf16_dot_rows<1>(rows, xr, k_pairs, w + p0 * panel_bytes, panel_bytes, k_pairs, b, yr, out_features, cols);
+        r0 += rows;
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // The checks both products make and their dispatch on the block type: product(kind, x, x_stride,
@@ -1113,6 +1205,47 @@ bool bf16_tiles() {
 #endif
 }
 
+// x [M, K] @ W^T (+ bias) for W in BF16 panels (quant_gemm.pack_quantized, qtype 30), x rounded to
+// bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()).
+torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                              const c10::optional<torch::Tensor>& bias) {
+#if defined(CONVEYOR_BF16_DOT)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "bf16_dot_matmul: x must be 2-D fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+              packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not BF16 panels)");
+  TORCH_CHECK(packed.size(1) * kHalfUnitK == x.size(1), "bf16_dot_matmul: x has ", x.size(1),
+              " features, the weight ", packed.size(1) * kHalfUnitK);
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "bf16_dot_matmul: out_features does not match the packed weight");
+  const auto xs = x.stride(1) == 1 ? x : x.contiguous();
+  torch::Tensor b;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "bf16_dot_matmul: bad bias");
+    bias_ptr = b.data_ptr<float>();
+  }
+  const int64_t m = xs.size(0);
+  auto y = torch::empty({m, out_features}, x.options());
+  if (m == 0) return y;
+  bf16_dot_matmul_into(xs.data_ptr<float>(), xs.stride(0), m, packed.data_ptr<uint8_t>(), packed.size(0),
+                       packed.size(1), bias_ptr, y.data_ptr<float>(), out_features);
+  return y;
+#else
+  (void)x, (void)packed, (void)out_features, (void)bias;
+  TORCH_CHECK(false, "bf16_dot_matmul: this build has no AVX512-BF16 (see bf16_dot())");
+#endif
+}
+
+// Whether bf16_dot_matmul runs here: built for a CPU with AVX512-BF16.
+bool bf16_dot() {
+#if defined(CONVEYOR_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [M, K] -> what the product multiplies: (int8 codes [M, K], fp32 dx [M, K / 32], fp32 outliers
 // [M, K]: the features carried exactly, zero elsewhere), x's stand-in being codes * dx + outliers; for
 // tests and for callers that bound the quantisation error.
@@ -1161,6 +1294,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_tiles", &bf16_tiles, "whether bf16_tile_matmul runs on this CPU and build");
+  m.def("bf16_dot_matmul", &bf16_dot_matmul,
+        "x [M, K] @ W^T (+ bias) on BF16 panels (quant_gemm.pack_quantized), x rounded to bf16, vdpbf16ps",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot", &bf16_dot, "whether bf16_dot_matmul runs on this CPU and build (AVX512-BF16)");
   m.attr("outlier_ratio") = kOutlierRatio;
   m.def("isa", &isa, "the instruction set this build's dot products use (avx512-vnni or avx2)");
 }
