@@ -27,7 +27,9 @@ alike. Switches:
 - `mlp-rows`: a step's MLP in runs of at most memory.MLP_ROWS rows vs all of its rows at once
   (what a prefill holds: use with `--prefill`)
 - `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
-  16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before)
+  16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before);
+  on a CPU with AVX512-BF16 the BF16 side multiplies in bf16 with the default activations (the
+  exact comparison: `conveyor bench steps --activation-dtypes float32 int8` for that instead)
 
     python benchmarks/ab_steps.py --switch fused-ops --batch-sizes 1 8 32 64 --repeats 10
     python benchmarks/ab_steps.py --switch argmax --model gemma3-270m --batch-sizes 1 32 --repeats 20
@@ -61,7 +63,7 @@ from conveyor.bench.decode import start_decode_batch
 from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.model import linear, llama, memory
-from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight
+from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight, screen_norms
 from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
 from conveyor.model.quantized import HALF_TYPES
@@ -133,10 +135,13 @@ def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
     if not held:
         raise SystemExit("--switch half-weights: the model holds no F16 / BF16 weights")
     fp32 = {m: fp32_panels(p) for m, p in held.items()}
+    norms = getattr(model, "head_norms", None)  # greedy's screen reads the head's norms: kept in step
 
     def switch(on: bool) -> None:
         for m in held:
             m.packed = held[m] if on else fp32[m]
+        if hasattr(model, "head_norms"):
+            model.head_norms = norms if on else screen_norms(model.head.packed)  # type: ignore[attr-defined]
     return switch
 
 

@@ -277,7 +277,7 @@ def main() -> None:
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
               f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}, "
               f"int8 products bit-identical ({native_int8.isa()} / {other_int8.isa()}) "
-              f"{int8_identical if qtype in INT8_TYPES else 'n/a (fp32 products only)'}{bf16_note}")  # type: ignore[attr-defined]
+              f"{int8_identical if qtype in INT8_TYPES else 'n/a (no int8 product)'}{bf16_note}")  # type: ignore[attr-defined]
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")

@@ -101,7 +101,8 @@ def main() -> None:
                         for i in range(hidden.shape[0]))
     else:
         assert norms is not None
-        route = f"int8 product ({kernel_isa()}) and column norms"
+        product = "bf16 product (AVX512-BF16)" if packed.layout == "BF16" else f"int8 product ({kernel_isa()})"
+        route = f"{product} and column norms"
         counts = sorted(int(c) for c in screen_candidates(hidden, packed, norms)[0].sum(dim=-1))
     print(f"head: {packed.out_features} x {hidden.shape[1]} {packed.layout} ({packed.nbytes / 1e6:.0f} MB), screened by "
           f"{route}; {hidden.shape[0]} real hidden states; same argmax for every row: {same}")

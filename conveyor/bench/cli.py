@@ -142,7 +142,7 @@ def _run_roofline(args: argparse.Namespace) -> int:
 def _run_quality(args: argparse.Namespace) -> int:
     import torch
 
-    from conveyor.bench.quality import report, run_quality
+    from conveyor.bench.quality import bf16_weights_in_bf16, report, run_quality
     from conveyor.config import EngineConfig
     from conveyor.model.linear import bf16_tiles_available
     from conveyor.runner.model_runner import load_model
@@ -155,7 +155,8 @@ def _run_quality(args: argparse.Namespace) -> int:
         raise SystemExit("bench quality --prompt-tiles: needs int8 activations and a CPU with AMX-BF16 tiles")
     results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window, kv_dtype,
                           args.prompt_tiles)
-    print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype, args.prompt_tiles))
+    print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype, args.prompt_tiles,
+                 bf16_weights_in_bf16(loaded.model, args.activation_dtype)))
     return 0
 
 

@@ -328,29 +328,38 @@ def _by_origin(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
 
 
 # Past this many candidate columns a row's screened argmax gives up and the full product runs
-# (a row whose logits are all within the int8 pass's bound of each other: rare; all-zero x does it).
+# (a row whose logits are all within the approximate pass's bound of each other: rare; all-zero x
+# does it).
 MAX_SCREENED_CANDIDATES = 4096
-# Rows the int8 screen takes at a time: each holds a few [rows, vocabulary] fp32 temporaries
+# Rows the screen takes at a time: each holds a few [rows, vocabulary] fp32 temporaries
 # (~20 MB apiece for 32 rows of a 152k vocabulary), not a whole large batch's.
 SCREEN_ROWS = 32
+# A BF16 head is screened from this many rows: below, its exact product reads the same bytes as
+# the bf16 pass and is about as fast, so the screen's own passes would be a loss (docs/PERF.md).
+BF16_SCREEN_FROM_ROWS = 8
 
 
 def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
                     column_norms: torch.Tensor | None = None) -> torch.Tensor | None:
-    """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks without the full fp32 product:
-    an int8 pass gives every column an approximate logit and a bound on its distance from the fp32
-    one, and only the columns that can be the maximum are computed exactly, so the indices are the
-    full product's. A Q8_0 W takes quant_gemm.cpp's q8_0_argmax (AVX-512 VNNI/VBMI builds); any
-    layout the int8 kernel reads takes the int8 product and `column_norms` (`screen_norms(W)`, None
-    for any other), on AVX2 too. None where neither applies (no norms, weights not all finite,
-    CONVEYOR_SCREENED_ARGMAX=0, non-finite x)."""
+    """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks (or BF16 weights) without the
+    full fp32 product: an approximate pass gives every column a logit and a bound on its distance
+    from the fp32 one, and only the columns that can be the maximum are computed exactly, so the
+    indices are the full product's. A Q8_0 W takes quant_gemm.cpp's q8_0_argmax (AVX-512 VNNI/VBMI
+    builds); any layout the int8 kernel reads takes the int8 product and `column_norms`
+    (`screen_norms(W)`, None for any other), on AVX2 too; BF16 the bf16 product (AVX512-BF16). None
+    where neither applies (no norms, weights not all finite, CONVEYOR_SCREENED_ARGMAX=0, non-finite
+    x)."""
     if packed is None or not packed.finite or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
         return None
     if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
     kernel = _quant_kernel()
     screen = getattr(kernel, "q8_0_argmax", None) if packed.layout == "Q8_0" else None
-    if screen is None and column_norms is None:  # screen_norms gives norms only where the int8 screen applies
+    # screen_norms gives norms only where a screen applies; norms kept beside another layout (a
+    # weight swapped in an A/B run) are not this weight's
+    if screen is None and (column_norms is None or not _screens(packed.layout)):
+        return None
+    if packed.layout == "BF16" and x.shape[0] < BF16_SCREEN_FROM_ROWS:
         return None
     if not bool(torch.isfinite(x).all()):
         return None
@@ -369,8 +378,8 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
 
 
 def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
-    """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's int8 error
-    with, for a vocabulary projection in blocks the int8 kernel reads. None where that screen does
+    """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's error
+    with, for a vocabulary projection in blocks the int8 kernel reads (or BF16 weights). None where that screen does
     not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32 product reads its codes
     as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's head on any block
     type"), layouts the int8 kernel does not read (BF16 is screened by the bf16 product where the
@@ -411,7 +420,8 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
     |w_col| (|x| + |e|) (a block's minimum no larger than its largest weight, as quantisers choose
     it); the bound takes 16 times that, and a subnormal product or sum flushed to zero (vdpbf16ps)
-    at most 2^-126 each. A candidate's upper bound reaches the row's largest lower bound."""
+    at most 2^-126 each, as a subnormal weight (2^-126 |x_k|). A candidate's upper bound reaches the
+    row's largest lower bound."""
     qtype = KERNEL_QTYPE[packed.layout]
     kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
@@ -427,12 +437,15 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (xd.norm(dim=-1) + err)
     scale = ((err + rounding) * (1 + 2.0**-20)).float()
     if packed.layout == "BF16":
-        # bf16's bound is small enough that the largest column norm serves every column: two passes
-        # over approx instead of six (they would cost more than the product saves). |approx| <=
-        # |w_col| (|x| + |e|) bounds its own rounding.
+        # bf16's bound is small enough that the largest column norm serves every column: three
+        # passes over approx instead of seven (they would cost more than the product saves).
+        # |approx| <= |w_col| (|x| + |e|) bounds its own rounding; vdpbf16ps flushes a subnormal
+        # weight to zero (at most 2^-126 |x_k| each: sqrt(K) 2^-126 |x| in all) and a subnormal
+        # product or sum (2^-126 each).
         widest = float(column_norms.max())
-        slack_rows = (widest * (scale.double() + 2.0**-19 * xd.norm(dim=-1)) * (1 + 2.0**-20)
-                      + 2 * k_dim * 2.0**-126).float()  # a product or a sum flushed to zero: 2^-126 each
+        x_norm = xd.norm(dim=-1)
+        slack_rows = (widest * (scale.double() + 2.0**-19 * x_norm) * (1 + 2.0**-20)
+                      + k_dim**0.5 * 2.0**-126 * 1.004 * x_norm + 2 * k_dim * 2.0**-126).float()
         largest = approx.amax(dim=-1)  # NaN if any logit is: no candidate, the row gives up
         candidates = approx >= (largest - 2 * slack_rows)[:, None]
         return candidates, torch.isfinite(largest) & torch.isfinite(approx.amin(dim=-1))
@@ -452,23 +465,20 @@ def _screened_argmax_in_rows(x: torch.Tensor, packed: PackedWeight, column_norms
     qtype = KERNEL_QTYPE[packed.layout]
     candidates, finite = screen_candidates(x, packed, column_norms)
     rows = x.shape[0]
-    # From the candidates' indices (a few a row): passes over the [rows, N] mask cost more than the
-    # product they save.
-    row_of, column_of = candidates.nonzero(as_tuple=True)
-    counts = torch.bincount(row_of, minlength=rows)
+    counts = candidates.sum(dim=-1, dtype=torch.int32)  # (int32: a bool's default int64 sum is slower)
     tokens = torch.full((rows,), -1, dtype=torch.long)
     screened = (counts > 0) & (counts <= MAX_SCREENED_CANDIDATES) & finite
     if not bool(screened.any()):
         return tokens
-    kept = screened[row_of]
-    row_of, column_of = row_of[kept], column_of[kept]
+    # From the screened rows' candidate indices (a few a row): passes over their [rows, N] mask
+    # cost more than the product they save.
+    row_of, column_of = candidates[screened].nonzero(as_tuple=True)
     panels = torch.unique(column_of // PANEL)
     exact = quant_kernel.quantized_matmul(x[screened], packed.data.index_select(0, panels),  # type: ignore[attr-defined]
                                           len(panels) * PANEL, None, qtype)
     columns = (panels[:, None] * PANEL + torch.arange(PANEL)).reshape(-1)
-    place = torch.searchsorted(panels, column_of // PANEL) * PANEL + column_of % PANEL
     mask = torch.zeros_like(exact, dtype=torch.bool)
-    mask[(torch.cumsum(screened, 0) - 1)[row_of], place] = True  # a row's place among the screened rows
+    mask[row_of, torch.searchsorted(panels, column_of // PANEL) * PANEL + column_of % PANEL] = True
     tokens[screened] = columns[exact.masked_fill(~mask, float("-inf")).argmax(dim=-1)]
     return tokens
 

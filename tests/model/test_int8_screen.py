@@ -13,8 +13,8 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from conveyor.model import linear as linear_module
-from conveyor.model.linear import (PackedWeight, int8_matmul_kernel, screen_candidates, linear, pack_blocks, screen_norms,
-                                   screened_argmax)
+from conveyor.model.linear import (PackedWeight, int8_matmul_kernel, linear, pack_blocks, pack_weight, screen_candidates,
+                                   screen_norms, screened_argmax)
 from conveyor.model.quantized import INT8_TYPES, QuantizedWeight
 from tests.model.test_quant_gemm import random_blocks, reference_fp32
 
@@ -25,6 +25,12 @@ BF16_DOT = _kernel is not None and bool(_kernel.bf16_dot())  # type: ignore[attr
 SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0") + (["BF16"] if BF16_DOT else [])
 K = 512  # two K-quant super-blocks, 16 groups of 32
 N = 1000  # 62 full panels and one of 8 columns
+
+
+@pytest.fixture(autouse=True)
+def screen_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screen's answers at any number of rows (a BF16 head is screened only from a few)."""
+    monkeypatch.setattr(linear_module, "BF16_SCREEN_FROM_ROWS", 1)
 
 
 def packed_head(q: QuantizedWeight) -> tuple[torch.Tensor, PackedWeight, torch.Tensor]:
@@ -60,19 +66,21 @@ def test_random_blocks_and_rows(qtype: str, rows: int) -> None:
     assert torch.equal(got, full_argmax(x, packed))
 
 
+@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16"] if BF16_DOT else []))
 @pytest.mark.parametrize("n", [993, 1007])  # a last panel of 1 and 15 columns
-def test_last_panel_partly_filled(n: int) -> None:
-    weight, packed, norms = packed_head(random_blocks("Q6_K", n, K, seed=n))
+def test_last_panel_partly_filled(n: int, qtype: str) -> None:
+    weight, packed, norms = packed_head(random_blocks(qtype, n, K, seed=n))
     x = torch.cat([weight[[n - 1, n - 2, 0]], torch.randn(3, K)])  # the first rows' maxima in the last panel
     expected = full_argmax(x, packed)
     assert expected[0] == n - 1 and expected[1] == n - 2
     assert torch.equal(screened_argmax(x, packed, norms), expected)
 
 
-def test_exact_ties_go_to_the_first_column() -> None:
-    blocks = random_blocks("Q6_K", N, K, seed=2).blocks.clone()
+@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16"] if BF16_DOT else []))
+def test_exact_ties_go_to_the_first_column(qtype: str) -> None:
+    blocks = random_blocks(qtype, N, K, seed=2).blocks.clone()
     blocks[3] = blocks[950] = blocks[900]  # three identical columns, one in the last, partial panel
-    weight, packed, norms = packed_head(QuantizedWeight("Q6_K", blocks))
+    weight, packed, norms = packed_head(QuantizedWeight(qtype, blocks))
     x = weight[900:901].clone()  # column 900's logit is its squared norm: the maximum
     expected = full_argmax(x, packed)
     assert int(expected) == 3  # what torch.argmax does with a three-way tie, pinned
@@ -121,6 +129,14 @@ def test_what_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
         assert screen_norms(pack_blocks(random_blocks("BF16", N, K, seed=5))) is None
     monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
     assert screened_argmax(torch.randn(1, K), packed, norms) is None
+    monkeypatch.delenv("CONVEYOR_SCREENED_ARGMAX")
+    panels = pack_weight(torch.randn(N, K))  # norms beside fp32 panels swapped in (an A/B run): not screened
+    assert panels is not None and screened_argmax(torch.randn(1, K), panels, norms) is None
+    if BF16_DOT:  # below BF16_SCREEN_FROM_ROWS rows a BF16 head takes the exact product
+        _, bf16_packed, bf16_norms = packed_head(random_blocks("BF16", N, K, seed=5))
+        monkeypatch.setattr(linear_module, "BF16_SCREEN_FROM_ROWS", 4)
+        assert screened_argmax(torch.randn(3, K), bf16_packed, bf16_norms) is None
+        assert screened_argmax(torch.randn(4, K), bf16_packed, bf16_norms) is not None
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"] + (["BF16"] if BF16_DOT else []))

@@ -255,6 +255,25 @@ def test_a_bf16_row_s_result_does_not_depend_on_the_rows_beside_it() -> None:
         assert torch.equal(few, many[40 - rows:]), rows
 
 
+@needs_bf16_dot
+def test_the_bf16_product_takes_strided_rows_no_rows_and_non_finite_rows() -> None:
+    k, out_features = 256, 40
+    packed, _ = bf16_panels(out_features, k, seed=8)
+    product = quant_int8().bf16_dot_matmul  # type: ignore[union-attr]
+    wide = torch.randn(7, 2 * k, generator=torch.Generator().manual_seed(9))
+    strided = wide[:, k:]  # rows 2k apart
+    assert torch.equal(product(strided, packed, out_features, None), product(strided.contiguous(), packed, out_features, None))
+    columns = wide[:, :k].T.contiguous().T  # features k apart: copied to rows first
+    rows = wide[:, :k].contiguous()
+    assert torch.equal(product(columns, packed, out_features, None), product(rows, packed, out_features, None))
+    assert product(torch.empty(0, k), packed, out_features, None).shape == (0, out_features)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(10))
+    x[0, 5], x[2, 100] = float("inf"), float("nan")
+    y = product(x, packed, out_features, None)
+    assert not torch.isfinite(y[0]).any() and torch.isnan(y[2]).all() and torch.isfinite(y[1]).all()
+    assert torch.equal(y[1:2], product(x[1:2], packed, out_features, None))
+
+
 def test_the_bf16_product_is_refused_where_it_does_not_run() -> None:
     module = quant_int8()
     packed, _ = bf16_panels(16, 64, seed=1)

@@ -189,10 +189,11 @@ def test_the_fast_default_on_bf16_weights_stays_within_the_quality_bounds(bf16_f
     """On a CPU with AVX512-BF16 the default activations multiply BF16 weights by x rounded to bf16;
     scored against the exact path on SmolLM2's bf16 folder, teacher-forced on the fixed texts, it
     keeps the bounds the int8 path keeps (tests/bench/test_quality.py)."""
-    from conveyor.bench.quality import run_quality
+    from conveyor.bench.quality import bf16_weights_in_bf16, run_quality
     from tests.bench.test_quality import TOKENS, TOP1_BOUND
 
     loaded = load_model(EngineConfig(model=str(bf16_folder)))
+    assert bf16_weights_in_bf16(loaded.model, "int8") and not bf16_weights_in_bf16(loaded.model, "float32")
     for r in run_quality(loaded.model, loaded.tokenizer, "int8", TOKENS, 512, torch.float16):
         assert r.tokens == TOKENS - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, r

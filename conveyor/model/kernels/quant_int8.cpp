@@ -1030,17 +1030,19 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
 }
 #endif
 
-#if defined(CONVEYOR_INT8_512) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define CONVEYOR_BF16_DOT 1
 // --- 16-bit brain-float weights (BF16 panels: an HF folder's bf16 weights served in fp32, a GGUF's
 // BF16 tensors) against x rounded to bf16, on AVX512-BF16's vdpbf16ps: 32 multiply-adds an
 // instruction where the fp32 kernel's FMA does 16, and the weights' bytes as they lie. A panel is
 // K / 2 rows of 64 bytes, each two k steps of its 16 columns (quant_gemm.cpp's HalfUnit); one
 // permute turns such a row into the pairs vdpbf16ps reads (column c's k, k + 1 in lane c). x is
-// rounded to bf16 once a call (to nearest even), and each output is its row's own chain of pair
-// products in k order, accumulated in fp32: a row's bits do not depend on the rows beside it or on
-// how many there are. They differ from the exact product's by x's rounding (at most 2^-9 of each
-// |x_k|), as the int8 path's do by its quantisation: the same switch (activation_dtype) chooses.
+// rounded to bf16 once a call (to nearest even), and each output is its row's own chain of
+// vdpbf16ps over the k pairs in order, accumulated in fp32: a row's bits do not depend on the rows
+// beside it or on how many there are. They differ from the exact product's by x's rounding (at most
+// 2^-8 of each |x_k|) and by what the instruction flushes to zero (subnormal inputs, products and
+// sums: at most 2^-126 each), as the int8 path's do by its quantisation: the same switch
+// (activation_dtype) chooses.
 constexpr int64_t kBf16TileRows = 12;  // 12 rows x 2 panels of sums: 24 of the 32 zmm registers
 constexpr int64_t kHalfUnitK = 32, kHalfUnitBytes = kHalfUnitK * kPanel * 2;
 
@@ -1206,7 +1208,8 @@ bool bf16_tiles() {
 }
 
 // x [M, K] @ W^T (+ bias) for W in BF16 panels (quant_gemm.pack_quantized, qtype 30), x rounded to
-// bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()).
+// bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()). F16 panels
+// have the same shape and cannot be told apart here: the caller goes by the weight's layout.
 torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                               const c10::optional<torch::Tensor>& bias) {
 #if defined(CONVEYOR_BF16_DOT)
