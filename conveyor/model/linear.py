@@ -379,11 +379,11 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
 
 def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
     """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's error
-    with, for a vocabulary projection in blocks the int8 kernel reads (or BF16 weights). None where that screen does
-    not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32 product reads its codes
-    as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's head on any block
-    type"), layouts the int8 kernel does not read (BF16 is screened by the bf16 product where the
-    CPU has AVX512-BF16), no int8 build, weights not all finite."""
+    with, for a vocabulary projection in blocks the int8 kernel reads (or BF16 weights). None where
+    that screen does not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32
+    product reads its codes as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's
+    head on any block type"), layouts the int8 kernel does not read (BF16 is screened by the bf16
+    product where the CPU has AVX512-BF16), no int8 build, weights not all finite."""
     if packed is None or not packed.finite or not _screens(packed.layout):
         return None
     norms = _quant_kernel().column_norms(packed.data, packed.out_features, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
@@ -450,7 +450,7 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
         candidates = approx >= (largest - 2 * slack_rows)[:, None]
         return candidates, torch.isfinite(largest) & torch.isfinite(approx.amin(dim=-1))
     bound = column_norms[None, :] * scale[:, None]
-    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20).add_(k_dim * 2.0**-126)  # approx's rounding
+    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20)  # the fp32 rounding of approx +- bound
     lower_max = (approx - slack).amax(dim=-1)
     candidates = (approx + slack) >= lower_max[:, None]  # NaN (an overflowed approx) is never >=: a row gives up
     return candidates, torch.isfinite(approx.amax(dim=-1)) & torch.isfinite(approx.amin(dim=-1))

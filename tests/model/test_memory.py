@@ -78,8 +78,9 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
                       num_kv_heads=2, head_dim=16)
     one = step_working_set_bytes(cfg, 1, 0)
     # 4 bytes a float: residual, normed input and attention output (hidden), q and its output,
-    # k and v, gate/up and their product; one byte for the product's int8 codes
-    row, mlp_row = 4 * (3 * 64 + 2 * 64 + 2 * 32), 4 * 3 * 256 + 256
+    # k and v, gate/up and their product; two bytes for the product as the kernel takes it (int8
+    # codes take one, bf16 pairs two)
+    row, mlp_row = 4 * (3 * 64 + 2 * 64 + 2 * 32), 4 * 3 * 256 + 2 * 256
     assert one == row + mlp_row
     assert step_working_set_bytes(cfg, 10, 0) == 10 * one
     assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
