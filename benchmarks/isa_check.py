@@ -42,7 +42,7 @@ from torch.utils.cpp_extension import _get_build_directory, load
 
 from conveyor.model.kernels import _SOURCE_DIR, _kernel_files, _load, _staged_source, panel_gemm, quant_gemm
 from conveyor.model.loader import model_cache_dir
-from conveyor.model.quantized import BLOCK_SIZES, INT8_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K
+from conveyor.model.quantized import BLOCK_SIZES, HALF_TYPES, INT8_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K
 
 EMULATED = "avx512-emulated"
 EMULATION_HEADER = Path(__file__).parent / "kernels" / "avx512_on_avx2.h"
@@ -255,18 +255,20 @@ def main() -> None:
             for b in (None, bias):
                 int8_identical &= torch.equal(native_int8.int8_matmul(x, packed["native"], n, b, code),  # type: ignore[attr-defined]
                                               other_int8.int8_matmul(x, packed[args.march], n, b, code))  # type: ignore[attr-defined]
-        # BF16 with fast activations: x rounded to bf16 on vdpbf16ps, in a build for a CPU with
-        # AVX512-BF16 only (elsewhere the engine keeps the exact product); against float64.
+        # 16-bit floats with fast activations: x (and F16 weights) rounded to bf16 on vdpbf16ps, in a
+        # build for a CPU with AVX512-BF16 only (elsewhere the engine keeps the exact product);
+        # against float64.
         bf16_note, bf16_ok = "", True
-        if qtype == "BF16":  # weights of a model's size (any bit pattern's products would overflow)
-            sane = torch.from_numpy(rng.uniform(-1, 1, (n, k)).astype(np.float32)).to(torch.bfloat16)
+        if qtype in HALF_TYPES:  # weights of a model's size (any bit pattern's products would overflow)
+            half = torch.bfloat16 if qtype == "BF16" else torch.float16
+            sane = torch.from_numpy(rng.uniform(-1, 1, (n, k)).astype(np.float32)).to(half)
             sane_blocks = sane.view(torch.uint8).reshape(n, -1)
             runs = {"native": (native_int8, native_quant), args.march: (other_int8, other_quant)}
             for kernel, packer in runs.values():
                 if kernel.bf16_dot():  # type: ignore[attr-defined]
                     x = torch.randn(33, k)
-                    xb, wd = x.to(torch.bfloat16).double(), sane.double()
-                    y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias).double()  # type: ignore[attr-defined]
+                    xb, wd = x.to(torch.bfloat16).double(), sane.to(torch.bfloat16).double()
+                    y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias, code).double()  # type: ignore[attr-defined]
                     want = xb @ wd.T + bias.double()
                     bound = (xb.abs() @ wd.abs().T + bias.double().abs()) * (k + 2) * 2.0**-24
                     bf16_ok &= bool(((y - want).abs() <= bound + 1e-30).all())

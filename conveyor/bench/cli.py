@@ -142,7 +142,7 @@ def _run_roofline(args: argparse.Namespace) -> int:
 def _run_quality(args: argparse.Namespace) -> int:
     import torch
 
-    from conveyor.bench.quality import bf16_weights_in_bf16, report, run_quality
+    from conveyor.bench.quality import half_weights_in_bf16, report, run_quality
     from conveyor.config import EngineConfig
     from conveyor.model.linear import bf16_tiles_available
     from conveyor.runner.model_runner import load_model
@@ -156,7 +156,7 @@ def _run_quality(args: argparse.Namespace) -> int:
     results = run_quality(loaded.model, loaded.tokenizer, args.activation_dtype, args.max_tokens, args.window, kv_dtype,
                           args.prompt_tiles)
     print(report(args.model or "smollm2-135m", args.activation_dtype, results, kv_dtype, args.prompt_tiles,
-                 bf16_weights_in_bf16(loaded.model, args.activation_dtype)))
+                 half_weights_in_bf16(loaded.model, args.activation_dtype)))
     return 0
 
 

@@ -143,25 +143,27 @@ def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str
     return results
 
 
-def bf16_weights_in_bf16(model: torch.nn.Module, activation_dtype: str) -> bool:
-    """Whether some of the model's products take BF16 weights times bf16 activations (the default
-    activations on a CPU with AVX512-BF16), which the report then names beside "int8"."""
+def half_weights_in_bf16(model: torch.nn.Module, activation_dtype: str) -> bool:
+    """Whether some of the model's products take 16-bit float weights (BF16, F16) times bf16
+    activations (the default activations on a CPU with AVX512-BF16), which the report then names
+    beside "int8"."""
     from conveyor.model.linear import PackedWeight, bf16_dot_available
+    from conveyor.model.quantized import HALF_TYPES
 
     def layouts(packed: PackedWeight) -> set[str]:
         return {p.layout for p in packed.parts} if packed.parts else {packed.layout}
 
     held = [getattr(m, "packed", None) for m in model.modules()]
     return (activation_dtype == "int8" and bf16_dot_available()
-            and any(p is not None and "BF16" in layouts(p) for p in held))
+            and any(p is not None and not layouts(p).isdisjoint(HALF_TYPES) for p in held))
 
 
 def report(model_name: str, activation_dtype: str, results: list[QualityResult],
-           kv_cache_dtype: torch.dtype = torch.float16, prompt_tiles: bool = False, bf16_weights: bool = False) -> str:
-    """`bf16_weights`: BF16 weights took bf16 activations (`bf16_weights_in_bf16`)."""
+           kv_cache_dtype: torch.dtype = torch.float16, prompt_tiles: bool = False, half_weights: bool = False) -> str:
+    """`half_weights`: 16-bit float weights took bf16 activations (`half_weights_in_bf16`)."""
     kv = str(kv_cache_dtype).removeprefix("torch.")
     tiles = " (every position on the prompt's bf16 tiles)" if prompt_tiles else ""
-    tiles += " (bf16 on the BF16 weights)" if bf16_weights else ""
+    tiles += " (bf16 on the 16-bit float weights)" if half_weights else ""
     lines = [f"{model_name}: {activation_dtype} activations{tiles}, {kv} KV cache, against fp32 with an fp32 KV "
              "cache (teacher-forced)",
              f"{'text':<30} {'tokens':>7} {'ppl fp32':>9} {'ppl tested':>10} {'ratio':>7} {'top-1 agree':>11} "

@@ -9,7 +9,7 @@ their panels; a tied output head multiplies by the embedding's own blocks. An un
 never multiplied by, so it keeps the file's own row-major blocks (left in its memory map). With
 activation_dtype "int8" (the default) products on the same bytes are faster and approximate
 (kernels/quant_int8.cpp): x quantized to int8 against integer blocks, x rounded to bf16 against
-BF16 weights on CPUs with AVX512-BF16.
+16-bit float weights (F16 ones rounded to bf16 too) on CPUs with AVX512-BF16.
 
 A dense fp32 weight (an fp32 HF folder, a GGUF F32 tensor) lives as fp32 panels
 (kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be
@@ -32,7 +32,8 @@ from torch import nn
 
 from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
-from conveyor.model.quantized import INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, PANEL_UNIT_BYTES, QuantizedWeight
+from conveyor.model.quantized import (HALF_TYPES, INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, PANEL_UNIT_BYTES,
+                                     QuantizedWeight)
 
 # oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
 _ONEDNN_ROWS_HINT = 32
@@ -40,9 +41,9 @@ _ONEDNN_ROWS_HINT = 32
 # this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
 # "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
 # row is quantized and multiplied alone), which greedy equality under batching, chunked prefill and
-# speculation rely on. A threshold above 1 would trade that away. BF16 weights take x rounded to
-# bf16 instead, at every row count, where the CPU has AVX512-BF16 (quant_int8.cpp's bf16_dot_matmul);
-# the other types (Q2_K, Q3_K, F16) keep fp32 activations.
+# speculation rely on. A threshold above 1 would trade that away. 16-bit float weights (BF16, F16)
+# take x rounded to bf16 instead, at every row count, where the CPU has AVX512-BF16 (quant_int8.cpp's
+# bf16_dot_matmul); Q2_K and Q3_K keep fp32 activations.
 INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INT8_TYPES}
 
 
@@ -229,8 +230,8 @@ def bf16_tiles_available() -> bool:
 
 
 def bf16_dot_available() -> bool:
-    """Whether this CPU and build multiply BF16 weights by bf16 activations (AVX512-BF16), which
-    activation_dtype "int8" then takes for them."""
+    """Whether this CPU and build multiply 16-bit float weights by bf16 activations (AVX512-BF16),
+    which activation_dtype "int8" then takes for them."""
     module = int8_matmul_kernel()
     return module is not None and bool(module.bf16_dot())  # type: ignore[attr-defined]
 
@@ -239,7 +240,7 @@ def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | Non
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
     resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
     "int8" lets products on GGUF blocks quantize their activations where that is faster, and
-    products on BF16 weights round them to bf16 where the CPU has AVX512-BF16.
+    products on 16-bit float weights round them to bf16 where the CPU has AVX512-BF16.
     `prompt_rows` (int8 only): the step's prompt rows, which then take the bf16 tiles."""
     packing, kernel, quant_kernel = packing_enabled(), panel_gemm(), quant_gemm()
     int8_kernel = int8_matmul_kernel() if activation_dtype == "int8" else None
@@ -283,8 +284,8 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
     quant_gemm()) is turned off. `int8_kernel` (int8_matmul_kernel()): products on blocks with at
     least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers, but for `prompt_rows`
-    (x's rows that compute prompt tokens), which take its bf16 tiles; products on BF16 weights
-    round x to bf16 (where the build has AVX512-BF16)."""
+    (x's rows that compute prompt tokens), which take its bf16 tiles; products on BF16 and F16
+    weights round x (and F16 weights) to bf16 (where the build has AVX512-BF16)."""
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
@@ -299,8 +300,8 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
-        if packed.layout == "BF16" and int8_kernel is not None and int8_kernel.bf16_dot():  # type: ignore[attr-defined]
-            return int8_kernel.bf16_dot_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
+        if packed.layout in HALF_TYPES and int8_kernel is not None and int8_kernel.bf16_dot():  # type: ignore[attr-defined]
+            return int8_kernel.bf16_dot_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
         int8_from = INT8_FROM_ROWS.get(packed.layout)
         if int8_kernel is not None and int8_from is not None and prompt_rows is not None:
             return _by_origin(x, packed, bias, qtype, int8_kernel, prompt_rows)
@@ -334,19 +335,20 @@ MAX_SCREENED_CANDIDATES = 4096
 # Rows the screen takes at a time: each holds a few [rows, vocabulary] fp32 temporaries
 # (~20 MB apiece for 32 rows of a 152k vocabulary), not a whole large batch's.
 SCREEN_ROWS = 32
-# A BF16 head is screened from this many rows: below, its exact product reads the same bytes as
-# the bf16 pass and is about as fast, so the screen's own passes would be a loss (docs/PERF.md).
-BF16_SCREEN_FROM_ROWS = 8
+# A 16-bit float head (BF16, F16) is screened from this many rows: below, its exact product reads
+# the same bytes as the bf16 pass and is about as fast, so the screen's own passes would be a loss
+# (docs/PERF.md).
+HALF_SCREEN_FROM_ROWS = 8
 
 
 def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
                     column_norms: torch.Tensor | None = None) -> torch.Tensor | None:
-    """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks (or BF16 weights) without the
+    """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks (or 16-bit floats) without the
     full fp32 product: an approximate pass gives every column a logit and a bound on its distance
     from the fp32 one, and only the columns that can be the maximum are computed exactly, so the
     indices are the full product's. A Q8_0 W takes quant_gemm.cpp's q8_0_argmax (AVX-512 VNNI/VBMI
     builds); any layout the int8 kernel reads takes the int8 product and `column_norms`
-    (`screen_norms(W)`, None for any other), on AVX2 too; BF16 the bf16 product (AVX512-BF16). None
+    (`screen_norms(W)`, None for any other), on AVX2 too; BF16 / F16 the bf16 product (AVX512-BF16). None
     where neither applies (no norms, weights not all finite, CONVEYOR_SCREENED_ARGMAX=0, non-finite
     x)."""
     if packed is None or not packed.finite or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
@@ -359,7 +361,7 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
     # weight swapped in an A/B run) are not this weight's
     if screen is None and (column_norms is None or not _screens(packed.layout)):
         return None
-    if packed.layout == "BF16" and x.shape[0] < BF16_SCREEN_FROM_ROWS:
+    if packed.layout in HALF_TYPES and x.shape[0] < HALF_SCREEN_FROM_ROWS:
         return None
     if not bool(torch.isfinite(x).all()):
         return None
@@ -379,11 +381,11 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
 
 def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
     """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's error
-    with, for a vocabulary projection in blocks the int8 kernel reads (or BF16 weights). None where
+    with, for a vocabulary projection in blocks the int8 kernel reads (or 16-bit floats). None where
     that screen does not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32
     product reads its codes as bytes and is about as fast as the int8 one (docs/PERF.md, "Greedy's
-    head on any block type"), layouts the int8 kernel does not read (BF16 is screened by the bf16
-    product where the CPU has AVX512-BF16), no int8 build, weights not all finite."""
+    head on any block type"), layouts the int8 kernel does not read (BF16 and F16 are screened by
+    the bf16 product where the CPU has AVX512-BF16), no int8 build, weights not all finite."""
     if packed is None or not packed.finite or not _screens(packed.layout):
         return None
     norms = _quant_kernel().column_norms(packed.data, packed.out_features, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
@@ -397,7 +399,7 @@ def _screens(layout: str) -> bool:
     kernel = int8_matmul_kernel()
     if kernel is None:
         return False
-    if layout == "BF16":
+    if layout in HALF_TYPES:
         return bool(kernel.bf16_dot())  # type: ignore[attr-defined]
     return layout in INT8_TYPES and layout != "Q8_0"
 
@@ -413,11 +415,12 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     of the fp32 product x @ W^T, and the rows whose approximate logits are all finite (a row with an
     overflowed one says nothing). The approximate product is the one activation_dtype "int8" takes:
     on integer blocks the int8 kernel's (quant_int8.cpp: x in groups of 32, scale max|x| / 127,
-    rounded to nearest, a lone large feature carried exactly), on BF16 weights the bf16 one (x
-    rounded to 8 significant bits, a subnormal to 0). It differs from the exact one by
-    sum_k w_k e_k, e being x's rounding: in int8 |e_k| <= max|x_g| / 254 in group g (|x_k| in a group
-    below the kernel's zero threshold), in bf16 |e_k| <= 2^-8 |x_k| or 2^-126; by Cauchy-Schwarz, by
-    at most |w_col| |e|. Both products' fp32 rounding adds at most a few gamma_n of
+    rounded to nearest, a lone large feature carried exactly), on 16-bit float weights the bf16 one
+    (x rounded to 8 significant bits, a subnormal to 0, and F16 weights rounded so too). It differs
+    from the exact one by sum_k w_k e_k, e being x's rounding: in int8 |e_k| <= max|x_g| / 254 in
+    group g (|x_k| in a group below the kernel's zero threshold), in bf16 |e_k| <= 2^-8 |x_k| or
+    2^-126; by Cauchy-Schwarz, by at most |w_col| |e|; an F16 weight's rounding adds at most
+    2^-8 |w_col| |x + e|. Both products' fp32 rounding adds at most a few gamma_n of
     |w_col| (|x| + |e|) (a block's minimum no larger than its largest weight, as quantisers choose
     it); the bound takes 16 times that, and a subnormal product or sum flushed to zero (vdpbf16ps)
     at most 2^-126 each, as a subnormal weight (2^-126 |x_k|). A candidate's upper bound reaches the
@@ -426,9 +429,11 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
     xd = x.double()
-    if packed.layout == "BF16":
-        approx = kernel.bf16_dot_matmul(x, packed.data, packed.out_features, None)  # type: ignore[attr-defined]
+    if packed.layout in HALF_TYPES:
+        approx = kernel.bf16_dot_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
         err = xd.norm(dim=-1) * (2.0**-8 * 1.001) + k_dim**0.5 * 2.0**-126
+        if packed.layout == "F16":  # the weights' rounding, over x + e
+            err = err + (xd.norm(dim=-1) + err) * (2.0**-8 * 1.001)
     else:
         approx = kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
         group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
@@ -436,7 +441,7 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
         err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
     rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (xd.norm(dim=-1) + err)
     scale = ((err + rounding) * (1 + 2.0**-20)).float()
-    if packed.layout == "BF16":
+    if packed.layout in HALF_TYPES:
         # bf16's bound is small enough that the largest column norm serves every column: three
         # passes over approx instead of seven (they would cost more than the product saves).
         # |approx| <= |w_col| (|x| + |e|) bounds its own rounding; vdpbf16ps flushes a subnormal

@@ -1,6 +1,6 @@
 """Greedy tokens from a head screened by the int8 kernel's product and the head's column norms
 (conveyor.model.linear.screened_argmax with screen_norms: every block type the int8 kernel reads but
-Q8_0, AVX2 and AVX-512 builds alike; BF16 weights by the bf16 product on CPUs with AVX512-BF16) are
+Q8_0, AVX2 and AVX-512 builds alike; BF16 / F16 weights by the bf16 product on CPUs with AVX512-BF16) are
 the full fp32 product's argmax, index for index: on random blocks of each type, rows past a tile,
 outlier features, a partial last panel, exact ties, the fallbacks, and on SmolLM2-135M's real
 hidden states with its head re-quantized."""
@@ -22,15 +22,15 @@ pytestmark = pytest.mark.skipif(int8_matmul_kernel() is None, reason="the int8 s
 
 _kernel = int8_matmul_kernel()
 BF16_DOT = _kernel is not None and bool(_kernel.bf16_dot())  # type: ignore[attr-defined]
-SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0") + (["BF16"] if BF16_DOT else [])
+SCREENED_TYPES = sorted(t for t in INT8_TYPES if t != "Q8_0") + (["BF16", "F16"] if BF16_DOT else [])
 K = 512  # two K-quant super-blocks, 16 groups of 32
 N = 1000  # 62 full panels and one of 8 columns
 
 
 @pytest.fixture(autouse=True)
 def screen_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The screen's answers at any number of rows (a BF16 head is screened only from a few)."""
-    monkeypatch.setattr(linear_module, "BF16_SCREEN_FROM_ROWS", 1)
+    """The screen's answers at any number of rows (a 16-bit head is screened only from a few)."""
+    monkeypatch.setattr(linear_module, "HALF_SCREEN_FROM_ROWS", 1)
 
 
 def packed_head(q: QuantizedWeight) -> tuple[torch.Tensor, PackedWeight, torch.Tensor]:
@@ -66,7 +66,7 @@ def test_random_blocks_and_rows(qtype: str, rows: int) -> None:
     assert torch.equal(got, full_argmax(x, packed))
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16"] if BF16_DOT else []))
+@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16", "F16"] if BF16_DOT else []))
 @pytest.mark.parametrize("n", [993, 1007])  # a last panel of 1 and 15 columns
 def test_last_panel_partly_filled(n: int, qtype: str) -> None:
     weight, packed, norms = packed_head(random_blocks(qtype, n, K, seed=n))
@@ -76,7 +76,7 @@ def test_last_panel_partly_filled(n: int, qtype: str) -> None:
     assert torch.equal(screened_argmax(x, packed, norms), expected)
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16"] if BF16_DOT else []))
+@pytest.mark.parametrize("qtype", ["Q6_K"] + (["BF16", "F16"] if BF16_DOT else []))
 def test_exact_ties_go_to_the_first_column(qtype: str) -> None:
     blocks = random_blocks(qtype, N, K, seed=2).blocks.clone()
     blocks[3] = blocks[950] = blocks[900]  # three identical columns, one in the last, partial panel
@@ -124,22 +124,22 @@ def test_what_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
     assert screened_argmax(torch.randn(1, K), packed, None) is None  # no norms: the full product
     assert screen_norms(pack_blocks(random_blocks("Q8_0", N, K, seed=5))) is None  # Q8_0: q8_0_argmax or the full product
     assert screen_norms(pack_blocks(random_blocks("Q3_K", N, K, seed=5))) is None  # the int8 kernel does not read it
-    assert screen_norms(pack_blocks(random_blocks("F16", N, K, seed=5))) is None  # nor F16
-    if not BF16_DOT:  # no bf16 product to screen with
+    if not BF16_DOT:  # no bf16 product to screen 16-bit floats with
         assert screen_norms(pack_blocks(random_blocks("BF16", N, K, seed=5))) is None
+        assert screen_norms(pack_blocks(random_blocks("F16", N, K, seed=5))) is None
     monkeypatch.setenv("CONVEYOR_SCREENED_ARGMAX", "0")
     assert screened_argmax(torch.randn(1, K), packed, norms) is None
     monkeypatch.delenv("CONVEYOR_SCREENED_ARGMAX")
     panels = pack_weight(torch.randn(N, K))  # norms beside fp32 panels swapped in (an A/B run): not screened
     assert panels is not None and screened_argmax(torch.randn(1, K), panels, norms) is None
-    if BF16_DOT:  # below BF16_SCREEN_FROM_ROWS rows a BF16 head takes the exact product
+    if BF16_DOT:  # below HALF_SCREEN_FROM_ROWS rows a 16-bit head takes the exact product
         _, bf16_packed, bf16_norms = packed_head(random_blocks("BF16", N, K, seed=5))
-        monkeypatch.setattr(linear_module, "BF16_SCREEN_FROM_ROWS", 4)
+        monkeypatch.setattr(linear_module, "HALF_SCREEN_FROM_ROWS", 4)
         assert screened_argmax(torch.randn(3, K), bf16_packed, bf16_norms) is None
         assert screened_argmax(torch.randn(4, K), bf16_packed, bf16_norms) is not None
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"] + (["BF16"] if BF16_DOT else []))
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"] + (["BF16", "F16"] if BF16_DOT else []))
 def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> None:
     """SmolLM2's Q8_0 head dequantized and quantized again to `qtype` (gguf-py's quantizer), against
     final hidden states of greedy runs: every row's screened token is the full product's."""
@@ -151,7 +151,8 @@ def test_real_hidden_states_of_smollm2_with_its_head_requantized(qtype: str) -> 
     head = model.head.packed
     assert head is not None
     weight = head.rows(torch.arange(head.out_features)).numpy()
-    blocks = quants.quantize(weight, GGMLQuantizationType[qtype])  # BF16: the weights rounded to it
+    blocks = quants.quantize(weight, GGMLQuantizationType[qtype])  # BF16 / F16: the weights rounded to it
+    blocks = np.ascontiguousarray(blocks).view(np.uint8).reshape(weight.shape[0], -1)  # F16 comes as float16
     packed = pack_blocks(QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks))))
     assert packed is not None
     norms = screen_norms(packed)

@@ -190,9 +190,10 @@ def test_prompt_rows_take_the_tiles_and_the_other_rows_the_int8_kernel() -> None
     assert not torch.equal(fp32, y), "fp32 activations take neither kernel"
 
 
-def test_bf16_weights_take_the_bf16_product_with_fast_activations() -> None:
-    """activation_dtype "int8" multiplies BF16 weights by x rounded to bf16 where the CPU has
-    AVX512-BF16 (and exactly elsewhere); "float32" keeps the exact product everywhere."""
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+def test_16_bit_weights_take_the_bf16_product_with_fast_activations(qtype: str) -> None:
+    """activation_dtype "int8" multiplies BF16 and F16 weights by x rounded to bf16 where the CPU
+    has AVX512-BF16 (and exactly elsewhere); "float32" keeps the exact product everywhere."""
     from conveyor.model.kernels import quant_gemm, quant_int8
     from conveyor.model.quantized import KERNEL_QTYPE
 
@@ -202,14 +203,15 @@ def test_bf16_weights_take_the_bf16_product_with_fast_activations() -> None:
     if module is None:
         pytest.skip("no int8 kernel here")
     layer = Linear(512, 48, bias=True)
-    layer.load(random_blocks("BF16", 48, 512, seed=2))
+    layer.load(random_blocks(qtype, 48, 512, seed=2))
     layer.bias = torch.nn.Parameter(torch.randn(48))
-    assert layer.packed is not None and layer.packed.layout == "BF16"
+    assert layer.packed is not None and layer.packed.layout == qtype
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
-    exact = quant_gemm().quantized_matmul(x, layer.packed.data, 48, layer.bias, KERNEL_QTYPE["BF16"])  # type: ignore[union-attr]
+    code = KERNEL_QTYPE[qtype]
+    exact = quant_gemm().quantized_matmul(x, layer.packed.data, 48, layer.bias, code)  # type: ignore[union-attr]
     fast = linear_module.matmul_path("int8")(x, layer.weight, layer.packed, layer.bias)
     if module.bf16_dot():  # type: ignore[attr-defined]
-        assert torch.equal(fast, module.bf16_dot_matmul(x, layer.packed.data, 48, layer.bias))  # type: ignore[attr-defined]
+        assert torch.equal(fast, module.bf16_dot_matmul(x, layer.packed.data, 48, layer.bias, code))  # type: ignore[attr-defined]
         assert not torch.equal(fast, exact)
     else:
         assert torch.equal(fast, exact)

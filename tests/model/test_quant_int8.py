@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.isa_check import EMULATED, build, native_has_avx512
 from conveyor.model.kernels import quant_gemm, quant_int8
-from conveyor.model.quantized import BLOCK_SIZES, INT8_TYPES, KERNEL_QTYPE
+from conveyor.model.quantized import BLOCK_SIZES, HALF_TYPES, INT8_TYPES, KERNEL_QTYPE
 
 from .test_quant_gemm import random_blocks, reference_fp32
 
@@ -218,48 +218,55 @@ def _bf16_dot() -> bool:
 needs_bf16_dot = pytest.mark.skipif(not _bf16_dot(), reason="no AVX512-BF16 on this CPU")
 
 
-def bf16_panels(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed BF16 panels, gguf-py's float64 values of those weights)."""
-    q = random_blocks("BF16", rows, k, seed=seed)
-    return quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE["BF16"]), reference_fp32(q).double()  # type: ignore[union-attr]
+def half_panels(qtype: str, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed BF16 or F16 panels, gguf-py's float64 values of those weights rounded to bf16, as the
+    product takes them: F16 ones to nearest even, BF16 ones exactly)."""
+    q = random_blocks(qtype, rows, k, seed=seed)
+    return quant_gemm().pack_quantized(q.blocks, KERNEL_QTYPE[qtype]), bf16(reference_fp32(q))  # type: ignore[union-attr]
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("qtype", HALF_TYPES)
 @pytest.mark.parametrize("rows,k,out_features", [(1, 32, 37), (5, 512, 37), (12, 512, 80), (13, 512, 80),
                                                  (16, 96, 17), (40, 4096, 200)])
-def test_bf16_weights_times_x_rounded_to_bf16(rows: int, k: int, out_features: int) -> None:
-    """BF16 panels against float64: bf16(x) @ W^T + b, up to the rounding of fp32 sums over k terms;
-    one tile, tiles sharing rows evenly, a partial last panel, an odd panel, with and without bias."""
-    packed, weight = bf16_panels(out_features, k, seed=rows)
+def test_16_bit_weights_times_x_rounded_to_bf16(qtype: str, rows: int, k: int, out_features: int) -> None:
+    """BF16 / F16 panels against float64: bf16(x) @ bf16(W)^T + b, up to the rounding of fp32 sums
+    over k terms; one tile, tiles sharing rows evenly, a partial last panel, an odd panel, with and
+    without bias."""
+    packed, weight = half_panels(qtype, out_features, k, seed=rows)
+    code = KERNEL_QTYPE[qtype]
     gen = torch.Generator().manual_seed(k + rows)
     x = with_outliers(torch.randn(rows, k, generator=gen), seed=rows)
     bias = torch.randn(out_features, generator=gen)
     for b in (None, bias):
-        y = quant_int8().bf16_dot_matmul(x, packed, out_features, b).double()  # type: ignore[union-attr]
+        y = quant_int8().bf16_dot_matmul(x, packed, out_features, b, code).double()  # type: ignore[union-attr]
         want = bf16(x) @ weight.T + (b.double() if b is not None else 0.0)
         bound = (bf16(x).abs() @ weight.abs().T + (b.double().abs() if b is not None else 0.0)) * (k + 2) * 2.0**-24
         assert ((y - want).abs() <= bound + 1e-30).all(), (rows, (y - want).abs().max().item())
-    exact = quant_gemm().quantized_matmul(x, packed, out_features, None, KERNEL_QTYPE["BF16"])  # type: ignore[union-attr]
-    assert not torch.equal(exact, quant_int8().bf16_dot_matmul(x, packed, out_features, None))  # type: ignore[union-attr]
+    exact = quant_gemm().quantized_matmul(x, packed, out_features, None, code)  # type: ignore[union-attr]
+    assert not torch.equal(exact, quant_int8().bf16_dot_matmul(x, packed, out_features, None, code))  # type: ignore[union-attr]
 
 
 @needs_bf16_dot
-def test_a_bf16_row_s_result_does_not_depend_on_the_rows_beside_it() -> None:
-    k, out_features = 512, 37
-    packed, _ = bf16_panels(out_features, k, seed=3)
+@pytest.mark.parametrize("qtype", HALF_TYPES)
+def test_a_bf16_row_s_result_does_not_depend_on_the_rows_beside_it(qtype: str) -> None:
+    k, out_features, code = 512, 37, KERNEL_QTYPE[qtype]
+    packed, _ = half_panels(qtype, out_features, k, seed=3)
     x = with_outliers(torch.randn(40, k, generator=torch.Generator().manual_seed(4)), seed=6)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
-    many = quant_int8().bf16_dot_matmul(x, packed, out_features, bias)  # type: ignore[union-attr]
+    many = quant_int8().bf16_dot_matmul(x, packed, out_features, bias, code)  # type: ignore[union-attr]
     for rows in (1, 2, 5, 8, 12, 13, 16, 25, 33):
-        few = quant_int8().bf16_dot_matmul(x[40 - rows:], packed, out_features, bias)  # type: ignore[union-attr]
+        few = quant_int8().bf16_dot_matmul(x[40 - rows:], packed, out_features, bias, code)  # type: ignore[union-attr]
         assert torch.equal(few, many[40 - rows:]), rows
 
 
 @needs_bf16_dot
 def test_the_bf16_product_takes_strided_rows_no_rows_and_non_finite_rows() -> None:
     k, out_features = 256, 40
-    packed, _ = bf16_panels(out_features, k, seed=8)
-    product = quant_int8().bf16_dot_matmul  # type: ignore[union-attr]
+    packed, _ = half_panels("BF16", out_features, k, seed=8)
+
+    def product(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return quant_int8().bf16_dot_matmul(x, packed, out_features, bias, KERNEL_QTYPE["BF16"])  # type: ignore[union-attr]
     wide = torch.randn(7, 2 * k, generator=torch.Generator().manual_seed(9))
     strided = wide[:, k:]  # rows 2k apart
     assert torch.equal(product(strided, packed, out_features, None), product(strided.contiguous(), packed, out_features, None))
@@ -276,18 +283,21 @@ def test_the_bf16_product_takes_strided_rows_no_rows_and_non_finite_rows() -> No
 
 def test_the_bf16_product_is_refused_where_it_does_not_run() -> None:
     module = quant_int8()
-    packed, _ = bf16_panels(16, 64, seed=1)
+    packed, _ = half_panels("BF16", 16, 64, seed=1)
+    code = KERNEL_QTYPE["BF16"]
     if not module.bf16_dot():  # type: ignore[union-attr]
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            module.bf16_dot_matmul(torch.randn(2, 64), packed, 16, None)  # type: ignore[union-attr]
+            module.bf16_dot_matmul(torch.randn(2, 64), packed, 16, None, code)  # type: ignore[union-attr]
         return
     with pytest.raises(RuntimeError, match="features"):
-        module.bf16_dot_matmul(torch.randn(2, 96), packed, 16, None)  # type: ignore[union-attr]
+        module.bf16_dot_matmul(torch.randn(2, 96), packed, 16, None, code)  # type: ignore[union-attr]
     q8 = quant_gemm().pack_quantized(random_blocks("Q8_0", 16, 64).blocks, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="not BF16 panels"):
-        module.bf16_dot_matmul(torch.randn(2, 64), q8, 16, None)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="not 16-bit panels"):
+        module.bf16_dot_matmul(torch.randn(2, 64), q8, 16, None, code)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="qtype"):
+        module.bf16_dot_matmul(torch.randn(2, 64), q8, 16, None, KERNEL_QTYPE["Q8_0"])  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="out_features"):
-        module.bf16_dot_matmul(torch.randn(2, 64), packed, 40, None)  # type: ignore[union-attr]
+        module.bf16_dot_matmul(torch.randn(2, 64), packed, 40, None, code)  # type: ignore[union-attr]
 
 
 def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others() -> None:

@@ -125,7 +125,7 @@ def run(model: LoadedModel, path: Path) -> list[tuple[list[int], list[Any], list
 def test_logprobs_equal_the_fp32_weights_bit_for_bit(source: tuple[Path, str]) -> None:
     """Prefill (the L2-buffer tiles) and decode (the in-register tiles) on the 16-bit panels against
     fp32 panels of the same values: every logprob equal, not close (exact activations: the fast
-    default rounds x to bf16 for BF16 weights on CPUs with AVX512-BF16, tested below)."""
+    default rounds x to bf16 for 16-bit weights on CPUs with AVX512-BF16, tested below)."""
     path, _ = source
     held = run(load_model(EngineConfig(model=str(path), activation_dtype="float32")), path)
     dense = run(load_model(EngineConfig(model=str(path), dequantize_weights=True)), path)
@@ -185,15 +185,17 @@ def test_a_bf16_folder_loads_without_a_second_copy(bf16_folder: Path) -> None:
 
 
 @pytest.mark.skipif(not bf16_dot_available(), reason="no AVX512-BF16 on this CPU")
-def test_the_fast_default_on_bf16_weights_stays_within_the_quality_bounds(bf16_folder: Path) -> None:
-    """On a CPU with AVX512-BF16 the default activations multiply BF16 weights by x rounded to bf16;
-    scored against the exact path on SmolLM2's bf16 folder, teacher-forced on the fixed texts, it
-    keeps the bounds the int8 path keeps (tests/bench/test_quality.py)."""
-    from conveyor.bench.quality import bf16_weights_in_bf16, run_quality
+def test_the_fast_default_on_16_bit_weights_stays_within_the_quality_bounds(source: tuple[Path, str]) -> None:
+    """On a CPU with AVX512-BF16 the default activations multiply BF16 and F16 weights by x rounded
+    to bf16 (F16 weights rounded so too); scored against the exact path on SmolLM2's bf16 folder and
+    F16 GGUF, teacher-forced on the fixed texts, it keeps the bounds the int8 path keeps
+    (tests/bench/test_quality.py)."""
+    from conveyor.bench.quality import half_weights_in_bf16, run_quality
     from tests.bench.test_quality import TOKENS, TOP1_BOUND
 
-    loaded = load_model(EngineConfig(model=str(bf16_folder)))
-    assert bf16_weights_in_bf16(loaded.model, "int8") and not bf16_weights_in_bf16(loaded.model, "float32")
+    path, _ = source
+    loaded = load_model(EngineConfig(model=str(path)))
+    assert half_weights_in_bf16(loaded.model, "int8") and not half_weights_in_bf16(loaded.model, "float32")
     for r in run_quality(loaded.model, loaded.tokenizer, "int8", TOKENS, 512, torch.float16):
         assert r.tokens == TOKENS - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, r

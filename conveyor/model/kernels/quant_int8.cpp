@@ -1032,11 +1032,14 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define CONVEYOR_BF16_DOT 1
-// --- 16-bit brain-float weights (BF16 panels: an HF folder's bf16 weights served in fp32, a GGUF's
-// BF16 tensors) against x rounded to bf16, on AVX512-BF16's vdpbf16ps: 32 multiply-adds an
-// instruction where the fp32 kernel's FMA does 16, and the weights' bytes as they lie. A panel is
-// K / 2 rows of 64 bytes, each two k steps of its 16 columns (quant_gemm.cpp's HalfUnit); one
-// permute turns such a row into the pairs vdpbf16ps reads (column c's k, k + 1 in lane c). x is
+// --- 16-bit float weights (BF16 panels: an HF folder's bf16 weights served in fp32, a GGUF's BF16
+// tensors; F16 panels: a GGUF's F16 tensors, an HF folder in float16) against x rounded to bf16, on
+// AVX512-BF16's vdpbf16ps: 32 multiply-adds an instruction where the fp32 kernel's FMA does 16, and
+// the weights' bytes as they lie. A panel is K / 2 rows of 64 bytes, each two k steps of its 16
+// columns (quant_gemm.cpp's HalfUnit); one permute turns such a row into the pairs vdpbf16ps reads
+// (column c's k, k + 1 in lane c). An F16 row is first widened exactly and rounded to bf16 (to
+// nearest even): exact for weights that came from bf16 (most F16 files are converted from bf16
+// checkpoints), else at most 2^-8 of each |w|, as vLLM's bf16 casting of float16 models. x is
 // rounded to bf16 once a call (to nearest even), and each output is its row's own chain of
 // vdpbf16ps over the k pairs in order, accumulated in fp32: a row's bits do not depend on the rows
 // beside it or on how many there are. They differ from the exact product's by x's rounding (at most
@@ -1052,9 +1055,21 @@ inline __m512i bf16_pair_order() {
   return _mm512_load_si512(pairs);
 }
 
+// A panel's row of two k steps as vdpbf16ps's pairs.
+template <bool kF16>
+inline __m512bh bf16_pairs(const uint8_t* row, __m512i order) {
+  const __m512i raw = _mm512_loadu_si512(row);
+  if constexpr (kF16) {
+    const __m512 k0 = _mm512_cvtph_ps(_mm512_castsi512_si256(raw)), k1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+    return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(k1, k0));
+  } else {
+    return (__m512bh)_mm512_permutexvar_epi16(order, raw);
+  }
+}
+
 // Rows [r0, r0 + R) of x (bf16 pairs, xb_stride words a row) times P panels at w[0..P): y's rows,
 // `cols` columns of the last panel real (the others whole).
-template <int R, int P>
+template <int R, int P, bool kF16>
 void bf16_dot_tile(const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int64_t panel_bytes, int64_t k_pairs,
                    const float* bias, float* y, int64_t y_stride, int64_t cols) {
   const __m512i order = bf16_pair_order();
@@ -1063,8 +1078,7 @@ void bf16_dot_tile(const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int6
     _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) sums[r][p] = _mm512_setzero_ps();
   for (int64_t j = 0; j < k_pairs; ++j) {
     __m512bh wv[P];
-    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)
-      wv[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(w + p * panel_bytes + 64 * j));
+    _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) wv[p] = bf16_pairs<kF16>(w + p * panel_bytes + 64 * j, order);
     _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * xb_stride + j]));
       _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xv, wv[p]);
@@ -1079,15 +1093,16 @@ void bf16_dot_tile(const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int6
   }
 }
 
-template <int P, int R = kBf16TileRows>
+template <int P, bool kF16, int R = kBf16TileRows>
 void bf16_dot_rows(int64_t rows, const uint32_t* xb, int64_t xb_stride, const uint8_t* w, int64_t panel_bytes,
                    int64_t k_pairs, const float* bias, float* y, int64_t y_stride, int64_t cols) {
   if constexpr (R > 1) {
-    if (rows < R) return bf16_dot_rows<P, R - 1>(rows, xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
+    if (rows < R) return bf16_dot_rows<P, kF16, R - 1>(rows, xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
   }
-  bf16_dot_tile<R, P>(xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
+  bf16_dot_tile<R, P, kF16>(xb, xb_stride, w, panel_bytes, k_pairs, bias, y, y_stride, cols);
 }
 
+template <bool kF16>
 void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64_t panels,
                           int64_t units, const float* bias, float* y, int64_t out_features) {
   const int64_t k_pairs = units * kHalfUnitK / 2, panel_bytes = units * kHalfUnitBytes;
@@ -1108,15 +1123,35 @@ void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uin
       // Rows shared evenly among the fewest tiles (16 rows: 8 + 8, not 12 + 4): a tile's permutes
       // and weight loads are shared by its rows.
       const int64_t tiles = (m + kBf16TileRows - 1) / kBf16TileRows;
+      // F16 weights that more than two tiles read are rounded to bf16 once, into BF16 panels (the
+      // same values the in-register rounding gives, so the same bits); for one or two tiles the
+      // rounding in registers measured faster than the pass over a buffer.
+      const uint8_t* panel = w + p0 * panel_bytes;
+      constexpr bool kRoundAhead = kF16;
+      if (kRoundAhead && tiles > 2) {
+        thread_local std::vector<uint8_t> rounded;
+        rounded.resize(static_cast<size_t>(2 * panel_bytes));
+        for (int64_t row = 0; row < count * k_pairs; ++row) {
+          const __m512i raw = _mm512_loadu_si512(panel + 64 * row);
+          const __m512 k0 = _mm512_cvtph_ps(_mm512_castsi512_si256(raw)), k1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+          _mm512_storeu_si512(rounded.data() + 64 * row, (__m512i)_mm512_cvtne2ps_pbh(k1, k0));
+        }
+        panel = rounded.data();
+      }
       for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
         const int64_t rows = (m - r0 + tiles - t - 1) / (tiles - t);
         const uint32_t* xr = xb.get() + r0 * k_pairs;
         float* yr = y + r0 * out_features + col0;
         const float* b = bias ? bias + col0 : nullptr;
-        if (count == 2)
-          bf16_dot_rows<2>(rows, xr, k_pairs, w + p0 * panel_bytes, panel_bytes, k_pairs, b, yr, out_features, cols);
+        const bool rounded_ahead = kRoundAhead && tiles > 2;
+        if (count == 2 && rounded_ahead)
+          bf16_dot_rows<2, false>(rows, xr, k_pairs, panel, panel_bytes, k_pairs, b, yr, out_features, cols);
+        else if (count == 2)
+          bf16_dot_rows<2, kF16>(rows, xr, k_pairs, panel, panel_bytes, k_pairs, b, yr, out_features, cols);
+        else if (rounded_ahead)
+          bf16_dot_rows<1, false>(rows, xr, k_pairs, panel, panel_bytes, k_pairs, b, yr, out_features, cols);
         else
-          bf16_dot_rows<1>(rows, xr, k_pairs, w + p0 * panel_bytes, panel_bytes, k_pairs, b, yr, out_features, cols);
+          bf16_dot_rows<1, kF16>(rows, xr, k_pairs, panel, panel_bytes, k_pairs, b, yr, out_features, cols);
         r0 += rows;
       }
     }
@@ -1207,15 +1242,16 @@ bool bf16_tiles() {
 #endif
 }
 
-// x [M, K] @ W^T (+ bias) for W in BF16 panels (quant_gemm.pack_quantized, qtype 30), x rounded to
-// bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()). F16 panels
-// have the same shape and cannot be told apart here: the caller goes by the weight's layout.
+// x [M, K] @ W^T (+ bias) for W in BF16 or F16 panels (quant_gemm.pack_quantized, qtype 30 or 1), x
+// rounded to bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()).
 torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                              const c10::optional<torch::Tensor>& bias) {
+                              const c10::optional<torch::Tensor>& bias, int64_t qtype) {
 #if defined(CONVEYOR_BF16_DOT)
+  TORCH_CHECK(qtype == static_cast<int64_t>(30) || qtype == static_cast<int64_t>(1),
+              "bf16_dot_matmul: qtype ", qtype, " is not BF16 (30) or F16 (1)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "bf16_dot_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not BF16 panels)");
+              packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not 16-bit panels)");
   TORCH_CHECK(packed.size(1) * kHalfUnitK == x.size(1), "bf16_dot_matmul: x has ", x.size(1),
               " features, the weight ", packed.size(1) * kHalfUnitK);
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
@@ -1231,11 +1267,12 @@ torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packe
   const int64_t m = xs.size(0);
   auto y = torch::empty({m, out_features}, x.options());
   if (m == 0) return y;
-  bf16_dot_matmul_into(xs.data_ptr<float>(), xs.stride(0), m, packed.data_ptr<uint8_t>(), packed.size(0),
-                       packed.size(1), bias_ptr, y.data_ptr<float>(), out_features);
+  (qtype == 1 ? bf16_dot_matmul_into<true> : bf16_dot_matmul_into<false>)(
+      xs.data_ptr<float>(), xs.stride(0), m, packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1), bias_ptr,
+      y.data_ptr<float>(), out_features);
   return y;
 #else
-  (void)x, (void)packed, (void)out_features, (void)bias;
+  (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
   TORCH_CHECK(false, "bf16_dot_matmul: this build has no AVX512-BF16 (see bf16_dot())");
 #endif
 }
@@ -1298,8 +1335,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_tiles", &bf16_tiles, "whether bf16_tile_matmul runs on this CPU and build");
   m.def("bf16_dot_matmul", &bf16_dot_matmul,
-        "x [M, K] @ W^T (+ bias) on BF16 panels (quant_gemm.pack_quantized), x rounded to bf16, vdpbf16ps",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"),
+        "x [M, K] @ W^T (+ bias) on BF16 or F16 panels (quant_gemm.pack_quantized), x (and F16 weights) rounded "
+        "to bf16, vdpbf16ps",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
         py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", &bf16_dot, "whether bf16_dot_matmul runs on this CPU and build (AVX512-BF16)");
   m.attr("outlier_ratio") = kOutlierRatio;
