@@ -265,8 +265,8 @@ def main() -> None:
             sane_blocks = sane.view(torch.uint8).reshape(n, -1)
             runs = {"native": (native_int8, native_quant), args.march: (other_int8, other_quant)}
             for kernel, packer in runs.values():
-                if kernel.bf16_dot():  # type: ignore[attr-defined]
-                    x = torch.randn(33, k)
+                for rows in (9, 33) if kernel.bf16_dot() else ():  # type: ignore[attr-defined]  # one tile, three
+                    x = torch.randn(rows, k)
                     xb, wd = x.to(torch.bfloat16).double(), sane.to(torch.bfloat16).double()
                     y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias, code).double()  # type: ignore[attr-defined]
                     want = xb @ wd.T + bias.double()

@@ -128,7 +128,7 @@ class EngineConfig:
     # "int8": products on GGUF blocks quantize their activations to int8 per 32 features, as llama.cpp
     # does, and multiply in integers (results change slightly: `conveyor bench quality` measures how
     # much; the vocabulary projection keeps fp32 activations so greedy argmax stays exact); on a CPU
-    # with AVX512-BF16, products on BF16 weights round them to bf16 instead; "float32":
+    # with AVX512-BF16, products on 16-bit float (BF16, F16) weights round them to bf16 instead; "float32":
     # fp32 activations throughout, bit-identical to dequantize-then-multiply (the reference tests)
     activation_dtype: str = "int8"
     # With int8 activations, on CPUs with AMX-BF16 (Intel Xeon from Sapphire Rapids): a prompt's

@@ -14,9 +14,9 @@ HELP = {
     "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
     "activation_dtype": "int8 (default): products on GGUF blocks quantize activations to int8 and multiply in "
-                        "integers, as llama.cpp does, and on a CPU with AVX512-BF16 products on BF16 weights "
-                        "round them to bf16; float32: exact fp32 activations (results equal to "
-                        "dequantize-then-multiply, as the reference tests need)",
+                        "integers, as llama.cpp does, and on a CPU with AVX512-BF16 products on 16-bit float "
+                        "(BF16, F16) weights round them (and F16 weights) to bf16; float32: exact fp32 "
+                        "activations (results equal to dequantize-then-multiply, as the reference tests need)",
     "prompt_bf16_tiles": "with int8 activations on a CPU with AMX-BF16: a prompt's tokens on bf16 tiles (faster "
                          "prefill), generated tokens on the int8 kernel (default: on; no effect elsewhere)",
     "kv_cache_dtype": "what the KV cache stores: auto (default: float16 for an fp32 model, as llama.cpp's "

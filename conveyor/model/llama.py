@@ -91,7 +91,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.dtype = torch.float32
-        # "int8" or "float32": the activations products on GGUF blocks (and BF16 weights) take
+        # "int8" or "float32": the activations products on GGUF blocks (and 16-bit float weights) take
         # (conveyor.model.linear)
         self.activation_dtype = "float32"
         # True: with int8 activations, a step's prompt rows (AttentionMetadata.prompt_rows) take the

@@ -67,7 +67,7 @@ def reuse_freed_memory(keep_bytes: int) -> None:
 def step_working_set_bytes(cfg: ModelConfig, rows: int, sampled_rows: int) -> int:
     """About what a step of `rows` tokens holds at once in fp32: a layer's residual, normed input,
     q/k/v and attention output, the MLP's gate/up and their product (and that product as the down
-    projection's kernel takes it: int8 codes, or bf16 pairs for BF16 weights) for up to MLP_ROWS of
+    projection's kernel takes it: int8 codes, or bf16 pairs for 16-bit weights) for up to MLP_ROWS of
     them, and the logits and probabilities of the rows it samples."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_row = 4 * (3 * cfg.hidden_size + 2 * q_dim + 2 * kv_dim)

@@ -39,9 +39,15 @@ def bf16_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: Lo
 
 
 @pytest.fixture(scope="module")
-def f16_gguf(tmp_path_factory: pytest.TempPathFactory, bf16_folder: Path, smollm_gguf_path: Path) -> Path:
+def f16_gguf(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint, smollm_gguf_path: Path) -> Path:
+    """SmolLM2's weights (its blocks' values, fp32) written as F16: values that bf16 cannot all hold."""
+    from conveyor.model.export import export_hf_folder
+
+    c = default_checkpoint
+    dense = {n: w for n, w in c.weights.items() if isinstance(w, torch.Tensor)}
+    fp32_folder = export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("fp32") / "smollm2", torch.float32)
     path = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
-    write_gguf_from_hf(path, "llama", bf16_folder, smollm_gguf_path, matrices="F16")
+    write_gguf_from_hf(path, "llama", fp32_folder, smollm_gguf_path, matrices="F16")
     return path
 
 
@@ -193,9 +199,13 @@ def test_the_fast_default_on_16_bit_weights_stays_within_the_quality_bounds(sour
     from conveyor.bench.quality import half_weights_in_bf16, run_quality
     from tests.bench.test_quality import TOKENS, TOP1_BOUND
 
-    path, _ = source
+    path, qtype = source
     loaded = load_model(EngineConfig(model=str(path)))
     assert half_weights_in_bf16(loaded.model, "int8") and not half_weights_in_bf16(loaded.model, "float32")
+    if qtype == "F16":  # the product rounds these weights too: some must move
+        packed = loaded.model.layers[0].down.packed  # type: ignore[union-attr, index]
+        weights = packed.rows(torch.arange(packed.out_features))
+        assert not torch.equal(weights, weights.to(torch.bfloat16).float())
     for r in run_quality(loaded.model, loaded.tokenizer, "int8", TOKENS, 512, torch.float16):
         assert r.tokens == TOKENS - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, r
