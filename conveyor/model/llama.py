@@ -269,7 +269,8 @@ def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
                   prompt_rows: PromptRows | None) -> list[tuple[int, int, Matmul]]:
     """A step's rows in runs of at most memory.MLP_ROWS, each with its product (`matmul` where one
     run takes them all). Every MLP op is row-local, and on conveyor's kernels (blocks, fp32 panels,
-    int8 activations, the bf16 tiles a prompt row takes in any run) a row's product does not depend
+    int8 activations, 16-bit weights times bf16 activations, the bf16 tiles a prompt row takes in
+    any run) a row's product does not depend
     on the rows beside it (linear.INT8_FROM_ROWS), so a run's rows get the bits they would in one
     product of all. torch's own products (F.linear, oneDNN: the kernels off, --dtype bfloat16) may
     split their work by the row count, as they do under chunked prefill."""
