@@ -66,3 +66,53 @@ def test_a_kernel_build_is_named_by_its_sources_content_not_their_checkout(tmp_p
     assert (staged.parent / "simd.h").read_text() == "// vectors\n", "headers travel with the source"
     (checkouts[1] / "simd.h").write_text("// other vectors\n")
     assert kernels._build_tag("k") != tags[0], "a header's change is a new build"
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_the_cache_folder_is_the_one_torchs_builder_uses(configured: bool, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from conveyor.model import kernels
+
+    if configured:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert kernels._extensions_root() / "conveyor_probe" == Path(_get_build_directory("conveyor_probe", verbose=False))
+
+
+def test_a_build_is_imported_from_the_cache_only_while_current_and_unlocked(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.model import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = tmp_path / "conveyor_k_ext"
+    source = directory / "src" / "k.cpp"
+    source.parent.mkdir(parents=True)
+    source.write_text("int f() { return 1; }\n")
+    assert kernels._import_built("k", "conveyor_k_ext") is None, "nothing built yet"
+    (directory / "build.ninja").write_text(f"build k.o: compile {source}\n")
+    library = directory / "conveyor_k_ext.so"
+    library.write_bytes(b"not a library")
+    os.utime(source, (time.time() - 100, time.time() - 100))
+    (directory / "lock").touch()
+    assert kernels._import_built("k", "conveyor_k_ext") is None, "another process is building it"
+    (directory / "lock").unlink()
+    with pytest.raises(ImportError):  # current, so it is imported (and this one is no library)
+        kernels._import_built("k", "conveyor_k_ext")
+    os.utime(source, (time.time() + 100, time.time() + 100))
+    assert kernels._import_built("k", "conveyor_k_ext") is None, "its source changed since"
+
+
+def test_a_start_that_finds_its_kernels_built_does_not_import_the_builder() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys; from conveyor.model import kernels; kernels._load('fused_ops'); "
+             "print('torch.utils.cpp_extension' in sys.modules)")
+    env = {key: value for key, value in os.environ.items() if key != "CONVEYOR_KERNELS"}
+    for _ in range(2):  # the first may build it
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

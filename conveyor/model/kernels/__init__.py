@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -119,13 +121,11 @@ def wait_for_build_lock(extension_name: str, stale_after: float = STALE_LOCK_SEC
         time.sleep(poll)
 
 
-def _why_build(extension_name: str, source: Path) -> str | None:
-    """Why loading the extension will build it, or None if torch's cache holds it built from
-    `source` as it is now (the library exists, was built from this path, and is newer)."""
+def _why_build(directory: Path, extension_name: str, source: Path) -> str | None:
+    """Why loading the extension from its build `directory` will build it, or None if the
+    builder's cache holds it built from `source` as it is now (the library exists, was built from
+    this path, and is newer)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        directory = Path(_get_build_directory(extension_name, verbose=False))
         library = directory / f"{extension_name}.so"
         if not library.is_file():
             return "first start only"
@@ -134,18 +134,60 @@ def _why_build(extension_name: str, source: Path) -> str | None:
         if source.stat().st_mtime > library.stat().st_mtime:
             return "its source changed"
         return None
-    except (ImportError, OSError):
+    except OSError:
         return None  # cannot tell: say nothing
+
+
+def _extensions_root() -> Path:
+    """The folder torch's extension builder keeps its builds in, by the builder's own rule
+    (TORCH_EXTENSIONS_DIR, else the user cache's torch_extensions/py<version>_<accelerator>),
+    worked out without importing the builder: `torch.utils.cpp_extension` brings setuptools with
+    it, a tenth of a second and a few MiB that a start finding every kernel built has no use for.
+    Were the rule ever to differ from torch's, starts would only take the builder's path."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured is not None:
+        return Path(configured)
+    from torch import _appdirs
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))) / f"{python}_{accelerator}"
+
+
+def _import_built(name: str, extension_name: str) -> object | None:
+    """The extension straight from the builder's cache when it is there, current and nobody is
+    building it (a lock); None otherwise, and the builder then decides."""
+    directory = _extensions_root() / extension_name
+    source = directory / "src" / f"{name}.cpp"
+    if (directory / "lock").exists() or not source.is_file() or _why_build(directory, extension_name, source):
+        return None
+    spec = importlib.util.spec_from_file_location(extension_name, directory / f"{extension_name}.so")
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
 def _load(name: str) -> object | None:
+    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_build_tag(name)}"
+    try:
+        if (module := _import_built(name, extension_name)) is not None:
+            return module
+    except ImportError as exc:  # a library left half-written: the builder makes it again
+        logger.warning("conveyor: cached C++ kernel %r did not load, rebuilding it (%s)", name, exc)
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    extension_name = f"conveyor_{name}_{_cpu_tag()}_{_build_tag(name)}"
     wait_for_build_lock(extension_name)
-    source = _staged_source(name, Path(_get_build_directory(extension_name, verbose=False)) / "src")
-    if (reason := _why_build(extension_name, source)) is not None:
+    directory = Path(_get_build_directory(extension_name, verbose=False))
+    source = _staged_source(name, directory / "src")
+    if (reason := _why_build(directory, extension_name, source)) is not None:
         logger.info("building C++ kernels, %s: %s (cached for later starts)", reason, name)
     started = time.monotonic()
     try:
