@@ -180,8 +180,8 @@ def _load(name: str) -> object | None:
     try:
         if (module := _import_built(name, extension_name)) is not None:
             return module
-    except ImportError as exc:  # a library left half-written: the builder makes it again
-        logger.warning("conveyor: cached C++ kernel %r did not load, rebuilding it (%s)", name, exc)
+    except ImportError as exc:  # e.g. a damaged library: the builder's own load says what it can do
+        logger.warning("conveyor: cached C++ kernel %r did not load, handing it to torch's builder (%s)", name, exc)
     from torch.utils.cpp_extension import _get_build_directory, load
 
     wait_for_build_lock(extension_name)
