@@ -77,8 +77,9 @@ def test_the_cache_folder_is_the_one_torchs_builder_uses(configured: bool, tmp_p
 
     if configured:
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    else:
+    else:  # the user cache's folder, here under tmp_path (torch's builder creates the folder it names)
         monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert kernels._extensions_root() / "conveyor_probe" == Path(_get_build_directory("conveyor_probe", verbose=False))
 
 
@@ -92,9 +93,12 @@ def test_a_build_is_imported_from_the_cache_only_while_current_and_unlocked(tmp_
     source.parent.mkdir(parents=True)
     source.write_text("int f() { return 1; }\n")
     assert kernels._import_built("k", "conveyor_k_ext") is None, "nothing built yet"
-    (directory / "build.ninja").write_text(f"build k.o: compile {source}\n")
     library = directory / "conveyor_k_ext.so"
     library.write_bytes(b"not a library")
+    assert kernels._import_built("k", "conveyor_k_ext") is None, "no build.ninja: nothing says what it was built from"
+    (directory / "build.ninja").write_text(f"build k.o: compile {tmp_path / 'elsewhere' / 'k.cpp'}\n")
+    assert kernels._import_built("k", "conveyor_k_ext") is None, "built from another checkout's source"
+    (directory / "build.ninja").write_text(f"build k.o: compile {source}\n")
     os.utime(source, (time.time() - 100, time.time() - 100))
     (directory / "lock").touch()
     assert kernels._import_built("k", "conveyor_k_ext") is None, "another process is building it"
@@ -109,10 +113,13 @@ def test_a_start_that_finds_its_kernels_built_does_not_import_the_builder() -> N
     import subprocess
     import sys
 
-    probe = ("import sys; from conveyor.model import kernels; kernels._load('fused_ops'); "
-             "print('torch.utils.cpp_extension' in sys.modules)")
+    probe = ("import sys; from conveyor.model import kernels; module = kernels._load('fused_ops'); "
+             "print(module is not None, 'torch.utils.cpp_extension' in sys.modules)")
     env = {key: value for key, value in os.environ.items() if key != "CONVEYOR_KERNELS"}
     for _ in range(2):  # the first may build it
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
+    loaded, builder_imported = result.stdout.split()
+    if loaded != "True":
+        pytest.skip("the C++ kernels do not build here (no compiler or ninja)")
+    assert builder_imported == "False"

@@ -64,11 +64,15 @@ def _cflags(name: str) -> list[str]:
 
 def _build_tag(name: str) -> str:
     """Short hash of what a build depends on beyond the CPU: the kernel's source and headers (torch's
-    builder looks at neither the headers nor, across processes, the content: it rebuilds when the
-    source's path changes) and where torch lies (its include paths are in the compile command, so a
-    build made in another virtual environment would be rebuilt, and would then rebuild this one's)."""
+    builder compares no content across processes: ninja looks at times and at the compile command),
+    the flags, where torch lies (its include paths are in the compile command, so a build made in
+    another virtual environment would be rebuilt, and would then rebuild this one's), and what else
+    the command or the library's ABI comes from (torch's and Python's versions, the compiler named
+    by CXX): a start that finds its build imports it without asking ninja (`_import_built`)."""
     digest = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode() + b"\0")
     digest.update(" ".join(_cflags(name)).encode() + b"\0")
+    for fact in (torch.__version__, str(torch.version.git_version), sys.version, os.environ.get("CXX", "")):
+        digest.update(fact.encode() + b"\0")
     for file in _kernel_files(name):
         digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
@@ -129,13 +133,13 @@ def _why_build(directory: Path, extension_name: str, source: Path) -> str | None
         library = directory / f"{extension_name}.so"
         if not library.is_file():
             return "first start only"
-        if str(source) not in (directory / "build.ninja").read_text():
+        if os.path.abspath(source) not in (directory / "build.ninja").read_text():
             return "built before by another version of conveyor"
         if source.stat().st_mtime > library.stat().st_mtime:
             return "its source changed"
         return None
-    except OSError:
-        return None  # cannot tell: say nothing
+    except OSError as exc:
+        return f"its build could not be read ({exc.strerror})"
 
 
 def _extensions_root() -> Path:
@@ -143,7 +147,8 @@ def _extensions_root() -> Path:
     (TORCH_EXTENSIONS_DIR, else the user cache's torch_extensions/py<version>_<accelerator>),
     worked out without importing the builder: `torch.utils.cpp_extension` brings setuptools with
     it, a tenth of a second and a few MiB that a start finding every kernel built has no use for.
-    Were the rule ever to differ from torch's, starts would only take the builder's path."""
+    A test holds the rule to torch's (the pinned version's); a build found elsewhere is still one
+    of this tree's sources, flags and torch, which its name says (`_build_tag`)."""
     configured = os.environ.get("TORCH_EXTENSIONS_DIR")
     if configured is not None:
         return Path(configured)
@@ -180,7 +185,7 @@ def _load(name: str) -> object | None:
     try:
         if (module := _import_built(name, extension_name)) is not None:
             return module
-    except ImportError as exc:  # e.g. a damaged library: the builder's own load says what it can do
+    except Exception as exc:  # e.g. a damaged library: the builder's own load says what it can do
         logger.warning("conveyor: cached C++ kernel %r did not load, handing it to torch's builder (%s)", name, exc)
     from torch.utils.cpp_extension import _get_build_directory, load
 
