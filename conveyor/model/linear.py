@@ -22,6 +22,7 @@ kernel.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -233,7 +234,13 @@ def bf16_dot_available() -> bool:
     """Whether this CPU and build multiply 16-bit float weights by bf16 activations (AVX512-BF16),
     which activation_dtype "int8" then takes for them."""
     module = int8_matmul_kernel()
-    return module is not None and bool(module.bf16_dot())  # type: ignore[attr-defined]
+    return module is not None and _has_bf16_dot(module)
+
+
+@functools.cache
+def _has_bf16_dot(module: object) -> bool:
+    """The build's answer, asked once: products ask it for every 16-bit weight of every step."""
+    return bool(module.bf16_dot())  # type: ignore[attr-defined]
 
 
 def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | None = None) -> Matmul:
@@ -300,7 +307,7 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         return torch.cat(outputs, dim=1)
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
-        if packed.layout in HALF_TYPES and int8_kernel is not None and int8_kernel.bf16_dot():  # type: ignore[attr-defined]
+        if packed.layout in HALF_TYPES and int8_kernel is not None and _has_bf16_dot(int8_kernel):
             return int8_kernel.bf16_dot_matmul(x, packed.data, packed.out_features, bias, qtype)  # type: ignore[attr-defined]
         int8_from = INT8_FROM_ROWS.get(packed.layout)
         if int8_kernel is not None and int8_from is not None and prompt_rows is not None:
@@ -400,7 +407,7 @@ def _screens(layout: str) -> bool:
     if kernel is None:
         return False
     if layout in HALF_TYPES:
-        return bool(kernel.bf16_dot())  # type: ignore[attr-defined]
+        return _has_bf16_dot(kernel)
     return layout in INT8_TYPES and layout != "Q8_0"
 
 
@@ -429,17 +436,18 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
     xd = x.double()
+    x_norm = xd.norm(dim=-1)
     if packed.layout in HALF_TYPES:
         approx = kernel.bf16_dot_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
-        err = xd.norm(dim=-1) * (2.0**-8 * 1.001) + k_dim**0.5 * 2.0**-126
+        err = x_norm * (2.0**-8 * 1.001) + k_dim**0.5 * 2.0**-126
         if packed.layout == "F16":  # the weights' rounding, over x + e
-            err = err + (xd.norm(dim=-1) + err) * (2.0**-8 * 1.001)
+            err = err + (x_norm + err) * (2.0**-8 * 1.001)
     else:
         approx = kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
         group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
         per_group = torch.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
         err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
-    rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (xd.norm(dim=-1) + err)
+    rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (x_norm + err)
     scale = ((err + rounding) * (1 + 2.0**-20)).float()
     if packed.layout in HALF_TYPES:
         # bf16's bound is small enough that the largest column norm serves every column: three
@@ -448,7 +456,6 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
         # weight to zero (at most 2^-126 |x_k| each: sqrt(K) 2^-126 |x| in all) and a subnormal
         # product or sum (2^-126 each).
         widest = float(column_norms.max())
-        x_norm = xd.norm(dim=-1)
         slack_rows = (widest * (scale.double() + 2.0**-19 * x_norm) * (1 + 2.0**-20)
                       + k_dim**0.5 * 2.0**-126 * 1.004 * x_norm + 2 * k_dim * 2.0**-126).float()
         largest = approx.amax(dim=-1)  # NaN if any logit is: no candidate, the row gives up
