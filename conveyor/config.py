@@ -142,6 +142,10 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    # Sliding-window layers (Gemma 3's local ones) keep only the KV their window sees, in a pool of
+    # their own; the memory it saves goes to the other layers' context. False: every layer keeps the
+    # whole context's KV (as before; for A/B runs).
+    window_kv_pool: bool = True
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     # Share the KV of full blocks across requests with the same prefix (conveyor/kv/manager.py)

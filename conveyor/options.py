@@ -28,6 +28,8 @@ HELP = {
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
+    "window_kv_pool": "sliding-window layers (Gemma 3's local ones) keep only the KV their window sees, in a "
+                      "pool of their own, and the rest of the KV memory holds more context (default: on)",
     "max_model_len": "longest request, prompt plus output (default: the model's context length)",
     "num_threads": "torch threads (default: one per core; 1 is faster when other processes share the cores)",
     "scheduling_policy": "order of the waiting queue and of preemption: fcfs, or priority (requests' "

@@ -46,8 +46,9 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
     """The request's KV from block `first_block` on (the importer holds the blocks before it)."""
     runner = kv_transfer(engine.runner)
     blocks = request_blocks(engine, request)
+    window = engine.scheduler.handover_window_blocks(request)
     first_block = max(0, min(first_block, len(blocks)))
-    data = runner.read_kv_blocks(blocks[first_block:])
+    data = runner.read_kv_blocks(blocks[first_block:], None if window is None else window[first_block:])
     dtype = "bfloat16" if data.dtype == torch.bfloat16 else "float32"
     array = data.view(torch.int16).numpy() if dtype == "bfloat16" else data.numpy()
     return KVPayload(
@@ -88,13 +89,14 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
         request.num_computed_tokens = len(cached) * block_size
 
-    def write_kv(blocks: list[int]) -> None:
+    def write_kv(blocks: list[int], window_blocks: list[int] | None) -> None:
         if not blocks:
             return
         array = np.ascontiguousarray(payload.kv[:, :, len(cached) - first:])
         # What Ray hands over is a read-only view of the object store: copy it, torch wants to own it.
         data = torch.from_numpy(array if array.flags.writeable else array.copy())
-        runner.write_kv_blocks(blocks, data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data)
+        runner.write_kv_blocks(blocks, data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data,
+                               window_blocks)
 
     engine.add_prefilled_request(request, cached, write_kv)
     if payload.sampler_state is not None:

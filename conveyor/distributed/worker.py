@@ -38,7 +38,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import WorkerDiedError
-from conveyor.kv import SequenceKey
+from conveyor.kv import NULL_BLOCK, SequenceKey
 from conveyor.request import Request, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
@@ -84,7 +84,8 @@ class EngineWorker(EngineLoop[_Command]):
         self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config).warm_up(), self.thread_name,
                                                   lambda _: self._wait_then_run())
         self._park_on(thread)
-        one_block = kv_transfer(self.engine.runner).read_kv_blocks([0])  # every layer's K and V of a block
+        # Every layer's K and V of a block (the window pool's NULL_BLOCK for sliding-window layers of their own).
+        one_block = kv_transfer(self.engine.runner).read_kv_blocks([0], [NULL_BLOCK])
         kv = self.engine.scheduler.kv
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=kv.num_blocks,

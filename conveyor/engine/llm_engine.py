@@ -66,7 +66,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.clock = clock
         # It owns the KV manager, whose prefix-cache keys follow how the runner computes a token.
-        self.scheduler = build_scheduler(config, num_kv_blocks, bool(getattr(runner, "prompt_rows_apart", False)))
+        self.scheduler = build_scheduler(config, num_kv_blocks, bool(getattr(runner, "prompt_rows_apart", False)),
+                                         getattr(runner, "kv_window", None))
         self.stopper = StopChecker(tuple(eos_token_ids), max_model_len)
         self.grammars = GrammarMatchers(tokenizer, vocab_size)  # structured outputs (conveyor/structured)
         self.last_step = StepStats()
@@ -256,10 +257,10 @@ class LLMEngine:
         return request
 
     def add_prefilled_request(self, request: Request, cached: Sequence[int] = (),
-                              write_kv: Callable[[list[int]], None] | None = None) -> None:
+                              write_kv: Callable[[list[int], list[int] | None], None] | None = None) -> None:
         """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere
         (Scheduler.import_prefilled: `cached` from scheduler.cached_import_prefix head its table,
-        `write_kv(blocks)` writes the rest). It resumes like any request, from that count."""
+        `write_kv(blocks, window_blocks)` writes the rest). It resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         request.sampling_params = self._prepared(request.sampling_params)

@@ -2,7 +2,7 @@
 from conveyor.errors import OutOfBlocksError
 from conveyor.kv.block_pool import BlockPool
 from conveyor.kv.keys import SequenceKey, iter_block_keys
-from conveyor.kv.manager import KVCacheManager, KVUsage, blocks_for
+from conveyor.kv.manager import NULL_BLOCK, KVCacheManager, KVUsage, SlidingWindow, blocks_for
 
-__all__ = ["BlockPool", "KVCacheManager", "KVUsage", "OutOfBlocksError", "SequenceKey", "blocks_for",
-           "iter_block_keys"]
+__all__ = ["NULL_BLOCK", "BlockPool", "KVCacheManager", "KVUsage", "OutOfBlocksError", "SequenceKey", "SlidingWindow",
+           "blocks_for", "iter_block_keys"]

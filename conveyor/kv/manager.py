@@ -7,6 +7,14 @@ request's full blocks are keyed in the pool; a later request whose leading block
 keys takes those blocks instead of computing them. The cache is asked with one SequenceKey per
 sequence (its request id, tokens and salt), built by conveyor/request.py's `sequence_key`.
 
+Sliding-window layers (Gemma 3's local layers) read only a request's last `window` positions, so
+the blocks holding their KV before that are given back as the request moves on. They live in a pool
+of their own (SlidingWindow), with a table per request that runs beside the request's table: entry
+i holds the same tokens in the window layers' cache as entry i of the main table does in the other
+layers', or NULL_BLOCK once no query can see them (a block never written or read; the runner keeps
+it zeroed). Prefix caching keys both tables' blocks with the same keys; a hit reaches only as far as
+the window pool still holds the blocks its next query sees.
+
 Only the scheduler changes this state (tests/test_layering.py checks): it is the one owner of a
 request's blocks, handovers and imports included.
 """
@@ -15,13 +23,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from conveyor.errors import OutOfBlocksError
+from conveyor.errors import BlockAccountingError, OutOfBlocksError
 from conveyor.kv.block_pool import BlockPool
 from conveyor.kv.keys import SequenceKey
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+# The window pool's block 0: what a window table holds where its tokens are out of every query's sight.
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The KV of a model's sliding-window layers: `tokens` positions a query sees (itself included),
+    `num_blocks` the size of their pool, NULL_BLOCK included."""
+
+    tokens: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.num_blocks < 2:
+            raise ValueError(f"a sliding window needs tokens >= 1 and num_blocks >= 2, got {self}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,9 @@ class KVUsage:
     wasted_slots: int
     num_requests: int
     evictable_blocks: int = 0  # free, but holding a cached block's KV until evicted
+    # The sliding-window layers' pool (SlidingWindow), NULL_BLOCK not counted; 0 without one.
+    window_used_blocks: int = 0
+    window_total_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -41,10 +69,11 @@ class KVUsage:
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, model_identity: str = "",
-        generated_apart: bool = False,
+        generated_apart: bool = False, sliding_window: SlidingWindow | None = None,
     ) -> None:
         """`generated_apart`: the runner computes a prompt's tokens and generated ones differently, so
-        blocks holding generated tokens are keyed apart (SequenceKey.prompt_tokens)."""
+        blocks holding generated tokens are keyed apart (SequenceKey.prompt_tokens).
+        `sliding_window`: the model has sliding-window layers whose KV lives in a pool of its own."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -62,6 +91,15 @@ class KVCacheManager:
         # and how many leading blocks of its table have been offered to the cache.
         self._keys: dict[str, list[bytes]] = {}
         self._num_offered: dict[str, int] = {}
+        self.window = sliding_window
+        self.window_pool: BlockPool | None = None
+        # Per request, beside block_tables: the window layers' blocks, NULL_BLOCK where out of sight.
+        self.window_tables: dict[str, list[int]] = {}
+        self._num_dropped: dict[str, int] = {}  # leading entries of a window table that are NULL_BLOCK
+        self.pending_window_copies: list[tuple[int, int]] = []
+        if sliding_window is not None:
+            self.window_pool = BlockPool(sliding_window.num_blocks)
+            assert self.window_pool.allocate(1) == [NULL_BLOCK]  # held for good: never free, never cached
 
     @property
     def num_blocks(self) -> int:
@@ -89,6 +127,35 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        return self._within_window_pool(hits)
+
+    def first_visible_block(self, num_computed_tokens: int) -> int:
+        """The first block the next query of a request with that many computed tokens sees in the
+        window layers (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed_tokens - self.window.tokens + 1) // self.block_size
+
+    def _window_hits(self, hits: Sequence[int]) -> list[int] | None:
+        """The window pool's blocks for a hit on `hits` (NULL_BLOCK before the first visible one),
+        None if it lacks one the next query sees."""
+        assert self.window_pool is not None
+        first = self.first_visible_block(len(hits) * self.block_size)
+        blocks = [NULL_BLOCK] * first
+        for block in hits[first:]:
+            key = self.pool.key_of(block)
+            window_block = self.window_pool.lookup(key) if key is not None else None
+            if window_block is None:
+                return None
+            blocks.append(window_block)
+        return blocks
+
+    def _within_window_pool(self, hits: list[int]) -> list[int]:
+        """The longest head of `hits` whose window blocks the window pool holds too."""
+        if self.window_pool is None:
+            return hits
+        while hits and self._window_hits(hits) is None:
+            hits = hits[:-1]
         return hits
 
     def cached_prefix(self, key: SequenceKey, max_tokens: int) -> list[int]:
@@ -117,8 +184,13 @@ class KVCacheManager:
             return
         offered = self._num_offered.get(key.request_id, 0)
         full = min(num_computed_tokens // self.block_size, len(table))
+        window_table = self.window_tables.get(key.request_id)
         for index in range(offered, full):
-            self.pool.cache(table[index], self._key(key, index))
+            block_key = self._key(key, index)
+            self.pool.cache(table[index], block_key)
+            if window_table is not None and window_table[index] != NULL_BLOCK:
+                assert self.window_pool is not None
+                self.window_pool.cache(window_table[index], block_key)
         if full > offered:
             self._num_offered[key.request_id] = full
 
@@ -142,25 +214,64 @@ class KVCacheManager:
         new = max(blocks_for(num_total_tokens, self.block_size), len(cached)) - len(cached)
         return new + sum(1 for b in cached if self.pool.ref_count(b) == 0)
 
+    def window_blocks_to_start(self, num_total_tokens: int, cached: Sequence[int] = ()) -> int:
+        """blocks_to_start for the window pool: the blocks past `cached`, and each of the window
+        blocks a hit on `cached` takes that is evictable (0 without a window)."""
+        if self.window_pool is None:
+            return 0
+        new = max(blocks_for(num_total_tokens, self.block_size), len(cached)) - len(cached)
+        hits = self._window_hits(cached) if cached else []
+        if hits is None:  # no longer held: allocate refuses the hit
+            return new + len(cached)
+        return new + sum(1 for b in hits if b != NULL_BLOCK and self.window_pool.ref_count(b) == 0)
+
+    def _window_needs(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free window blocks the request takes to have window slots for num_total_tokens, net of the
+        blocks it gives back first (those out of its next query's sight), copy-on-write included."""
+        pool = self.window_pool
+        assert pool is not None
+        table = self.window_tables.get(request_id)
+        if not table:
+            return self.window_blocks_to_start(num_total_tokens, cached)
+        bs = self.block_size
+        written = self.num_slotted_tokens.get(request_id, 0)
+        new = max(0, blocks_for(num_total_tokens, bs) - len(table))
+        cow = num_total_tokens > written and written % bs != 0 and pool.ref_count(table[written // bs]) > 1
+        dropped, first = self._num_dropped.get(request_id, 0), self.first_visible_block(written)
+        given_back = sum(1 for b in table[dropped:first] if pool.ref_count(b) == 1)
+        return new + cow - given_back
+
     def can_allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> bool:
         new, copy_on_write = self._needs(request_id, num_total_tokens, cached)
-        return new + copy_on_write <= self.pool.num_free
+        if new + copy_on_write > self.pool.num_free:
+            return False
+        return self.window_pool is None or self._window_needs(request_id, num_total_tokens, cached) <= self.window_pool.num_free
 
     def allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> list[int]:
         """Grow the request's table so that it has slots for num_total_tokens; append-only
         except that a shared block about to be written is swapped for a private copy. `cached`
         (from cached_prefix, for a request holding no blocks) become the head of its table and
         their tokens count as slotted. Returns the newly allocated blocks."""
+        if cached and request_id in self.block_tables:
+            raise ValueError(f"{request_id!r} holds blocks already; a prefix hit starts a table")
+        if (cached or self.window_pool is not None) and not self.can_allocate(request_id, num_total_tokens, cached):
+            raise OutOfBlocksError(f"{request_id!r} needs more blocks than are free")
         if cached:
-            if request_id in self.block_tables:
-                raise ValueError(f"{request_id!r} holds blocks already; a prefix hit starts a table")
-            if not self.can_allocate(request_id, num_total_tokens, cached):
-                raise OutOfBlocksError(f"{request_id!r} needs more blocks than are free")
+            window_hits = self._window_hits(cached) if self.window_pool is not None else None
+            if self.window_pool is not None and window_hits is None:
+                raise BlockAccountingError(f"the window pool no longer holds the blocks of {request_id!r}'s hit")
             for block in cached:
                 self.pool.take_cached(block)
             self.block_tables[request_id] = list(cached)
             self.num_slotted_tokens[request_id] = len(cached) * self.block_size
             self._num_offered[request_id] = len(cached)
+            if window_hits is not None:
+                assert self.window_pool is not None
+                for block in window_hits:
+                    if block != NULL_BLOCK:
+                        self.window_pool.take_cached(block)
+                self.window_tables[request_id] = window_hits
+                self._num_dropped[request_id] = window_hits.count(NULL_BLOCK)
         # Take the blocks before touching the table: OutOfBlocksError must leave no empty entry.
         new, copy_on_write = self._needs(request_id, num_total_tokens)
         new_blocks = self.pool.allocate(new + copy_on_write) if new or copy_on_write else []
@@ -172,10 +283,46 @@ class KVCacheManager:
             self.pool.free([table[index]])
             table[index] = private
         table.extend(new_blocks)
+        if self.window_pool is not None:
+            self._grow_window_table(request_id, num_total_tokens)
         self.num_slotted_tokens[request_id] = max(
             num_total_tokens, self.num_slotted_tokens.get(request_id, 0)
         )
         return new_blocks
+
+    def _grow_window_table(self, request_id: str, num_total_tokens: int) -> None:
+        """The window table's part of allocate (can_allocate has checked the pool): give back the
+        blocks out of sight, copy a shared tail about to be written, append new blocks."""
+        pool = self.window_pool
+        assert pool is not None
+        table = self.window_tables.setdefault(request_id, [])
+        self.drop_out_of_sight(request_id)
+        bs = self.block_size
+        written = self.num_slotted_tokens.get(request_id, 0)
+        cow = num_total_tokens > written and written % bs != 0 and pool.ref_count(table[written // bs]) > 1
+        new = max(0, blocks_for(num_total_tokens, bs) - len(table))
+        blocks = pool.allocate(new + cow) if new or cow else []
+        if cow:
+            index = written // bs
+            private = blocks.pop()
+            self.pending_window_copies.append((table[index], private))
+            pool.free([table[index]])
+            table[index] = private
+        table.extend(blocks)
+
+    def drop_out_of_sight(self, request_id: str) -> None:
+        """Give back the request's window blocks that its next query cannot see (those before
+        first_visible_block of its slotted tokens); keyed ones stay cached until evicted."""
+        table = self.window_tables.get(request_id)
+        if table is None:
+            return
+        assert self.window_pool is not None
+        dropped = self._num_dropped.get(request_id, 0)
+        first = min(self.first_visible_block(self.num_slotted_tokens.get(request_id, 0)), len(table))
+        if first > dropped:
+            self.window_pool.free(table[dropped:first])
+            table[dropped:first] = [NULL_BLOCK] * (first - dropped)
+            self._num_dropped[request_id] = first
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (ref counts), e.g. a prompt's KV for n > 1."""
@@ -188,6 +335,14 @@ class KVCacheManager:
             self._keys[child_id] = list(self._keys[parent_id])
         if parent_id in self._num_offered:
             self._num_offered[child_id] = self._num_offered[parent_id]
+        window = self.window_tables.get(parent_id)
+        if window is not None:
+            assert self.window_pool is not None
+            for block in window:
+                if block != NULL_BLOCK:
+                    self.window_pool.share(block)
+            self.window_tables[child_id] = list(window)
+            self._num_dropped[child_id] = self._num_dropped.get(parent_id, 0)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Keep slots for the request's first num_tokens tokens only: speculative tokens the model
@@ -203,9 +358,18 @@ class KVCacheManager:
         if len(table) > keep:
             self.pool.free(table[keep:])
             del table[keep:]
+        window = self.window_tables.get(request_id)
+        if window is not None and len(window) > keep:
+            assert self.window_pool is not None
+            self.window_pool.free([b for b in window[keep:] if b != NULL_BLOCK])
+            del window[keep:]
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_window_copies = self.pending_window_copies, []
         return copies
 
     def free(self, request_id: str) -> None:
@@ -216,6 +380,11 @@ class KVCacheManager:
         self._num_offered.pop(request_id, None)
         if table:
             self.pool.free(table)
+        window = self.window_tables.pop(request_id, None)
+        self._num_dropped.pop(request_id, None)
+        if window:
+            assert self.window_pool is not None
+            self.window_pool.free([b for b in window if b != NULL_BLOCK])
 
     def usage(self) -> KVUsage:
         slots = sum(len(t) for t in self.block_tables.values()) * self.block_size
@@ -225,4 +394,6 @@ class KVCacheManager:
             wasted_slots=slots - sum(self.num_slotted_tokens.values()),
             num_requests=len(self.block_tables),
             evictable_blocks=self.pool.num_evictable,
+            window_used_blocks=self.window_pool.num_used - 1 if self.window_pool is not None else 0,
+            window_total_blocks=self.window_pool.num_blocks - 1 if self.window_pool is not None else 0,
         )

@@ -41,6 +41,9 @@ class AttentionMetadata:
     # Rows [start, end) that compute prompt tokens (the rest compute generated ones): where the
     # products take prompt tokens on their own kernel (linear.PromptRows), these are they.
     prompt_rows: tuple[tuple[int, int], ...] = ()
+    # The same step in the sliding-window layers' own KV pool (slots and tables; the runner's
+    # kv_window), None where those layers share the others' pool.
+    window_group: AttentionMetadata | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def decode_mask(self, block_size: int, window: int | None = None) -> torch.Tensor:

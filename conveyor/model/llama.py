@@ -163,7 +163,10 @@ class LlamaModel(nn.Module):
         mlp_parts = mlp_row_parts(x.shape[0], matmul, self.activation_dtype, prompt_rows)
         for layer, kv in zip(self.layers, kv_caches):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
-            x = layer.forward(x, layer_cos, layer_sin, kv, meta, ops, matmul, mlp_parts, decode_kernel, prefill_kernel)
+            # A sliding-window layer's KV may live in a pool of its own (the runner's kv_window).
+            layer_meta = meta.window_group if layer.window is not None and meta.window_group is not None else meta
+            x = layer.forward(x, layer_cos, layer_sin, kv, layer_meta, ops, matmul, mlp_parts, decode_kernel,
+                              prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
 

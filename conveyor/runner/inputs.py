@@ -42,7 +42,8 @@ class ModelInputs:
 
 def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     """The step's rows; each request's KV slots from its table in `out.block_tables` (blocks of
-    block_size tokens)."""
+    block_size tokens), and for a model's sliding-window layers from `out.window_tables`
+    (meta.window_group)."""
     bs = block_size
     # A request verifying speculative tokens is scheduled all of them with its last sampled token.
     decodes = [(r, n) for r, n in out.scheduled if n == 1 or n == 1 + len(r.spec_token_ids)]
@@ -51,6 +52,10 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    windowed = bool(out.window_tables)
+    window_slots: list[int] = []
+    window_chunks: list[PrefillChunk] = []
+    window_decode_tables: list[list[int]] = []
     last_row: dict[str, int] = {}
     first_row: dict[str, int] = {}
 
@@ -80,6 +85,10 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             slots.append(table[pos // bs] * bs + pos % bs)
             decode_tables.append(table)
             context_lens.append(pos + 1)
+        if windowed:
+            window = out.window_tables[request.request_id]
+            window_slots.extend(window[pos // bs] * bs + pos % bs for pos in range(start, start + n))
+            window_decode_tables.extend([window] * n)
         last_row[request.request_id] = len(input_ids) - 1
 
     chunks: list[PrefillChunk] = []
@@ -93,12 +102,20 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         positions.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         last_row[request.request_id] = len(input_ids) - 1
+        if windowed:
+            window = out.window_tables[request.request_id]
+            window_chunks.append(PrefillChunk(chunks[-1].token_start, n, start,
+                                              torch.tensor(window[: blocks_for(start + n, bs)])))
+            window_slots.extend(window[p // bs] * bs + p % bs for p in range(start, start + n))
 
-    decode_block_tables = decode_context_lens = None
+    decode_block_tables = decode_context_lens = window_decode_block_tables = None
     if decodes:
         width = max(blocks_for(c, bs) for c in context_lens)
         decode_block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in decode_tables])
         decode_context_lens = torch.tensor(context_lens)
+        if windowed:
+            window_decode_block_tables = torch.tensor(
+                [t[:width] + [0] * (width - min(len(t), width)) for t in window_decode_tables])
 
     for parent, child in out.forks:  # a new sample reads its parent's logits
         last_row[child.request_id] = last_row[parent.request_id]
@@ -120,6 +137,16 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             row = first_row[request.request_id] + start - request.num_computed_tokens
             logits_rows.extend(range(row, row + end - start))
             logprob_rows.append((request, start, end - start))
+    window_group = None
+    if windowed:
+        window_group = AttentionMetadata(
+            slot_mapping=torch.tensor(window_slots),
+            num_decode_tokens=len(context_lens),
+            decode_block_tables=window_decode_block_tables,
+            decode_context_lens=decode_context_lens,
+            prefills=window_chunks,
+            prompt_rows=tuple(prompt_rows),
+        )
     return ModelInputs(
         input_ids=torch.tensor(input_ids),
         positions=torch.tensor(positions),
@@ -130,6 +157,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             decode_context_lens=decode_context_lens,
             prefills=chunks,
             prompt_rows=tuple(prompt_rows),
+            window_group=window_group,
         ),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         prompt_logprob_rows=logprob_rows,

@@ -9,6 +9,7 @@ import torch
 
 from conveyor.config import EngineConfig, parse_memory
 from conveyor.errors import ConfigError
+from conveyor.kv import NULL_BLOCK, SlidingWindow, blocks_for
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.linear import bf16_tiles_available
@@ -37,14 +38,54 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return {"float16": torch.float16, "float32": torch.float32}[name]
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * cfg.kv_bytes_per_token * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """A block's bytes in `layers` layers (None: all of them)."""
+    per_layer = cfg.kv_bytes_per_token // cfg.num_layers
+    return block_size * per_layer * (cfg.num_layers if layers is None else layers) * dtype.itemsize
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
+def window_layers(cfg: ModelConfig) -> int:
+    """How many layers have a sliding window."""
+    return sum(1 for layer in range(cfg.num_layers) if cfg.window(layer) is not None)
+
+
+def kv_pools(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[int, SlidingWindow | None]:
+    """(blocks of the main pool, the sliding-window layers' pool or None). Sliding-window layers
+    (Gemma 3's local ones) only ever read a request's last `window` tokens, so their pool holds what
+    every running request can see at once in the worst case (a window each, with the block being
+    written and the one before it, and two steps' token budget of prompt chunks: an earlier step's
+    chunk is given back at the request's next step) and no more; the rest of the KV memory goes to
+    the main pool, whose blocks the other layers fill for the whole context."""
+    bs, sliding = config.block_size, window_layers(cfg)
+    if not config.window_kv_pool or not sliding or sliding == cfg.num_layers or cfg.sliding_window is None:
+        blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(cfg, bs, dtype)
+        return blocks, None
+    sched = config.scheduler
+    in_sight = (sched.max_num_seqs * (blocks_for(cfg.sliding_window, bs) + 2)
+                + 2 * blocks_for(sched.max_num_batched_tokens, bs))
+    full_bytes = kv_block_bytes(cfg, bs, dtype, cfg.num_layers - sliding)
+    window_bytes = kv_block_bytes(cfg, bs, dtype, sliding)
+    if config.num_kv_blocks:
+        blocks = config.num_kv_blocks
+    else:
+        memory = parse_memory(config.kv_cache_memory)
+        # The window pool never needs more blocks than the main pool has.
+        blocks = (memory - in_sight * window_bytes) // full_bytes
+        if blocks < in_sight:
+            blocks = memory // (full_bytes + window_bytes)
+    # + 1: the window pool's NULL_BLOCK
+    return blocks, SlidingWindow(cfg.sliding_window, min(in_sight, blocks) + 1)
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      window_blocks: int | None = None) -> list[KVCache]:
+    """A layer's (keys, values); a sliding-window layer's has window_blocks blocks where given."""
+    def blocks(layer: int) -> int:
+        return window_blocks if window_blocks is not None and cfg.window(layer) is not None else num_blocks
+
     # Zeroed, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN.
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    shapes = [(blocks(layer), block_size, cfg.num_kv_heads, cfg.head_dim) for layer in range(cfg.num_layers)]
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for shape in shapes]
 
 
 @dataclass
@@ -109,7 +150,9 @@ class ModelRunner:
         activation_dtype: str | None = None,
         kv_dtype: torch.dtype | None = None,
         prompt_bf16_tiles: bool = False,
+        kv_window: SlidingWindow | None = None,
     ) -> None:
+        """`kv_window`: the sliding-window layers' own KV pool (kv_pools), None: theirs is the main pool."""
         self.model = model
         # Engines may share one loaded model (tests, benchmarks): each runs its own activation dtype,
         # set on the model at every step (None: the model's own).
@@ -125,7 +168,11 @@ class ModelRunner:
         # handed back after their step. None: nothing is kept beyond glibc's defaults.
         self.keep_free_bytes: int | None = None
         dtype = next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, kv_dtype or dtype)
+        self.kv_window = kv_window  # the engine's KV manager gives these layers tables of their own
+        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, kv_dtype or dtype,
+                                           kv_window.num_blocks if kv_window is not None else None)
+        self._window_layers = [layer for layer in range(model.cfg.num_layers)
+                               if kv_window is not None and model.cfg.window(layer) is not None]
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=layer_ops(torch.float32).argmax_rows)
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
@@ -150,18 +197,20 @@ class ModelRunner:
                 f"max_model_len {max_model_len} exceeds the model's context length {loaded.model.max_positions}"
             )
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
-        num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(
-            cfg, config.block_size, kv_dtype
-        )
+        num_blocks, window = kv_pools(cfg, config, kv_dtype)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
-        block_bytes = kv_block_bytes(cfg, config.block_size, kv_dtype)
-        check_fits(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens)", num_blocks * block_bytes,
+        sliding = window_layers(cfg) if window is not None else 0
+        main_bytes = num_blocks * kv_block_bytes(cfg, config.block_size, kv_dtype, cfg.num_layers - sliding)
+        window_bytes = window.num_blocks * kv_block_bytes(cfg, config.block_size, kv_dtype, sliding) if window else 0
+        check_fits(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens)", main_bytes + window_bytes,
                    "lower it with --kv-cache-memory (or --num-kv-blocks)")
-        logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, config.block_size,
-                    str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB%s", num_blocks, config.block_size,
+                    str(kv_dtype).removeprefix("torch."), (main_bytes + window_bytes) / 2**20,
+                    f" ({sliding} sliding-window layers of {cfg.sliding_window} tokens in a pool of their own: "
+                    f"{window.num_blocks} blocks, {window_bytes / 2**20:.0f} MiB)" if window else "")
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
-                     config.activation_dtype, kv_dtype, config.prompt_bf16_tiles)
+                     config.activation_dtype, kv_dtype, config.prompt_bf16_tiles, window)
         if runner.prompt_rows_apart:
             logger.info("prompt tokens on AMX bf16 tiles, generated tokens on the int8 kernel (--no-prompt-bf16-tiles: "
                         "int8 for both)")
@@ -174,7 +223,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
-        self._copy_blocks(out.block_copies)
+        self._copy_blocks(out.block_copies, out.window_block_copies)
         inputs = build_inputs(out, self.block_size)
         self.model.activation_dtype = self.activation_dtype
         self.model.prompt_tiles = self.prompt_bf16_tiles
@@ -236,23 +285,38 @@ class ModelRunner:
     def restore_rng_state(self, state: object) -> None:
         self.sampler.restore_rng_state(state)  # type: ignore[arg-type]
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies])
-        dst = torch.tensor([d for _, d in copies])
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+    def _copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]]) -> None:
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            pairs = window_copies if layer in self._window_layers else copies
+            if pairs:
+                src = torch.tensor([s for s, _ in pairs])
+                dst = torch.tensor([d for _, d in pairs])
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+
+    def _layer_index(self, layer: int, block_ids: list[int], window_block_ids: list[int] | None) -> torch.Tensor:
+        if layer not in self._window_layers:
+            return torch.tensor(block_ids, dtype=torch.long)
+        if window_block_ids is None or len(window_block_ids) != len(block_ids):
+            raise ValueError("this runner's sliding-window layers have a pool of their own: pass their blocks")
+        return torch.tensor(window_block_ids, dtype=torch.long)
 
     # KV handover: a request's blocks leave one runner and enter another, never the whole pool.
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        return torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches])
+    def read_kv_blocks(self, block_ids: list[int], window_block_ids: list[int] | None = None) -> torch.Tensor:
+        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy.
+        `window_block_ids`: the same blocks in the sliding-window layers' pool (kv_window), where a
+        NULL_BLOCK (out of sight) reads as zeros."""
+        indices = [self._layer_index(layer, block_ids, window_block_ids) for layer in range(len(self.kv_caches))]
+        return torch.stack([torch.stack((k[i], v[i])) for (k, v), i in zip(self.kv_caches, indices)])
 
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long)
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor,
+                        window_block_ids: list[int] | None = None) -> None:
+        """The blocks read_kv_blocks gave; a sliding-window layer writes none of NULL_BLOCK's (out of sight)."""
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            k_cache[index] = data[layer, 0].to(k_cache.dtype)
-            v_cache[index] = data[layer, 1].to(v_cache.dtype)
+            index = self._layer_index(layer, block_ids, window_block_ids)
+            rows = torch.arange(len(block_ids))
+            if layer in self._window_layers:
+                rows = rows[index != NULL_BLOCK]
+                index = index[rows]
+            k_cache[index] = data[layer, 0, rows].to(k_cache.dtype)
+            v_cache[index] = data[layer, 1, rows].to(v_cache.dtype)

@@ -33,6 +33,10 @@ class SchedulerOutput:
     # writes and reads their tokens' KV. The KV manager's own lists, not copies: read-only, and
     # valid until the next schedule().
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # The same for a model's sliding-window layers (KVCacheManager.window_tables), and their
+    # copy-on-write; empty without them.
+    window_tables: dict[str, list[int]] = field(default_factory=dict)
+    window_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +117,14 @@ class Scheduler:
         table = self.kv.block_tables.get(request.request_id, [])
         return table[: blocks_for(request.num_computed_tokens, self.kv.block_size)]
 
+    def handover_window_blocks(self, request: Request) -> list[int] | None:
+        """The same in the sliding-window layers' pool (NULL_BLOCK where out of sight); None
+        without one."""
+        table = self.kv.window_tables.get(request.request_id)
+        if self.kv.window_pool is None:
+            return None
+        return (table or [])[: blocks_for(request.num_computed_tokens, self.kv.block_size)]
+
     def release_handover(self, request_id: str) -> None:
         """Free a detached request's blocks (another engine holds a copy now, or never will)."""
         if request_id in self._handed_over:
@@ -129,22 +141,33 @@ class Scheduler:
         """Whether an import of that many computed tokens, `cached` of them found here, may take
         blocks now: what it needs to run (its KV and the slot of its next token) within the blocks
         no request here is owed (uncommitted_free_blocks)."""
-        return self.kv.blocks_to_start(num_computed_tokens + 1, cached) <= self.uncommitted_free_blocks()
+        if self.kv.blocks_to_start(num_computed_tokens + 1, cached) > self.uncommitted_free_blocks():
+            return False
+        # The window pool: a block of growth owed to each running request, as above.
+        window_pool = self.kv.window_pool
+        return window_pool is None or (
+            self.kv.window_blocks_to_start(num_computed_tokens + 1, cached) <= window_pool.num_free - self.num_running)
 
     def import_prefilled(self, request: Request, cached: Sequence[int] = (),
-                         write_kv: Callable[[list[int]], None] | None = None) -> None:
+                         write_kv: Callable[[list[int], list[int] | None], None] | None = None) -> None:
         """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere, with
         blocks for them: `cached` (cached_import_prefix) head its table as they are, and
-        `write_kv(blocks)` writes the KV of the blocks after them (None: a runner that holds no
-        data, the simulator's). Those blocks are then keyed like computed ones, so the next import
+        `write_kv(blocks, window_blocks)` writes the KV of the blocks after them (window_blocks: the
+        same entries of the window table, NULL_BLOCK where out of sight, None without one; None: a
+        runner that holds no data, the simulator's). Those blocks are then keyed like computed ones, so the next import
         of the same prefix finds them. It resumes like any request, from that count; one left with
         nothing computed takes no table and waits as a new request does."""
         rid = request.request_id
         if request.num_computed_tokens or cached:
             self.kv.allocate(rid, request.num_computed_tokens, cached)
+            # Window blocks before the next query's sight would be written with what the exporter no
+            # longer held, and keyed as if they held it.
+            self.kv.drop_out_of_sight(rid)
         if write_kv is not None:
+            window = self.kv.window_tables.get(rid, []) if self.kv.window_pool is not None else None
             try:
-                write_kv(self.kv.block_tables.get(rid, [])[len(cached):])
+                write_kv(self.kv.block_tables.get(rid, [])[len(cached):],
+                         None if window is None else window[len(cached):])
             except BaseException:
                 self.kv.free(rid)  # before keying: a block whose write failed must never be a hit
                 raise
@@ -273,6 +296,10 @@ class Scheduler:
         tables = self.kv.block_tables
         out.block_tables = {r.request_id: tables[r.request_id] for r, _ in out.scheduled}
         out.block_tables.update((child.request_id, tables[child.request_id]) for _, child in out.forks)
+        if self.kv.window_pool is not None:
+            out.window_block_copies = self.kv.take_window_copies()
+            windows = self.kv.window_tables
+            out.window_tables = {rid: windows[rid] for rid in out.block_tables}
         return out
 
     def _admit_fork(self, child: Request) -> None:

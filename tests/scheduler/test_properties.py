@@ -25,7 +25,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
-from conveyor.kv.manager import KVCacheManager, blocks_for
+from conveyor.kv.manager import NULL_BLOCK, KVCacheManager, SlidingWindow, blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
@@ -51,8 +51,12 @@ class PagedRunner(FakeRunner):
     def __init__(self) -> None:
         super().__init__(VOCAB)
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, what the forward wrote)
+        # The same for sliding-window layers with a pool of their own (kv_window, set by make_engine).
+        self.window_slots: dict[int, tuple[int, int]] = {}
+        self.kv_window: SlidingWindow | None = None
         self.free_at_execute: list[int] = []
         self.split_prefill = False  # some step computed fewer tokens than the request had pending
+        self.window_dropped = False  # a window table gave back blocks out of sight
         self.kv: KVCacheManager | None = None  # the engine's, to check the decisions against
 
     def execute(self, out, stats):  # noqa: ANN001, ANN201 - Runner protocol
@@ -61,10 +65,12 @@ class PagedRunner(FakeRunner):
         assert kv is not None
         self.free_at_execute.append(kv.num_free_blocks)
         bs = kv.block_size
-        for src, dst in out.block_copies:  # copy-on-write before the forward, as the real runner does
-            for offset in range(bs):
-                if src * bs + offset in self.slots:
-                    self.slots[dst * bs + offset] = self.slots[src * bs + offset]
+        for slots, copies in ((self.slots, out.block_copies), (self.window_slots, out.window_block_copies)):
+            for src, dst in copies:  # copy-on-write before the forward, as the real runner does
+                for offset in range(bs):
+                    if src * bs + offset in slots:
+                        slots[dst * bs + offset] = slots[src * bs + offset]
+        assert bool(out.window_tables) == (kv.window is not None and bool(out.scheduled))
         seen: set[str] = set()
         for parent, child in out.forks:
             assert kv.block_tables[child.request_id] == kv.block_tables[parent.request_id]
@@ -89,6 +95,20 @@ class PagedRunner(FakeRunner):
             for pos in range(start, end):
                 assert kv.pool.ref_count(table[pos // bs]) <= sharers, f"{rid} writes into a shared block"
                 self.slots[table[pos // bs] * bs + pos % bs] = (pos, written[pos])
+            if kv.window is not None:
+                # The window layers: what this step's queries see before `start` holds what recompute
+                # would write, whoever wrote it; new tokens go to real, unshared blocks.
+                window, pool = out.window_tables[rid], kv.window_pool
+                assert pool is not None and len(window) == len(table)
+                self.window_dropped |= NULL_BLOCK in window
+                for pos in range(max(0, start - kv.window.tokens + 1), start):
+                    slot = window[pos // bs] * bs + pos % bs
+                    assert window[pos // bs] != NULL_BLOCK, f"{rid} lost a window block in sight at {pos}"
+                    assert self.window_slots.get(slot) == (pos, written[pos]), f"{rid} window at {pos}"
+                for pos in range(start, end):
+                    block = window[pos // bs]
+                    assert block != NULL_BLOCK and pool.ref_count(block) <= sharers, f"{rid} window write at {pos}"
+                    self.window_slots[block * bs + pos % bs] = (pos, written[pos])
         tokens = []
         for request in out.sampling_requests():
             table = kv.block_tables[request.request_id]
@@ -97,10 +117,12 @@ class PagedRunner(FakeRunner):
         return SamplerOutput(tokens)
 
 
-def make_engine(policy: str = "continuous", *, max_model_len: int = 1024,
+def make_engine(policy: str = "continuous", *, max_model_len: int = 1024, window: SlidingWindow | None = None,
                 **options: Any) -> tuple[LLMEngine, PagedRunner]:
-    """fake_engine (tests/fakes.py) on a PagedRunner, which records what each KV slot holds."""
+    """fake_engine (tests/fakes.py) on a PagedRunner, which records what each KV slot holds;
+    `window`: its sliding-window layers' pool."""
     runner = PagedRunner()
+    runner.kv_window = window
     engine = fake_engine(runner, policy, max_model_len=max_model_len, **options)
     runner.kv = engine.scheduler.kv
     return engine, runner
@@ -157,6 +179,25 @@ def check_blocks(engine: LLMEngine) -> None:
         assert pool.ref_count(b) == owners.get(b, 0), f"ref count of block {b} is not its number of owners"
     assert all(pool.key_of(b) is not None for b in pool._evictable)
     assert all(pool.key_of(b) is None for b in pool._free)
+    window_pool = kv.window_pool
+    assert (window_pool is None) == (kv.window is None)
+    if window_pool is not None:
+        assert set(kv.window_tables) == set(kv.block_tables)
+        window_owners: dict[int, int] = defaultdict(int)
+        for rid, window in kv.window_tables.items():
+            assert len(window) == len(kv.block_tables[rid])
+            first = kv.first_visible_block(kv.num_slotted_tokens[rid])
+            held = [b for b in window if b != NULL_BLOCK]
+            assert len(set(held)) == len(held)
+            assert all(b == NULL_BLOCK for b in window[: kv._num_dropped.get(rid, 0)])
+            assert kv._num_dropped.get(rid, 0) <= first or first == 0
+            assert NULL_BLOCK not in window[kv._num_dropped.get(rid, 0):], "a hole inside a window table"
+            for b in held:
+                window_owners[b] += 1
+        assert window_pool.ref_count(NULL_BLOCK) == 1 and window_pool.key_of(NULL_BLOCK) is None
+        assert window_pool.num_free + len(window_owners) + 1 == window_pool.num_blocks, "window blocks leaked"
+        for b in range(1, window_pool.num_blocks):
+            assert window_pool.ref_count(b) == window_owners.get(b, 0), f"ref count of window block {b}"
     if not kv.enable_prefix_caching:
         assert pool.num_cached == 0
     usage = kv.usage()
@@ -269,6 +310,7 @@ def check_decision(  # noqa: ANN001
                 or budget_left == 0
                 or (not cfg.chunked_prefill and pending > budget_left)
                 or blocks_for(chunk, engine.scheduler.kv.block_size) > free_at_execute
+                or engine.scheduler.kv.window is not None  # its window pool may be what is short
             ), "continuous left a waiting request out although it fitted"
     else:
         forked = {id(child) for _, child in out.forks}
@@ -310,6 +352,7 @@ class Scenario:
     aborts: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, pick)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (step, pick)
     scheduling_policy: str = "fcfs"
+    window: SlidingWindow | None = None  # sliding-window layers with a pool of their own
 
 
 @st.composite
@@ -360,8 +403,15 @@ def scenarios(draw, pressure: bool = False) -> Scenario:  # noqa: ANN001
     scheduling_policy = draw(st.sampled_from(["fcfs", "priority"]))
     if scheduling_policy == "fcfs":
         arrivals = [dataclasses.replace(a, priority=0) for a in arrivals]
+    window = None
+    if draw(st.integers(0, 2)) == 0:
+        # Sliding-window layers: a pool as small as one request's sight and step allow (as the runner's
+        # sizing guarantees), or a little more, so that requests crowd it too.
+        tokens = draw(st.integers(1, 24))
+        alone = min(num_blocks, blocks_for(tokens, block_size) + 2 + blocks_for(budget, block_size))
+        window = SlidingWindow(tokens, alone + 1 + draw(st.integers(0, 4)))
     return Scenario(policy, chunked, block_size, num_blocks, max_num_seqs, budget, max_model_len, arrivals,
-                    prefix_caching, aborts, duplicates, scheduling_policy)
+                    prefix_caching, aborts, duplicates, scheduling_policy, window)
 
 
 def note_events(*names: str) -> None:
@@ -387,7 +437,7 @@ def run_scenario(sc: Scenario) -> None:
     engine, runner = make_engine(
         sc.policy, block_size=sc.block_size, num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
         budget=sc.budget, chunked=sc.chunked, max_model_len=sc.max_model_len, prefix_caching=sc.prefix_caching,
-        scheduling_policy=sc.scheduling_policy,
+        scheduling_policy=sc.scheduling_policy, window=sc.window,
     )
     cfg = engine.config.scheduler
     accepted: dict[str, Request] = {}  # by the id the caller knows: the first sample of each request
@@ -513,6 +563,8 @@ def run_scenario(sc: Scenario) -> None:
         f"split prefill={'yes' if runner.split_prefill else 'no'}",
         f"prefix hit={'yes' if engine.scheduler.prefix_cache_hits else 'no'}",
         f"n>1={'yes' if len(samples) > len(accepted) else 'no'}",
+        f"window pool={'yes, dropped' if runner.window_dropped else 'yes' if sc.window is not None else 'no'}",
+        f"window hit={'yes' if sc.window is not None and engine.scheduler.prefix_cache_hits else 'no'}",
     )
 
     # FCFS over the whole run: first admissions (continuous) or batch membership (static) follow the
@@ -528,6 +580,9 @@ def run_scenario(sc: Scenario) -> None:
     assert kv.num_free_blocks == kv.num_blocks and kv.block_tables == {} and kv.num_slotted_tokens == {}
     assert kv.pool.num_free == kv.pool.num_blocks and kv.usage().used_blocks == 0, "every block back in the pool"
     assert kv._keys == {} and kv._num_offered == {}
+    assert kv.window_tables == {} and kv._num_dropped == {}
+    if kv.window_pool is not None:
+        assert kv.window_pool.num_free == kv.window_pool.num_blocks - 1, "every window block back in its pool"
     assert s.prefix_cache_hits <= s.prefix_cache_queries
     assert s.requests == {} and not s.waiting and s.num_running == 0
     if isinstance(s, ContinuousScheduler):

@@ -73,6 +73,7 @@ class RandomProposer:
 def run(sc: Scenario, depth: int, seed: int) -> SpeculatingRunner:
     runner = SpeculatingRunner()
     runner.block_size = sc.block_size
+    runner.kv_window = sc.window
     config = EngineConfig(
         block_size=sc.block_size, enable_prefix_caching=sc.prefix_caching,
         speculative_config=SpeculativeConfig(num_speculative_tokens=depth, adaptive=False),
@@ -110,6 +111,7 @@ def run(sc: Scenario, depth: int, seed: int) -> SpeculatingRunner:
         step += 1
     kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks and not kv.block_tables, "every block back when all requests end"
+    assert kv.window_pool is None or kv.window_pool.num_free == kv.window_pool.num_blocks - 1
     for rid, request in samples.items():
         assert request.status is RequestStatus.FINISHED_LENGTH
         assert tuple(request.output_token_ids) == expected[rid], f"{rid} changed by speculation"
