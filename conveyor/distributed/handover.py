@@ -23,7 +23,7 @@ import torch
 from conveyor.distributed.messages import KVPayload
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
-from conveyor.kv import blocks_for
+from conveyor.kv import NULL_BLOCK, blocks_for
 from conveyor.request import Request, RequestStatus, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
@@ -61,7 +61,12 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
         kv_dtype=dtype,
         first_block=first_block,
         sampler_state=runner.sampler.generator_state(request),
+        window_held_from=_leading_nulls(window),
     )
+
+
+def _leading_nulls(window: list[int] | None) -> int:
+    return next((i for i, block in enumerate(window) if block != NULL_BLOCK), len(window)) if window else 0
 
 
 def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
@@ -98,7 +103,7 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
         runner.write_kv_blocks(blocks, data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data,
                                window_blocks)
 
-    engine.add_prefilled_request(request, cached, write_kv)
+    engine.add_prefilled_request(request, cached, write_kv, payload.window_held_from)
     if payload.sampler_state is not None:
         runner.sampler.set_generator_state(request, payload.sampler_state)
     request.times.first_token = request.times.first_scheduled = request.arrival_time

@@ -98,3 +98,6 @@ class KVPayload:
     kv_dtype: str  # "float32" or "bfloat16" (bf16 travels as int16 bits: numpy has no bf16)
     sampler_state: Any = None  # the request's own generator state when it samples with a seed
     first_block: int = 0
+    # Sliding-window layers with a pool of their own: the exporter had given back their blocks before
+    # this one (out of sight), so `kv` holds zeros there for those layers.
+    window_held_from: int = 0

@@ -257,10 +257,12 @@ class LLMEngine:
         return request
 
     def add_prefilled_request(self, request: Request, cached: Sequence[int] = (),
-                              write_kv: Callable[[list[int], list[int] | None], None] | None = None) -> None:
+                              write_kv: Callable[[list[int], list[int] | None], None] | None = None,
+                              window_held_from: int = 0) -> None:
         """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere
         (Scheduler.import_prefilled: `cached` from scheduler.cached_import_prefix head its table,
-        `write_kv(blocks, window_blocks)` writes the rest). It resumes like any request, from that count."""
+        `write_kv(blocks, window_blocks)` writes the rest; `window_held_from`: the first block whose KV
+        the exporter's sliding-window pool still held). It resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
         request.sampling_params = self._prepared(request.sampling_params)
@@ -268,7 +270,7 @@ class LLMEngine:
         self._check_token_ids(request.sampling_params)
         self._start_grammar(request)  # replays the output it already has
         try:
-            self.scheduler.import_prefilled(request, cached, write_kv)
+            self.scheduler.import_prefilled(request, cached, write_kv, window_held_from)
         except BaseException:
             self.grammars.forget(request)
             raise

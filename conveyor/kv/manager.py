@@ -313,12 +313,17 @@ class KVCacheManager:
     def drop_out_of_sight(self, request_id: str) -> None:
         """Give back the request's window blocks that its next query cannot see (those before
         first_visible_block of its slotted tokens); keyed ones stay cached until evicted."""
+        self.drop_window_before(request_id, self.first_visible_block(self.num_slotted_tokens.get(request_id, 0)))
+
+    def drop_window_before(self, request_id: str, index: int) -> None:
+        """Give back the request's window blocks before entry `index` (never one its next query sees)."""
         table = self.window_tables.get(request_id)
         if table is None:
             return
         assert self.window_pool is not None
         dropped = self._num_dropped.get(request_id, 0)
-        first = min(self.first_visible_block(self.num_slotted_tokens.get(request_id, 0)), len(table))
+        sight = self.first_visible_block(self.num_slotted_tokens.get(request_id, 0))
+        first = min(index, sight, len(table))
         if first > dropped:
             self.window_pool.free(table[dropped:first])
             table[dropped:first] = [NULL_BLOCK] * (first - dropped)

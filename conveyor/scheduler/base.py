@@ -149,20 +149,23 @@ class Scheduler:
             self.kv.window_blocks_to_start(num_computed_tokens + 1, cached) <= window_pool.num_free - self.num_running)
 
     def import_prefilled(self, request: Request, cached: Sequence[int] = (),
-                         write_kv: Callable[[list[int], list[int] | None], None] | None = None) -> None:
+                         write_kv: Callable[[list[int], list[int] | None], None] | None = None,
+                         window_held_from: int = 0) -> None:
         """Queue a request whose first `num_computed_tokens` tokens have KV computed elsewhere, with
         blocks for them: `cached` (cached_import_prefix) head its table as they are, and
         `write_kv(blocks, window_blocks)` writes the KV of the blocks after them (window_blocks: the
         same entries of the window table, NULL_BLOCK where out of sight, None without one; None: a
-        runner that holds no data, the simulator's). Those blocks are then keyed like computed ones, so the next import
-        of the same prefix finds them. It resumes like any request, from that count; one left with
+        runner that holds no data, the simulator's). `window_held_from`: the first block whose KV the
+        exporter's window pool still held (it had given back those before it: no data to write).
+        Those blocks are then keyed like computed ones, so the next import of the same prefix finds
+        them. It resumes like any request, from that count; one left with
         nothing computed takes no table and waits as a new request does."""
         rid = request.request_id
         if request.num_computed_tokens or cached:
             self.kv.allocate(rid, request.num_computed_tokens, cached)
-            # Window blocks before the next query's sight would be written with what the exporter no
-            # longer held, and keyed as if they held it.
-            self.kv.drop_out_of_sight(rid)
+            # Window blocks the exporter no longer held would be written with nothing, and keyed as if
+            # they held it; those it held stay (and are keyed): a later import's hit needs them.
+            self.kv.drop_window_before(rid, window_held_from)
         if write_kv is not None:
             window = self.kv.window_tables.get(rid, []) if self.kv.window_pool is not None else None
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,11 @@ from conveyor.distributed.handover import (
 from conveyor.distributed.messages import WorkerInfo
 from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.kv import NULL_BLOCK
 from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import make_prompts, reference_outputs, tiny_config
+from tests.helpers import make_tiny_hf_checkpoint
 
 
 @dataclass
@@ -97,6 +100,49 @@ def test_handover_between_engines_matches_one_engine_and_frees_every_block(tiny_
     assert prefill.scheduler.kv.pool.num_used == 0
     assert _drain(decode) == expected
     assert decode.scheduler.kv.pool.num_used == 0 and not decode.scheduler.kv.block_tables
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", num_layers=3, tie_word_embeddings=True,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def test_a_handover_moves_the_window_pools_blocks_too(tiny_gemma3: Path) -> None:
+    """Gemma 3's sliding-window layers (window 8, blocks of 4) in a pool of their own on both
+    engines: the export carries what the prefill engine's window pool holds (zeros where its blocks
+    were given back), the import keeps what was held (a later import of the same prefix takes its
+    cached blocks from both pools) and none of the zeros. Outputs are one engine's; both pools end
+    empty."""
+    config = tiny_config(tiny_gemma3, block_size=4, num_kv_blocks=256)
+    shared = [(7 * j + 3) % 1900 + 50 for j in range(24)]
+    prompts = [shared + [100 + i] * (3 + 9 * i) for i in range(3)] + [[(11 * j) % 1500 + 60 for j in range(41)]]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    expected = reference_outputs(config, prompts, params)
+    prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(config)
+    assert decode.scheduler.kv.window is not None and decode.scheduler.kv.window.tokens == 8
+    parked = _prefill(prefill, prompts, params)
+    skipped, exported_holes = [], []
+    for request_id, request in sorted(parked.items()):
+        window = prefill.scheduler.handover_window_blocks(request)
+        assert window is not None
+        exported_holes.append(window.count(NULL_BLOCK))
+        skip = cached_prefix_blocks(decode, request.prompt_token_ids, request.sampling_params)
+        import_request(decode, export_request(prefill, request, skip))
+        skipped.append(skip)
+        prefill.scheduler.release_handover(request_id)
+        imported = decode.scheduler.kv.window_tables[request_id]
+        first = decode.scheduler.kv.first_visible_block(request.num_computed_tokens)
+        assert NULL_BLOCK not in imported[first:], "what the next query sees was imported"
+        assert imported[: exported_holes[-1]] == [NULL_BLOCK] * exported_holes[-1], "no block of zeros kept"
+    assert skipped[0] == 0 and skipped[1] == skipped[2] == 6, "the shared 24 tokens: 6 blocks of 4"
+    # Prompts that took two steps (a budget of 32), or started from a prefix hit on the prefill
+    # engine, had given back window blocks before their export.
+    assert sum(1 for holes in exported_holes if holes) >= 2
+    assert prefill.scheduler.kv.usage().used_blocks == prefill.scheduler.kv.usage().window_used_blocks == 0
+    assert _drain(decode) == expected
+    assert decode.scheduler.kv.usage().used_blocks == decode.scheduler.kv.usage().window_used_blocks == 0
 
 
 def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_model) -> None:

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from conveyor.kv import KVCacheManager, KVUsage, OutOfBlocksError, blocks_for
+from conveyor.kv import NULL_BLOCK, KVCacheManager, KVUsage, OutOfBlocksError, SlidingWindow, blocks_for
 
 
 def check_manager(kv: KVCacheManager, shared: dict[int, int] | None = None) -> None:
@@ -299,3 +299,58 @@ TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+# --- sliding-window layers' pool ------------------------------------------------------------------
+def test_a_window_table_gives_back_what_no_query_sees() -> None:
+    """Window 5 over blocks of 4: the next query at position p sees p - 4 .. p, so once 12 tokens are
+    computed (next query at 12, first visible 8) blocks 0 and 1 go back to the window pool, while
+    the main table keeps them all."""
+    kv = KVCacheManager(16, 4, sliding_window=SlidingWindow(5, 8))
+    assert kv.window_pool is not None and kv.usage().window_total_blocks == 7  # NULL_BLOCK never counted
+    kv.allocate("a", 12)
+    assert len(kv.window_tables["a"]) == 3 and NULL_BLOCK not in kv.window_tables["a"]
+    assert kv.usage().window_used_blocks == 3
+    kv.allocate("a", 13)  # one token more: the query at 12 sees 8..12
+    assert kv.window_tables["a"][:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in kv.window_tables["a"][2:]
+    assert len(kv.block_tables["a"]) == len(kv.window_tables["a"]) == 4
+    assert kv.usage().window_used_blocks == 2 and kv.usage().used_blocks == 4
+    kv.truncate("a", 12)  # a rejected speculative token: its block goes back from both tables
+    assert len(kv.window_tables["a"]) == 3 and kv.usage().window_used_blocks == 1
+    kv.free("a")
+    assert kv.usage().window_used_blocks == 0 and kv.window_tables == {}
+
+
+def test_the_window_pool_bounds_what_a_request_may_take() -> None:
+    """A step's tokens need window slots too: 3 usable window blocks hold a 12-token chunk, not 13."""
+    kv = KVCacheManager(16, 4, sliding_window=SlidingWindow(5, 4))
+    assert kv.can_allocate("a", 12) and not kv.can_allocate("a", 13)
+    with pytest.raises(OutOfBlocksError):
+        kv.allocate("a", 13)
+    assert kv.block_tables == {} and kv.window_tables == {}, "a refused allocation leaves nothing behind"
+    kv.allocate("a", 12)
+    assert kv.can_allocate("a", 16), "the blocks it gives back make room for its next ones"
+
+
+def test_a_prefix_hit_reaches_only_as_far_as_the_window_pool_holds() -> None:
+    from conveyor.kv.keys import SequenceKey
+
+    tokens = list(range(40))
+
+    def key(rid: str) -> SequenceKey:
+        return SequenceKey(rid, lambda start, end: tokens[start:end])
+
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, sliding_window=SlidingWindow(5, 12))
+    kv.allocate("a", 32)
+    kv.cache_full_blocks(key("a"), 32)
+    kv.allocate("a", 33)  # blocks 0..5 leave its window table (keyed: evictable in the window pool)
+    kv.free("a")
+    hit = kv.cached_prefix(key("b"), 32)
+    assert len(hit) == 8
+    kv.allocate("b", 33, hit)
+    assert kv.window_tables["b"][:6] == [NULL_BLOCK] * 6  # out of the next query's sight: not taken
+    kv.free("b")
+    window_pool = kv.window_pool
+    assert window_pool is not None
+    window_pool.allocate(window_pool.num_free)  # evicts every cached window block
+    assert kv.cached_prefix(key("c"), 32) == [], "the main pool's blocks alone are no hit"

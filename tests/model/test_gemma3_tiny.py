@@ -49,3 +49,47 @@ def test_tiny_gemma3_generates_what_transformers_generates(
     got = [list(out.token_ids) for out in llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0,
                                                                                 ignore_eos=True))]
     assert got == want
+
+
+def _generate(model: Path, prompts: list[list[int]], params: SamplingParams, **options: object) -> tuple[LLM, list]:
+    # A batch cap of 16 for 6 requests: the window pool, sized for the cap, has room to keep what
+    # finished requests' last queries saw (the blocks a next turn's hit needs) while others run.
+    llm = LLM(str(model), max_num_seqs=16, max_num_batched_tokens=5, block_size=4, kv_cache_dtype="float32",
+              **options)
+    return llm, [(list(out.token_ids), out.num_cached_tokens) for out in llm.generate(prompts, params)]
+
+
+def test_the_window_pool_changes_no_token_and_holds_less(tiny_gemma3: Path) -> None:
+    """Sliding-window layers in a pool of their own (window 8 over blocks of 4: a request gives back
+    a block every 4 tokens past its first 8) against every layer keeping the whole context: the same
+    tokens, greedy and seeded, n = 2 (forks share blocks, then copy the tail), speculative
+    proposals accepted and rejected, and a second turn of each conversation, which hits the prefix
+    cache as far as the window pool still holds what its next query sees."""
+    prompts = [[1, *range(100 + 37 * i, 100 + 37 * i + n)] for i, n in enumerate([3, 9, 17, 30, 45])]
+    repetitive = [1, *([200, 201, 202, 203, 204] * 6)]  # what n-gram proposals find
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11, n=2, ignore_eos=True)
+    results = {}
+    for pool in (True, False):
+        llm, first = _generate(tiny_gemma3, prompts + [repetitive], greedy, window_kv_pool=pool)
+        turns = [p + tokens + [7, 8, 9] for p, (tokens, _) in zip(prompts, first)]
+        again = [(list(o.token_ids), o.num_cached_tokens) for o in llm.generate(turns, greedy)]
+        # Prompts not seen before: a prefix hit computes the rest of a prompt in other chunks than a
+        # whole prefill does, which may move a logit in its last bits (and a sampled token with it).
+        forks = [list(o.token_ids) for o in llm.generate([[2, *p[1:]] for p in prompts[2:4]], sampled)]
+        kv, runner = llm.engine.scheduler.kv, llm.engine.runner
+        assert kv.usage().used_blocks == 0 and kv.usage().window_used_blocks == 0
+        blocks = sorted({k.shape[0] for k, _ in runner.kv_caches})
+        if pool:
+            assert kv.window is not None and kv.window.tokens == 8
+            assert blocks == [kv.window.num_blocks, kv.num_blocks] and kv.window.num_blocks < kv.num_blocks
+            assert all(cached >= len(p) for p, (_, cached) in zip(prompts, again)), "second turns hit the cache"
+        else:
+            assert kv.window is None and blocks == [kv.num_blocks]
+        _, spec = _generate(tiny_gemma3, [repetitive, prompts[4]], greedy, window_kv_pool=pool,
+                            speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                "prompt_lookup_min": 2})
+        results[pool] = (first, again, forks, [t for t, _ in spec])
+    assert results[True] == results[False]
+    first = [tokens for tokens, _ in results[True][0]]
+    assert results[True][3] == [first[5], first[4]], "speculation changed a token"

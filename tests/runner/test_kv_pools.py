@@ -1,0 +1,52 @@
+"""How the KV memory is split between the main pool and the sliding-window layers' own pool."""
+from __future__ import annotations
+
+import torch
+
+from conveyor.config import EngineConfig
+from conveyor.kv import blocks_for
+from conveyor.model.config import ModelConfig
+from conveyor.runner.model_runner import kv_block_bytes, kv_pools
+
+# Gemma 3 270M's attention: 18 layers, 3 of them global, one KV head of 256, a 512-token window.
+GEMMA = ModelConfig(vocab_size=1000, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+                    num_kv_heads=1, head_dim=256, sliding_window=512,
+                    layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)))
+F16 = torch.float16
+
+
+def test_without_a_window_pool_every_layer_shares_one() -> None:
+    config = EngineConfig(kv_cache_memory="1GiB", window_kv_pool=False)
+    blocks, window = kv_pools(GEMMA, config, F16)
+    assert window is None and blocks == 2**30 // kv_block_bytes(GEMMA, 16, F16)
+
+
+def test_the_window_pool_holds_what_every_running_request_can_see() -> None:
+    config = EngineConfig.from_kwargs(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048)
+    blocks, window = kv_pools(GEMMA, config, F16)
+    assert window is not None and window.tokens == 512
+    in_sight = 64 * (blocks_for(512, 16) + 2) + 2 * blocks_for(2048, 16)
+    assert window.num_blocks == in_sight + 1  # and its NULL_BLOCK
+    full, sliding = kv_block_bytes(GEMMA, 16, F16, 3), kv_block_bytes(GEMMA, 16, F16, 15)
+    used = blocks * full + in_sight * sliding
+    assert 2**30 - full < used <= 2**30, "the rest of the memory goes to the main pool"
+    # The same gigabyte holds 2.6x the context it holds when every layer keeps the whole of it.
+    assert blocks / (2**30 // kv_block_bytes(GEMMA, 16, F16)) > 2.5
+
+
+def test_a_pool_given_in_blocks_keeps_its_context_and_saves_the_rest() -> None:
+    """4 requests of 8,192 tokens (footprint.py's way of giving a context capacity): the main pool
+    has its 2,048 blocks, the window pool only what 4 requests see and one step computes."""
+    config = EngineConfig.from_kwargs(num_kv_blocks=2048, max_num_seqs=4, max_num_batched_tokens=512)
+    blocks, window = kv_pools(GEMMA, config, F16)
+    assert blocks == 2048 and window is not None and window.num_blocks == 4 * 34 + 2 * 32 + 1
+    small = EngineConfig.from_kwargs(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=512)
+    _, small_window = kv_pools(GEMMA, small, F16)
+    assert small_window is not None and small_window.num_blocks == 64 + 1  # never more than the main pool
+
+
+def test_tiny_memory_splits_evenly() -> None:
+    config = EngineConfig.from_kwargs(kv_cache_memory=64 * 2**20, max_num_seqs=64)
+    blocks, window = kv_pools(GEMMA, config, F16)
+    assert window is not None and window.num_blocks == blocks + 1
+    assert blocks * kv_block_bytes(GEMMA, 16, F16) <= 64 * 2**20
