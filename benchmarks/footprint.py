@@ -16,7 +16,8 @@ one after the other, each alone on the machine. llama-server comes from benchmar
 (`--setup-only` builds it); without it, or for an HF folder, only conveyor is measured.
 The table splits resident memory into anonymous memory and mapped file pages (code, and a mapped
 file's pages: llama-server's weights by default; an untied embedding's rows looked up, conveyor's).
-`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-dequantized` adds conveyor serving the
+`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-whole-context-kv` adds
+conveyor with `--no-window-kv-pool` (a model's sliding-window layers keeping the whole context's KV, as before). `--also-dequantized` adds conveyor serving the
 same file with `--dequantize-weights` (fp32 copies of every weight: how a GGUF's blocks and an HF
 folder's bf16 / f16 matrices were held before they stayed in their own form).
 """
@@ -123,6 +124,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", default="out/footprint")
     p.add_argument("--also-dequantized", action="store_true", help="conveyor with --dequantize-weights too")
+    p.add_argument("--no-long-prompts", action="store_true",
+                   help="skip the SLOTS long prompts (their prefill takes minutes at tens of thousands of tokens)")
+    p.add_argument("--also-whole-context-kv", action="store_true",
+                   help="conveyor with --no-window-kv-pool too (sliding-window layers keep the whole context's KV)")
     p.add_argument("--also-no-mmap", action="store_true",
                    help="llama-server with --load-mode none too (weights read into its own memory, no file pages)")
     args = p.parse_args()
@@ -140,12 +145,15 @@ def main() -> int:
     }
     if args.also_dequantized:
         servers["conveyor fp32"] = [*servers["conveyor"], "--dequantize-weights"]
+    if args.also_whole_context_kv:
+        servers["conveyor whole KV"] = [*servers["conveyor"], "--no-window-kv-pool"]
     if LLAMA_SERVER.is_file() and model_path.is_file():
         servers["llama.cpp"] = llama_server_cmd(model_path, 8132, args.threads, args.slots, tokens)
         if args.also_no_mmap:
             servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
-    ports = {"conveyor": 8131, "conveyor fp32": 8131, "llama.cpp": 8132, "llama.cpp no-mmap": 8132}
-    prompt = long_prompt(str(model_path), args.ctx_per_slot)
+    ports = {"conveyor": 8131, "conveyor fp32": 8131, "conveyor whole KV": 8131, "llama.cpp": 8132,
+             "llama.cpp no-mmap": 8132}
+    prompt = None if args.no_long_prompts else long_prompt(str(model_path), args.ctx_per_slot)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
         for name, cmd in servers.items():
@@ -159,7 +167,8 @@ def main() -> int:
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
         print(f"{name:<18} {m['rss_gib']:>13.3f} {m['anon_gib']:>9.3f} {m['file_gib']:>9.3f} {m['peak_gib']:>9.3f} "
-              f"{m['ready_s']:>8.1f} {m['loaded_rss_gib']:>31.3f} / {m['loaded_peak_gib']:.3f}")
+              f"{m['ready_s']:>8.1f} " + (f"{m['loaded_rss_gib']:>31.3f} / {m['loaded_peak_gib']:.3f}"
+                                            if "loaded_rss_gib" in m else f"{'-':>31}"))
     from conveyor.bench.roofline import model_costs
     from conveyor.config import EngineConfig
     from conveyor.model.gguf_loader import read_gguf
@@ -170,6 +179,10 @@ def main() -> int:
     streamed, _ = model_costs(load_model(EngineConfig(model=str(model_path))).model)
     print(f"a conveyor decode step streams {streamed / 2**20:.0f} MiB: {streamed / file_bytes:.3f}x the file's "
           f"{file_bytes / 2**20:.0f} MiB of tensors (an untied embedding is read by rows)")
+    if "conveyor whole KV" in medians:
+        c, w = medians["conveyor"], medians["conveyor whole KV"]
+        print(f"conveyor / with --no-window-kv-pool: resident {c['rss_gib'] / w['rss_gib']:.2f}x, "
+              f"peak {c['peak_gib'] / w['peak_gib']:.2f}x, ready {c['ready_s'] / w['ready_s']:.2f}x")
     if "conveyor fp32" in medians:
         c, d = medians["conveyor"], medians["conveyor fp32"]
         print(f"conveyor / with --dequantize-weights: resident {c['rss_gib'] / d['rss_gib']:.2f}x, "
@@ -179,7 +192,8 @@ def main() -> int:
             c, ll = medians["conveyor"], medians[peer]
             print(f"conveyor / {peer}: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
                   f"of {peer}'s resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x; "
-                  f"after long prompts: resident {c['loaded_rss_gib'] / ll['loaded_rss_gib']:.2f}x")
+                  + (f"after long prompts: resident {c['loaded_rss_gib'] / ll['loaded_rss_gib']:.2f}x"
+                     if "loaded_rss_gib" in c else ""))
     (out_dir / "footprint.json").write_text(json.dumps({"model": str(model_path), "results": results}, indent=2))
     return 0
 
