@@ -1,0 +1,79 @@
+"""Requests the front end must refuse with a 400 naming the field (or serve as the field asks),
+on an in-process app over an engine with a fake runner and the default model's tokenizer: no
+weights, so each check costs milliseconds."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conveyor.api.app import ServerState, build_app
+from conveyor.api.limits import decode_json
+from conveyor.api.metrics import Metrics
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.llm_engine import LLMEngine
+from tests.fakes import FakeRunner
+
+COMPLETIONS, CHAT, TOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize"
+MAX_MODEL_LEN = 256
+
+# A template that renders assistant tool calls as Qwen2.5's does (`arguments | tojson`, with the
+# call itself when it has no "function"), and each message's content; nothing else of a message.
+TOOL_CALLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}{% if call.function is defined %}{% set call = call.function %}"
+    "{% endif %}<tool_call>{{ call.name }} {{ call.arguments | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer() -> Any:
+    from conveyor.errors import ModelLoadError
+    from conveyor.model.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(None)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+def _client(tokenizer: Any) -> Iterator[TestClient]:
+    config = EngineConfig.from_kwargs(max_num_seqs=4)
+    engine = LLMEngine(config, FakeRunner(tokenizer.vocab_size), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
+                       vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids)
+    state = ServerState(AsyncEngine(engine), ["m"], Metrics("m"))
+    with TestClient(build_app(state)) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[TestClient]:
+    """The default model's tokenizer and chat template (SmolLM2's: it renders role and content only)."""
+    yield from _client(_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def tool_http() -> Iterator[TestClient]:
+    """The same with a chat template that renders assistant tool calls."""
+    tokenizer = _tokenizer()
+    tokenizer.set_chat_template(TOOL_CALLS_TEMPLATE)
+    yield from _client(tokenizer)
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# --- the JSON body --------------------------------------------------------------------------------
+def test_an_integer_past_pythons_digit_limit_is_invalid_json(http):
+    body = b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    error = error_of(http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}))
+    assert error["code"] == "invalid_json" and "digits" in error["message"]
+    with pytest.raises(Exception) as caught:
+        decode_json(b"[" + b"1" * 4301 + b"]")
+    assert getattr(caught.value, "status", None) == 400
