@@ -232,11 +232,24 @@ class ContentPart(_Strict):
     text: Text
 
 
+class ToolCallFunction(_Strict):
+    name: Text = Field(min_length=1)
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made: templates read these fields (and choke on others)."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn answering one
 
     unsupported = {"function_call": (None,), "audio": (None,),
@@ -258,7 +271,9 @@ class ChatMessage(_Strict):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message

@@ -77,3 +77,48 @@ def test_an_integer_past_pythons_digit_limit_is_invalid_json(http):
     with pytest.raises(Exception) as caught:
         decode_json(b"[" + b"1" * 4301 + b"]")
     assert getattr(caught.value, "status", None) == 400
+
+
+# --- chat messages --------------------------------------------------------------------------------
+def chat(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    return {"messages": messages, "max_tokens": 2, **fields}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("calls,param", [
+    ([{"foo": 1}], "messages.1.tool_calls.0.id"),
+    ([{**CALL, "foo": 1}], "messages.1.tool_calls.0.foo"),
+    ([{"id": "call_1", "type": "function"}], "messages.1.tool_calls.0.function"),
+    ([{**CALL, "function": {"name": "f"}}], "messages.1.tool_calls.0.function.arguments"),
+    ([{**CALL, "function": {"name": "f", "arguments": {"a": 1}}}], "messages.1.tool_calls.0.function.arguments"),
+    ([{**CALL, "type": "code"}], "messages.1.tool_calls.0.type"),
+    ([{k: v for k, v in CALL.items() if k != "id"}], "messages.1.tool_calls.0.id"),
+    ([CALL, "call"], "messages.1.tool_calls.1"),
+], ids=["the probe's", "unknown key", "no function", "no arguments", "arguments not a string", "type not function", "no id",
+        "not an object"])
+@pytest.mark.parametrize("path", [CHAT, TOKENIZE])
+def test_a_malformed_tool_call_is_a_400_naming_it(tool_http, path, calls, param):
+    body = chat([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}])
+    if path == TOKENIZE:
+        del body["max_tokens"]
+    assert error_of(tool_http.post(path, json=body))["param"] == param
+
+
+def test_a_well_formed_tool_call_is_rendered(tool_http):
+    body = chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    assert tool_http.post(CHAT, json=body).status_code == 200
+    del body["max_tokens"]
+    tokens = tool_http.post(TOKENIZE, json=body).json()["tokens"]
+    assert '<tool_call>f "{}"</tool_call>' in tool_http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():
+    from conveyor.model.tokenizer import ChatTemplateError
+
+    tokenizer = _tokenizer()
+    tokenizer.set_chat_template("{% for m in messages %}{{ m.missing | tojson }}{% endfor %}")  # Undefined: a TypeError
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
