@@ -143,7 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(ChatCompletionRequest, await _read_json(request, state))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
-        _check_chat_size(state, messages)
+        _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
         tools = plan_tools(body.tools, body.tool_choice)
         asked = requested_grammar(body)
         if tools is not None and tools.spec is not None and asked is not None:
@@ -279,24 +279,35 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
 def _check_prompt_sizes(state: ServerState, data: Any) -> None:
     """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
     validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
-    than the most characters that many tokens can hold."""
+    than the most characters that many tokens can hold. Measured after truncate_prompt_tokens, as
+    vLLM truncates first: a text is then not bounded here (the body limit bounds it)."""
     prompt = data.get("prompt") if isinstance(data, dict) else None
+    keep = _truncation(state, data)
     if isinstance(prompt, (str, list)):
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         for item in items:
             if isinstance(item, str):
-                limit, unit = state.max_prompt_chars, "characters"
+                limit, unit = (None if keep else state.max_prompt_chars), "characters"
             elif isinstance(item, list):
                 limit, unit = state.capacity - 1, "tokens"  # at least one token to generate
             else:
                 continue
-            if limit is not None and len(item) > limit:
-                raise bad_request(f"the prompt ({len(item)} {unit}) cannot fit the maximum model length of "
+            size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item)
+            if limit is not None and size > limit:
+                raise bad_request(f"the prompt ({size} {unit}) cannot fit the maximum model length of "
                                   f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")
 
 
-def _check_chat_size(state: ServerState, messages: list[dict[str, str]]) -> None:
-    limit = state.max_prompt_chars
+def _truncation(state: ServerState, data: Any) -> int | None:
+    """The tokens a valid truncate_prompt_tokens keeps, from the undecoded body; else None."""
+    keep = data.get("truncate_prompt_tokens") if isinstance(data, dict) else None
+    if type(keep) is not int or not (keep == -1 or keep >= 1):
+        return None
+    return state.engine.max_model_len if keep == -1 else keep
+
+
+def _check_chat_size(state: ServerState, messages: list[dict[str, str]], truncating: bool = False) -> None:
+    limit = None if truncating else state.max_prompt_chars  # the rendered chat is cut to size later
     size = sum(len(m["content"]) for m in messages)
     if limit is not None and size > limit:
         raise bad_request(f"the messages ({size} characters) cannot fit the maximum model length of "

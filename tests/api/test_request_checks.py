@@ -122,3 +122,23 @@ def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():
     tokenizer.set_chat_template("{% for m in messages %}{{ m.missing | tojson }}{% endfor %}")  # Undefined: a TypeError
     with pytest.raises(ChatTemplateError, match="chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# --- prompt size --------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [[5] * (4 * MAX_MODEL_LEN), [[5] * (4 * MAX_MODEL_LEN), [6] * 3],
+                                    "hello " * 100_000], ids=["token ids", "several", "text"])
+def test_truncate_prompt_tokens_applies_before_the_size_check(http, prompt):
+    body = {"prompt": prompt, "max_tokens": 2, "truncate_prompt_tokens": 100}
+    response = http.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    counts = [100, 3] if isinstance(prompt[0], list) else [100]
+    assert response.json()["usage"]["prompt_tokens"] == sum(counts)
+    too_long = http.post(COMPLETIONS, json={**body, "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+
+
+def test_truncate_prompt_tokens_applies_before_the_chat_size_check(http):
+    body = chat([{"role": "user", "content": "hello " * 100_000}], truncate_prompt_tokens=50)
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 50
