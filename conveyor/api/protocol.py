@@ -9,6 +9,7 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +23,9 @@ MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI; sample seeds add their index
 
 _ABSENT = object()
+# ASCII only (\d takes other scripts' digits); 19 digits at most, past any vocabulary and far
+# below int()'s 4,300-digit limit.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 def _valid_unicode(text: str) -> str:
@@ -158,13 +162,14 @@ class _Sampling(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def logit_bias_ids(self) -> dict[int, float]:
-        """OpenAI sends token ids as JSON object keys, so as strings."""
+        """OpenAI sends token ids as JSON object keys, so as strings: plain decimal digits without a
+        leading zero only, so that no two keys name one token (int() also takes "05", "+5", "1_000")."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise bad_request(f"logit_bias keys must be token ids in plain decimal digits, got {key[:24]!r}",
+                                  param="logit_bias")
+            bias[int(key)] = value
         return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,

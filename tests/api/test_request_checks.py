@@ -142,3 +142,18 @@ def test_truncate_prompt_tokens_applies_before_the_chat_size_check(http):
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == 50
+
+
+# --- logit_bias -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [{"5": 1, "05": 2}, {"05": 1}, {"1_000": 1}, {"+5": 1}, {" 5 ": 1}, {"-1": 1},
+                                  {"٥": 1}, {"": 1}, {"9" * 5000: 1}],
+                         ids=["same token twice", "leading zero", "underscore", "plus", "spaces", "negative",
+                              "non-ASCII digit", "empty", "past int()'s digit limit"])
+def test_a_logit_bias_key_that_is_not_a_plain_token_id_is_a_400(http, bias):
+    error = error_of(http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "logit_bias": bias}))
+    assert error["param"] == "logit_bias"
+
+
+def test_plain_logit_bias_keys_are_taken(http):
+    response = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {"0": 1, "1000": -1}})
+    assert response.status_code == 200, response.text
