@@ -157,3 +157,56 @@ def test_a_logit_bias_key_that_is_not_a_plain_token_id_is_a_400(http, bias):
 def test_plain_logit_bias_keys_are_taken(http):
     response = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {"0": 1, "1000": -1}})
     assert response.status_code == 200, response.text
+
+
+# --- structured outputs and tools ---------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"json_schema": {"schema": SCHEMA}}}, "response_format.type"),
+    ({"response_format": {"type": None, "json_schema": {"schema": SCHEMA}}}, "response_format.type"),
+    ({"response_format": {}}, "response_format.type"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}, "strict": True}},
+     "response_format.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "schema_": 1}}},
+     "response_format.json_schema.schema_"),
+    ({"structured_outputs": {"jsn": SCHEMA}}, "structured_outputs.jsn"),
+    ({"structured_outputs": {"json": SCHEMA, "foo": 1}}, "structured_outputs.foo"),
+    ({"tools": [{**TOOL, "extra": 1}]}, "tools.0.extra"),
+    ({"tools": [{**TOOL, "function": {**TOOL["function"], "params": {}}}]}, "tools.0.function.params"),
+    ({"tools": [{**TOOL, "function": {**TOOL["function"], "strict": "false"}}], "tool_choice": "required"},
+     "tools.0.function.strict"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}, "x": 1}}, "tool_choice.x"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}},
+     "tool_choice.function.arguments"),
+], ids=["json_schema without type", "type null", "empty", "text with a schema", "json_object with json_schema",
+        "unknown key", "unknown json_schema key", "structured_outputs typo", "structured_outputs extra key",
+        "tool key", "function key", "strict not a boolean", "tool_choice key", "tool_choice.function key"])
+def test_a_structured_output_or_tool_field_nothing_reads_is_a_400(http, fields, param):
+    assert error_of(http.post(CHAT, json=chat([{"role": "user", "content": "x"}], **fields)))["param"] == param
+
+
+def test_openais_own_structured_output_and_tool_keys_are_read():
+    from conveyor.api.protocol import ChatCompletionRequest, parse
+    from conveyor.api.structured import requested_grammar
+    from conveyor.api.tools import plan_tools
+    from conveyor.structured.spec import GrammarSpec
+
+    def grammar(**fields: Any) -> Any:
+        return requested_grammar(parse(ChatCompletionRequest, chat([{"role": "user", "content": "x"}], **fields)))
+
+    described = {"name": "n", "description": "d", "schema": SCHEMA, "strict": False}
+    assert grammar(response_format={"type": "json_schema", "json_schema": described}) == (
+        GrammarSpec.json_schema(SCHEMA), "response_format.json_schema.schema")
+    # llama.cpp's server's spelling: a json_object constrained to the schema, not just any object.
+    assert grammar(response_format={"type": "json_object", "schema": SCHEMA}) == (
+        GrammarSpec.json_schema(SCHEMA), "response_format.schema")
+    assert grammar(response_format={"type": "json_object"}) == (GrammarSpec.json_object(), "response_format")
+    assert grammar(response_format={"type": "text"}) is None
+    tool = {"type": "function", "function": {**TOOL["function"], "description": "d", "strict": True}}
+    plan = plan_tools([tool], {"type": "function", "function": {"name": "f"}})
+    assert plan is not None and plan.mode == "named" and plan.spec is not None
