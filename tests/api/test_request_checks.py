@@ -14,6 +14,7 @@ from conveyor.api.metrics import Metrics
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.sampling.outputs import SamplerOutput
 from tests.fakes import FakeRunner
 
 COMPLETIONS, CHAT, TOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize"
@@ -39,9 +40,23 @@ def _tokenizer() -> Any:
         pytest.skip(str(exc))
 
 
+class BlockingRunner(FakeRunner):
+    """Reports every request whose prompt starts with BLOCKED as left without an allowed token at
+    its third output token, as the sampler does when its constraints clash."""
+
+    def execute(self, out: Any, stats: Any) -> SamplerOutput:
+        sampled = super().execute(out, stats)
+        requests = out.sampling_requests()
+        blocked = [i for i, r in enumerate(requests) if r.prompt_token_ids[0] == BLOCKED and len(r.output_token_ids) == 2]
+        return SamplerOutput(sampled.tokens, blocked=blocked or None)
+
+
+BLOCKED = 7
+
+
 def _client(tokenizer: Any) -> Iterator[TestClient]:
     config = EngineConfig.from_kwargs(max_num_seqs=4)
-    engine = LLMEngine(config, FakeRunner(tokenizer.vocab_size), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
+    engine = LLMEngine(config, BlockingRunner(tokenizer.vocab_size), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
                        vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids)
     state = ServerState(AsyncEngine(engine), ["m"], Metrics("m"))
     with TestClient(build_app(state)) as http:
@@ -210,3 +225,37 @@ def test_openais_own_structured_output_and_tool_keys_are_read():
     tool = {"type": "function", "function": {**TOOL["function"], "description": "d", "strict": True}}
     plan = plan_tools([tool], {"type": "function", "function": {"name": "f"}})
     assert plan is not None and plan.mode == "named" and plan.spec is not None
+
+
+# --- constraints that leave no token ------------------------------------------------------------------
+@pytest.mark.parametrize("fields,param", [
+    ({"allowed_token_ids": [28120], "bad_words": ["hello"]}, "allowed_token_ids"),  # 28120 is "hello"
+    ({"allowed_token_ids": [2], "min_tokens": 2}, "min_tokens"),  # 2 is EOS
+    ({"allowed_token_ids": [5, 6], "stop_token_ids": [5, 6], "min_tokens": 1}, "min_tokens"),
+], ids=["bad_words bans the only allowed token", "only EOS before min_tokens", "only stop tokens"])
+def test_constraints_that_clash_up_front_are_a_400(http, fields, param):
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 1, **fields}
+    assert error_of(http.post(COMPLETIONS, json=body))["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_left_without_an_allowed_token_ends_with_a_400_and_spares_the_others(http, stream):
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain = {"prompt": [8, 9], "max_tokens": 6, "temperature": 0}
+    stuck = {"prompt": [BLOCKED, 9], "max_tokens": 6, "allowed_token_ids": [1, 2, 3], "stream": stream}
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(http.post, COMPLETIONS, json=plain)
+        response = http.post(COMPLETIONS, json=stuck)
+        assert other.result().status_code == 200 and other.result().json()["usage"]["completion_tokens"] == 6
+    if not stream:
+        error = error_of(response)
+    else:
+        assert response.status_code == 200  # the first tokens went out before the clash
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        assert len([e for e in events if "choices" in e]) == 2
+        error = events[-1]["error"]
+    assert error["code"] == "no_allowed_token" and error["param"] == "allowed_token_ids"
+    assert "output token 3" in error["message"]
