@@ -259,3 +259,22 @@ def test_a_request_left_without_an_allowed_token_ends_with_a_400_and_spares_the_
         error = events[-1]["error"]
     assert error["code"] == "no_allowed_token" and error["param"] == "allowed_token_ids"
     assert "output token 3" in error["message"]
+
+
+# --- min_tokens -----------------------------------------------------------------------------------
+def test_a_stop_string_does_not_end_the_output_before_min_tokens(http):
+    body = {"prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    free = http.post(COMPLETIONS, json=body).json()["choices"][0]
+    stop = free["text"][:1]  # in the first token's text, so it would end the output at once
+    stopped = http.post(COMPLETIONS, json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) == 1
+    held = http.post(COMPLETIONS, json={**body, "stop": [stop], "min_tokens": 6}).json()
+    assert held["usage"]["completion_tokens"] >= 6
+    assert held["choices"][0]["token_ids"][:6] == free["token_ids"][:6]
+
+
+@pytest.mark.parametrize("field,value", [("min_tokens", 5), ("ignore_eos", True)])
+@pytest.mark.parametrize("constraint", [{"guided_regex": "a"}, {"response_format": {"type": "json_object"}}])
+def test_min_tokens_or_ignore_eos_with_a_grammar_is_a_400(http, field, value, constraint):
+    body = chat([{"role": "user", "content": "x"}], max_tokens=8, **{field: value}, **constraint)
+    assert error_of(http.post(CHAT, json=body))["param"] == field
