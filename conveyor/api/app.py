@@ -330,9 +330,12 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
             known = ", ".join(sorted(tokenizer.template_variables())) or "none"
             raise bad_request(f"chat_template_kwargs: the chat template does not read {unknown[:5]} (it reads: "
                               f"{known})", param="chat_template_kwargs")
-        render = functools.partial(tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, **variables)
-        text = render(**({"tools": tools.tools} if tools else {}))
+        chat = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, **variables)
+        render = functools.partial(chat, messages)
+        with_tools = {"tools": tools.tools} if tools else {}
+        text = render(**with_tools)
+        _check_fields_rendered(messages, text, lambda changed: chat(changed, **with_tools))
         if tools is not None and tools.mode == "auto" and text == render():
             raise bad_request("tool_choice 'auto' needs a chat template that renders the tools, and this model's "
                               "does not: start the server with --chat-template FILE (e.g. examples/"
@@ -341,6 +344,28 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Message fields a chat template may or may not render. tool_call_id is not among them: OpenAI
+# requires it on a tool message, to link it to its call, whether or not the model sees it.
+_TEMPLATE_FIELDS = ("name", "tool_calls")
+
+
+def _check_fields_rendered(messages: list[dict[str, Any]], text: str, render: Any) -> None:
+    """A 400 naming messages.N.FIELD for a field the chat template drops (the text is the same
+    without it), as a chat_template_kwargs name it never reads. One render per role and field
+    sent, not per message: a template renders a field for a role or not at all."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, message in enumerate(messages):
+        for key in _TEMPLATE_FIELDS:
+            if key in message:
+                groups.setdefault((message["role"], key), []).append(i)
+    for (role, key), where in groups.items():
+        without = [{k: v for k, v in m.items() if k != key} if i in where else m for i, m in enumerate(messages)]
+        if render(without) == text:
+            raise bad_request(f"messages.{where[0]}.{key}: this model's chat template does not render {key} on "
+                              f"{role} messages, so the model would never see it (start the server with "
+                              "--chat-template FILE to use it)", param=f"messages.{where[0]}.{key}")
 
 
 def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:

@@ -319,6 +319,7 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         _check_continuation(self)
+        _check_tool_fields(self.messages)
         return self
 
     @property
@@ -352,7 +353,22 @@ class TokenizeChatRequest(_Strict):
     @model_validator(mode="after")
     def _continuation(self) -> "TokenizeChatRequest":
         _check_continuation(self)
+        _check_tool_fields(self.messages)
         return self
+
+
+def _check_tool_fields(messages: list[ChatMessage]) -> None:
+    """As OpenAI: calls are made by assistant turns and answered by tool turns naming the call."""
+    for i, message in enumerate(messages):
+        if message.tool_calls is not None and message.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls: only assistant messages make tool calls, not "
+                              f"{message.role}", param=f"messages.{i}.tool_calls")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise bad_request(f"messages.{i}.tool_call_id: only tool messages answer a tool call, not "
+                              f"{message.role}", param=f"messages.{i}.tool_call_id")
+        if message.role == "tool" and message.tool_call_id is None:
+            raise bad_request(f"messages.{i}.tool_call_id is required on a tool message",
+                              param=f"messages.{i}.tool_call_id")
 
 
 def _check_continuation(request: ChatCompletionRequest | TokenizeChatRequest) -> None:

@@ -278,3 +278,37 @@ def test_a_stop_string_does_not_end_the_output_before_min_tokens(http):
 def test_min_tokens_or_ignore_eos_with_a_grammar_is_a_400(http, field, value, constraint):
     body = chat([{"role": "user", "content": "x"}], max_tokens=8, **{field: value}, **constraint)
     assert error_of(http.post(CHAT, json=body))["param"] == field
+
+
+# --- message fields the chat template drops ------------------------------------------------------
+USER = {"role": "user", "content": "x"}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+ANSWER = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{**USER, "name": "ann"}], "messages.0.name"),  # SmolLM2's and Qwen's templates ignore it
+    ([USER, {"role": "assistant", "content": "y", "name": "bot"}], "messages.1.name"),
+    ([USER, CALLED, ANSWER], "messages.1.tool_calls"),  # SmolLM2's renders no calls
+    ([{**USER, "tool_calls": [CALL]}], "messages.0.tool_calls"),
+    ([{**USER, "tool_call_id": "call_1"}], "messages.0.tool_call_id"),
+    ([USER, CALLED, {"role": "tool", "content": "42"}], "messages.2.tool_call_id"),
+], ids=["user name", "assistant name", "tool calls", "tool calls on a user message",
+        "tool_call_id on a user message", "tool message without tool_call_id"])
+@pytest.mark.parametrize("path", [CHAT, TOKENIZE])
+def test_a_message_field_that_cannot_reach_the_model_is_a_400(http, path, messages, param):
+    body = {"messages": messages}
+    assert error_of(http.post(path, json=body))["param"] == param
+
+
+def test_message_fields_the_template_renders_are_taken(tool_http):
+    # It renders tool calls (and tool turns' content; their tool_call_id links them, as OpenAI requires).
+    assert tool_http.post(TOKENIZE, json={"messages": [USER, CALLED, ANSWER]}).status_code == 200
+    assert error_of(tool_http.post(TOKENIZE, json={"messages": [{**USER, "name": "ann"}]}))["param"] == \
+        "messages.0.name"
+    named = "{% for m in messages %}{{ m.get('name', '') }}: {{ m.content }}\n{% endfor %}"
+    tokenizer = _tokenizer()
+    tokenizer.set_chat_template(named)
+    for http in _client(tokenizer):
+        response = http.post(TOKENIZE, json={"messages": [{**USER, "name": "ann"}, {**USER, "name": "bob"}]})
+        assert response.status_code == 200, response.text
