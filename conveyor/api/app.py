@@ -31,6 +31,8 @@ from conveyor.api.schema import (
     DetokenizeResponse,
     Health,
     METRICS_RESPONSES,
+    MODEL_ERRORS,
+    ModelCard,
     ModelList,
     ServedLimits,
     TokenizeResponse,
@@ -107,14 +109,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
+                "max_model_len": state.engine.max_model_len}
+
     @v1.get("/models", response_model=ModelList, responses=V1_ERRORS)
     async def models() -> dict[str, Any]:
-        data = [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
-             "max_model_len": state.engine.max_model_len}
-            for name in state.model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
+
+    @v1.get("/models/{model:path}", response_model=ModelCard, responses=MODEL_ERRORS)
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-model endpoint (a path: served names may hold slashes)."""
+        _check_model(state, model)
+        return card(model)
 
     @v1.post("/completions", responses=generation_responses(CompletionResponse))
     async def completions(request: Request) -> Response:

@@ -143,6 +143,7 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
 TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
     key: GENERATION_ERRORS[key] for key in (401, 400, 404, 413)
 }
+MODEL_ERRORS: dict[int | str, dict[str, Any]] = {key: GENERATION_ERRORS[key] for key in (401, 404)}
 
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

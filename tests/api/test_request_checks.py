@@ -312,3 +312,10 @@ def test_message_fields_the_template_renders_are_taken(tool_http):
     for http in _client(tokenizer):
         response = http.post(TOKENIZE, json={"messages": [{**USER, "name": "ann"}, {**USER, "name": "bob"}]})
         assert response.status_code == 200, response.text
+
+
+def test_a_served_model_can_be_retrieved_by_name(http):
+    listed = http.get("/v1/models").json()["data"][0]
+    assert http.get("/v1/models/m").json() == listed
+    missing = http.get("/v1/models/gpt-17")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
