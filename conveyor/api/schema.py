@@ -338,6 +338,15 @@ def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
         _chat_limits(schemas[name], limits)
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         _set(schemas[name]["properties"], "model", enum=list(limits.model_names))
+    if "ChatMessage" in schemas:
+        # Assistant turns make tool calls, tool turns answer one by its id (OpenAI's rules).
+        absent = {"type": "null"}
+        schemas["ChatMessage"]["anyOf"] = [
+            {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": absent,
+                            "tool_call_id": absent}},
+            {"properties": {"role": {"const": "assistant"}, "tool_call_id": absent}},
+            {"properties": {"role": {"const": "tool"}, "tool_calls": absent, "tool_call_id": {"type": "string"}},
+             "required": ["tool_call_id"]}]
     if limits.vocab_size is not None:
         schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {
             "type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
