@@ -45,8 +45,10 @@ def build(loaded, batch: int, constrained: bool, max_tokens: int) -> LLMEngine: 
     for i in range(batch):
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": f"List people who like {TOPICS[i % len(TOPICS)]}, as JSON."}])
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                structured=spec if constrained and i % 2 == 1 else None)
+        structured = spec if constrained and i % 2 == 1 else None
+        # A constrained request ends with its grammar (ignore_eos cannot hold it past that); the others run on.
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=structured is None,
+                                structured=structured)
         engine.add_request(prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()  # prefill (and the first token)

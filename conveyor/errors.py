@@ -14,6 +14,12 @@ class InvalidRequestError(ConveyorError, ValueError):
         self.param = param
 
 
+class NoAllowedTokenError(InvalidRequestError):
+    """At some step the request's constraints together (allowed_token_ids, bad words, min_tokens,
+    its grammar) left no token to sample: the request ends with this error (finish_reason "error")
+    rather than with a token that breaks them. The other requests of the batch go on."""
+
+
 class ModelLoadError(ConveyorError):
     """A model path or name that cannot be resolved or read."""
 

@@ -31,6 +31,8 @@ from conveyor.api.schema import (
     DetokenizeResponse,
     Health,
     METRICS_RESPONSES,
+    MODEL_ERRORS,
+    ModelCard,
     ModelList,
     ServedLimits,
     TokenizeResponse,
@@ -107,14 +109,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
+                "max_model_len": state.engine.max_model_len}
+
     @v1.get("/models", response_model=ModelList, responses=V1_ERRORS)
     async def models() -> dict[str, Any]:
-        data = [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
-             "max_model_len": state.engine.max_model_len}
-            for name in state.model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
+
+    @v1.get("/models/{model:path}", response_model=ModelCard, responses=MODEL_ERRORS)
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-model endpoint (a path: served names may hold slashes)."""
+        _check_model(state, model)
+        return card(model)
 
     @v1.post("/completions", responses=generation_responses(CompletionResponse))
     async def completions(request: Request) -> Response:
@@ -143,7 +150,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(ChatCompletionRequest, await _read_json(request, state))
         _check_model(state, body.model)
         messages = [m.as_template_input() for m in body.messages]
-        _check_chat_size(state, messages)
+        _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
         tools = plan_tools(body.tools, body.tool_choice)
         asked = requested_grammar(body)
         if tools is not None and tools.spec is not None and asked is not None:
@@ -279,24 +286,35 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
 def _check_prompt_sizes(state: ServerState, data: Any) -> None:
     """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
     validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
-    than the most characters that many tokens can hold."""
+    than the most characters that many tokens can hold. Measured after truncate_prompt_tokens, as
+    vLLM truncates first: a text is then not bounded here (the body limit bounds it)."""
     prompt = data.get("prompt") if isinstance(data, dict) else None
+    keep = _truncation(state, data)
     if isinstance(prompt, (str, list)):
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         for item in items:
             if isinstance(item, str):
-                limit, unit = state.max_prompt_chars, "characters"
+                limit, unit = (None if keep else state.max_prompt_chars), "characters"
             elif isinstance(item, list):
                 limit, unit = state.capacity - 1, "tokens"  # at least one token to generate
             else:
                 continue
-            if limit is not None and len(item) > limit:
-                raise bad_request(f"the prompt ({len(item)} {unit}) cannot fit the maximum model length of "
+            size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item)
+            if limit is not None and size > limit:
+                raise bad_request(f"the prompt ({size} {unit}) cannot fit the maximum model length of "
                                   f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")
 
 
-def _check_chat_size(state: ServerState, messages: list[dict[str, str]]) -> None:
-    limit = state.max_prompt_chars
+def _truncation(state: ServerState, data: Any) -> int | None:
+    """The tokens a valid truncate_prompt_tokens keeps, from the undecoded body; else None."""
+    keep = data.get("truncate_prompt_tokens") if isinstance(data, dict) else None
+    if type(keep) is not int or not (keep == -1 or keep >= 1):
+        return None
+    return state.engine.max_model_len if keep == -1 else keep
+
+
+def _check_chat_size(state: ServerState, messages: list[dict[str, str]], truncating: bool = False) -> None:
+    limit = None if truncating else state.max_prompt_chars  # the rendered chat is cut to size later
     size = sum(len(m["content"]) for m in messages)
     if limit is not None and size > limit:
         raise bad_request(f"the messages ({size} characters) cannot fit the maximum model length of "
@@ -319,9 +337,12 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
             known = ", ".join(sorted(tokenizer.template_variables())) or "none"
             raise bad_request(f"chat_template_kwargs: the chat template does not read {unknown[:5]} (it reads: "
                               f"{known})", param="chat_template_kwargs")
-        render = functools.partial(tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, **variables)
-        text = render(**({"tools": tools.tools} if tools else {}))
+        chat = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, **variables)
+        render = functools.partial(chat, messages)
+        with_tools = {"tools": tools.tools} if tools else {}
+        text = render(**with_tools)
+        _check_fields_rendered(messages, text, lambda changed: chat(changed, **with_tools))
         if tools is not None and tools.mode == "auto" and text == render():
             raise bad_request("tool_choice 'auto' needs a chat template that renders the tools, and this model's "
                               "does not: start the server with --chat-template FILE (e.g. examples/"
@@ -330,6 +351,28 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Message fields a chat template may or may not render. tool_call_id is not among them: OpenAI
+# requires it on a tool message, to link it to its call, whether or not the model sees it.
+_TEMPLATE_FIELDS = ("name", "tool_calls")
+
+
+def _check_fields_rendered(messages: list[dict[str, Any]], text: str, render: Any) -> None:
+    """A 400 naming messages.N.FIELD for a field the chat template drops (the text is the same
+    without it), as a chat_template_kwargs name it never reads. One render per role and field
+    sent, not per message: a template renders a field for a role or not at all."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, message in enumerate(messages):
+        for key in _TEMPLATE_FIELDS:
+            if key in message:
+                groups.setdefault((message["role"], key), []).append(i)
+    for (role, key), where in groups.items():
+        without = [{k: v for k, v in m.items() if k != key} if i in where else m for i, m in enumerate(messages)]
+        if render(without) == text:
+            raise bad_request(f"messages.{where[0]}.{key}: this model's chat template does not render {key} on "
+                              f"{role} messages, so the model would never see it (start the server with "
+                              "--chat-template FILE to use it)", param=f"messages.{where[0]}.{key}")
 
 
 def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:

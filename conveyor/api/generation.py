@@ -197,7 +197,7 @@ class Generation:
                 for j in range(self.n):
                     p = self.params
                     detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
-                                                   getattr(p, "skip_special_tokens", True))
+                                                   getattr(p, "skip_special_tokens", True), getattr(p, "min_tokens", 0))
                     choice = Choice(i * self.n + j, detok, self.num_logprobs, tokens_as_ids=self.tokens_as_ids)
                     if echo is not None:
                         choice.echo, choice.echo_ids = echo[i], list(prompt)

@@ -43,11 +43,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def decode_json(raw: bytes) -> Any:
-    """The decoded body, or a 400: malformed JSON, invalid UTF-8, or nesting too deep to decode
-    (the decoder hits Python's recursion limit) with the field it is under as `param`."""
+    """The decoded body, or a 400: malformed JSON, invalid UTF-8, an integer longer than Python
+    converts (4,300 digits), or nesting too deep to decode (the decoder hits Python's recursion
+    limit) with the field it is under as `param`."""
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit are all ValueErrors
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         pass

@@ -9,6 +9,7 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +23,9 @@ MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI; sample seeds add their index
 
 _ABSENT = object()
+# ASCII only (\d takes other scripts' digits); 19 digits at most, past any vocabulary and far
+# below int()'s 4,300-digit limit.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 def _valid_unicode(text: str) -> str:
@@ -158,13 +162,14 @@ class _Sampling(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def logit_bias_ids(self) -> dict[int, float]:
-        """OpenAI sends token ids as JSON object keys, so as strings."""
+        """OpenAI sends token ids as JSON object keys, so as strings: plain decimal digits without a
+        leading zero only, so that no two keys name one token (int() also takes "05", "+5", "1_000")."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise bad_request(f"logit_bias keys must be token ids in plain decimal digits, got {key[:24]!r}",
+                                  param="logit_bias")
+            bias[int(key)] = value
         return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
@@ -232,11 +237,24 @@ class ContentPart(_Strict):
     text: Text
 
 
+class ToolCallFunction(_Strict):
+    name: Text = Field(min_length=1)
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made: templates read these fields (and choke on others)."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn answering one
 
     unsupported = {"function_call": (None,), "audio": (None,),
@@ -258,7 +276,9 @@ class ChatMessage(_Strict):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
@@ -299,6 +319,7 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         _check_continuation(self)
+        _check_tool_fields(self.messages)
         return self
 
     @property
@@ -332,7 +353,22 @@ class TokenizeChatRequest(_Strict):
     @model_validator(mode="after")
     def _continuation(self) -> "TokenizeChatRequest":
         _check_continuation(self)
+        _check_tool_fields(self.messages)
         return self
+
+
+def _check_tool_fields(messages: list[ChatMessage]) -> None:
+    """As OpenAI: calls are made by assistant turns and answered by tool turns naming the call."""
+    for i, message in enumerate(messages):
+        if message.tool_calls is not None and message.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls: only assistant messages make tool calls, not "
+                              f"{message.role}", param=f"messages.{i}.tool_calls")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise bad_request(f"messages.{i}.tool_call_id: only tool messages answer a tool call, not "
+                              f"{message.role}", param=f"messages.{i}.tool_call_id")
+        if message.role == "tool" and message.tool_call_id is None:
+            raise bad_request(f"messages.{i}.tool_call_id is required on a tool message",
+                              param=f"messages.{i}.tool_call_id")
 
 
 def _check_continuation(request: ChatCompletionRequest | TokenizeChatRequest) -> None:

@@ -14,10 +14,10 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conveyor.api.errors import INTERNAL_ERROR, APIError, server_error, unavailable
+from conveyor.api.errors import INTERNAL_ERROR, APIError, bad_request, server_error, unavailable
 from conveyor.api.detokenizer import token_text
 from conveyor.api.generation import Choice, Generation, TokenLogprob, finite, take_token_ids
-from conveyor.errors import EngineStoppedError, RequestFailedError
+from conveyor.errors import EngineStoppedError, NoAllowedTokenError, RequestFailedError
 
 log = logging.getLogger("conveyor.api")
 
@@ -28,6 +28,8 @@ def failure(gen: Generation) -> APIError:
     error = gen.error
     if isinstance(error, EngineStoppedError):
         return unavailable("the server is shutting down", code="shutting_down")
+    if isinstance(error, NoAllowedTokenError):  # the request's own constraints, its text made by the engine
+        return bad_request(str(error), param=error.param, code="no_allowed_token")
     log.error("%s failed: %r", gen.id, error)
     if isinstance(error, RequestFailedError):
         return server_error("this request failed inside the engine and was removed from the batch; "

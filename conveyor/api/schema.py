@@ -143,6 +143,7 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
 TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
     key: GENERATION_ERRORS[key] for key in (401, 400, 404, 413)
 }
+MODEL_ERRORS: dict[int | str, dict[str, Any]] = {key: GENERATION_ERRORS[key] for key in (401, 404)}
 
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -254,13 +255,16 @@ def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
     for alt in _choices(props["guided_json"]):
         if alt.get("type") == "string":
             alt["minLength"] = 1
-    json_schema = {"type": "object", "required": ["schema"],
-                   "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
-                                  "strict": {"type": ["boolean", "null"]}}}
-    _set(props, "response_format", properties={"type": {"enum": ["text", "json_object", "json_schema"]},
-                                               "json_schema": json_schema},
-         dependentSchemas={"type": {"anyOf": [{"properties": {"type": {"not": {"const": "json_schema"}}}},
-                                              {"required": ["json_schema"]}]}})
+    json_schema = {"type": "object", "required": ["schema"], "additionalProperties": False,
+                   "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                  "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}
+    # Each type with the keys it reads (llama.cpp's "schema" beside json_object), nothing else.
+    _set(props, "response_format", required=["type"], anyOf=[
+        {"properties": {"type": {"const": "text"}}, "additionalProperties": False},
+        {"properties": {"type": {"const": "json_object"}, "schema": {"type": ["object", "null"]}},
+         "additionalProperties": False},
+        {"properties": {"type": {"const": "json_schema"}, "json_schema": json_schema}, "required": ["json_schema"],
+         "additionalProperties": False}])
     _set(props, "structured_outputs", additionalProperties=False, maxProperties=1, properties={
         "json": {"type": ["object", "string"], "minLength": 1}, "regex": {"type": "string", "minLength": 1},
         "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
@@ -296,14 +300,16 @@ def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         _set(props, "max_completion_tokens", maximum=limits.capacity - 1)
         _describe(props, "stream_options", "only with stream: true")
         _describe(props, "top_logprobs", "needs logprobs: true")
-        function = {"type": "object", "required": ["name"],
-                    "properties": {"name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}
-        _set(props, "tools", items={"type": "object", "required": ["type", "function"],
+        function = {"type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                                   "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}
+        _set(props, "tools", items={"type": "object", "required": ["type", "function"], "additionalProperties": False,
                                     "properties": {"type": {"const": "function"}, "function": function}})
         _describe(props, "tools", "functions with distinct names")
-        named = {"type": "object", "required": ["type", "function"],
+        named = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
                  "properties": {"type": {"const": "function"}, "function": {
-                     "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+                     "type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string"}}}}}
         modes = ["none", "required"] if limits.renders_tools is False else ["none", "auto", "required"]
         props["tool_choice"]["anyOf"] = [{"enum": modes}, named, {"type": "null"}]
         _describe(props, "tool_choice", "anything but 'none' needs tools, and a named function must be one of "
@@ -332,6 +338,15 @@ def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
         _chat_limits(schemas[name], limits)
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         _set(schemas[name]["properties"], "model", enum=list(limits.model_names))
+    if "ChatMessage" in schemas:
+        # Assistant turns make tool calls, tool turns answer one by its id (OpenAI's rules).
+        absent = {"type": "null"}
+        schemas["ChatMessage"]["anyOf"] = [
+            {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": absent,
+                            "tool_call_id": absent}},
+            {"properties": {"role": {"const": "assistant"}, "tool_call_id": absent}},
+            {"properties": {"role": {"const": "tool"}, "tool_calls": absent, "tool_call_id": {"type": "string"}},
+             "required": ["tool_call_id"]}]
     if limits.vocab_size is not None:
         schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {
             "type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}

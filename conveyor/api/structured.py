@@ -2,12 +2,13 @@
 request reaches the engine.
 
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
-{"name", "schema", "strict"}}), vLLM's `structured_outputs` ({"json" | "regex" | "choice" |
+{"name", "description", "schema", "strict"}}; llama.cpp's {"type": "json_object", "schema": S}
+constrains to S), vLLM's `structured_outputs` ({"json" | "regex" | "choice" |
 "grammar" | "json_object": ...}) and vLLM's older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar`. At most one may be given; a schema, regex or grammar that does not compile is a
-400 naming the field it came from. The output is always constrained, as vLLM does; `strict: true`
-also closes every object to the properties it lists (OpenAI's strict mode) unless the schema sets
-`additionalProperties` itself.
+400 naming the field it came from, and so is a key none of these defines. The output is always
+constrained, as vLLM does; `strict: true` also closes every object to the properties it lists
+(OpenAI's strict mode) unless the schema sets `additionalProperties` itself.
 """
 from __future__ import annotations
 
@@ -40,19 +41,39 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
     raise bad_request(f"{param}: unknown kind {kind!r}", param=param)
 
 
-def _from_response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
+def refuse_unknown_keys(obj: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """A 400 naming `where.key` for a key nothing reads: it would be ignored without a word (a
+    typo, another server's option)."""
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        raise bad_request(f"{where}.{unknown[0]} is not a known field (known: {', '.join(known)})",
+                          param=f"{where}.{unknown[0]}")
+
+
+def _from_response_format(fmt: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
+    """(spec, the field it came from), or None for type "text". llama.cpp's server's
+    {"type": "json_object", "schema": S} is honoured as S."""
     kind = fmt.get("type")
-    if kind in (None, "text"):
+    if kind is None:
+        raise bad_request("response_format.type is required: 'text', 'json_object' or 'json_schema'",
+                          param="response_format.type")
+    if kind == "text":
+        refuse_unknown_keys(fmt, ("type",), "response_format")
         return None
     if kind == "json_object":
-        return GrammarSpec.json_object()
+        refuse_unknown_keys(fmt, ("type", "schema"), "response_format")
+        if fmt.get("schema") is None:
+            return GrammarSpec.json_object(), "response_format"
+        return _spec("json", fmt["schema"], "response_format.schema"), "response_format.schema"
     if kind != "json_schema":
         raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                           param="response_format.type")
+    refuse_unknown_keys(fmt, ("type", "json_schema"), "response_format")
     body = fmt.get("json_schema")
     if not isinstance(body, dict):
         raise bad_request("response_format.json_schema is required for type 'json_schema'",
                           param="response_format.json_schema")
+    refuse_unknown_keys(body, ("name", "description", "schema", "strict"), "response_format.json_schema")
     if "schema" not in body:
         raise bad_request("response_format.json_schema.schema is required", param="response_format.json_schema.schema")
     if not isinstance(body.get("strict", False), (bool, type(None))):
@@ -60,12 +81,13 @@ def _from_response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
                           param="response_format.json_schema.strict")
     param = "response_format.json_schema.schema"
     try:
-        return GrammarSpec.json_schema(body["schema"], strict=bool(body.get("strict")))
+        return GrammarSpec.json_schema(body["schema"], strict=bool(body.get("strict"))), param
     except InvalidRequestError as exc:
         raise bad_request(f"{param}: {exc}", param=param) from None
 
 
 def _from_structured_outputs(so: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
+    refuse_unknown_keys(so, _STRUCTURED_KINDS + _UNSUPPORTED_STRUCTURED_KEYS, "structured_outputs")
     for key in _UNSUPPORTED_STRUCTURED_KEYS:
         if so.get(key) not in (None, False, ""):
             raise bad_request(f"structured_outputs.{key} is not supported by this server",
@@ -85,10 +107,10 @@ def _from_structured_outputs(so: dict[str, Any]) -> tuple[GrammarSpec, str] | No
 def requested_grammar(body: Any) -> tuple[GrammarSpec, str] | None:
     """(spec, the field it came from) of a completions or chat request body, or None."""
     found: list[tuple[GrammarSpec, str]] = []
-    if body.response_format:
-        spec = _from_response_format(body.response_format)
-        if spec is not None:
-            found.append((spec, "response_format" if spec.kind == "json_object" else "response_format.json_schema.schema"))
+    if body.response_format is not None:
+        got = _from_response_format(body.response_format)
+        if got is not None:
+            found.append(got)
     if body.structured_outputs:
         got = _from_structured_outputs(body.structured_outputs)
         if got is not None:

@@ -24,6 +24,7 @@ from typing import Any
 from conveyor.api.errors import bad_request
 from conveyor.api.generation import Choice, TokenLogprob
 from conveyor.api.responses import ChatFormat, _chat_logprobs
+from conveyor.api.structured import refuse_unknown_keys
 from conveyor.errors import InvalidRequestError
 from conveyor.structured.spec import GrammarSpec, closed_objects
 
@@ -55,15 +56,22 @@ class ToolPlan:
 def _parameters(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise bad_request(f"tools.{i} must be {{'type': 'function', 'function': {{...}}}}", param=f"tools.{i}")
+    refuse_unknown_keys(tool, ("type", "function"), f"tools.{i}")
     function = tool["function"]
+    refuse_unknown_keys(function, ("name", "description", "parameters", "strict"), f"tools.{i}.function")
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"tools.{i}.function.name must be a non-empty string", param=f"tools.{i}.function.name")
+    if not isinstance(function.get("description", ""), (str, type(None))):
+        raise bad_request(f"tools.{i}.function.description must be a string", param=f"tools.{i}.function.description")
     params = function.get("parameters", _NO_PARAMETERS)
     if not isinstance(params, dict):
         raise bad_request(f"tools.{i}.function.parameters must be a JSON schema object",
                           param=f"tools.{i}.function.parameters")
-    return name, closed_objects(params) if function.get("strict") else params
+    strict = function.get("strict")
+    if not isinstance(strict, (bool, type(None))):  # "false" would be truthy
+        raise bad_request(f"tools.{i}.function.strict must be a boolean", param=f"tools.{i}.function.strict")
+    return name, closed_objects(params) if strict else params
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
@@ -85,6 +93,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
         return ToolPlan("required", tools, _schema_spec(schema, "tools"), "tools")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        refuse_unknown_keys(choice, ("type", "function"), "tool_choice")
+        refuse_unknown_keys(choice["function"], ("name",), "tool_choice.function")
         wanted = choice["function"].get("name")
         if wanted not in names:
             raise bad_request(f"tool_choice names the function {wanted!r}, which is not in tools",

@@ -23,9 +23,11 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+        """`min_tokens`: stop strings are not looked for until that many tokens are in (vLLM)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -59,6 +61,8 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> None:
         start = max(0, len(self.text) - self._longest + 1)  # a stop string may begin before the piece
         self.text += piece
+        if len(self.token_ids) < self.min_tokens:
+            return
         found = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:
             at, stop = min(found)

@@ -51,7 +51,7 @@ class LLM:
                 if key not in texts:
                     p = params_of[output.request_id]
                     texts[key] = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
-                                                        p.skip_special_tokens)
+                                                        p.skip_special_tokens, p.min_tokens)
                 detok = texts[key]
                 detok.add(output.new_token_ids)
                 if detok.stopped:  # the text reached a stop string: end the sample here, whatever else

@@ -16,7 +16,7 @@ from conveyor.control import SloController
 from conveyor.engine.tokenizer_protocol import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
-from conveyor.errors import ConfigError, InvalidRequestError, RequestFailedError
+from conveyor.errors import ConfigError, ConveyorError, InvalidRequestError, NoAllowedTokenError, RequestFailedError
 from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
@@ -196,6 +196,20 @@ class LLMEngine:
             if bad:
                 raise InvalidRequestError(f"{name}: token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}",
                                           param=name)
+        self._check_some_token_allowed(params)
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """Refuse constraints that leave no token from the start (what only shows later fails the
+        request at that step: _end_blocked)."""
+        if params.allowed_token_ids is None:
+            return
+        left = set(params.allowed_token_ids) - {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+        if not left:
+            raise InvalidRequestError("allowed_token_ids: bad_words bans every allowed token", param="allowed_token_ids")
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stopper.eos_token_ids)
+        if params.min_tokens > 0 and not left - held:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) holds back EOS and stop_token_ids, and "
+                                      "allowed_token_ids allows nothing else", param="min_tokens")
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         total = num_prompt + params.max_tokens
@@ -322,6 +336,9 @@ class LLMEngine:
         for parent, child in out.forks:
             self.grammars.fork(parent, child)
         sampled, out, outputs = self._execute_isolating(out, stats)
+        if sampled.blocked:
+            sampled, out, ended = self._end_blocked(sampled, out)
+            outputs += ended
         samplers = out.sampling_requests()
         t2 = self.clock()
         for request_id, scored in (sampled.prompt_logprobs or {}).items():
@@ -442,17 +459,39 @@ class LLMEngine:
         sampled = attempt(survivors, stats)
         if sampled is None:
             raise error
-        return sampled, survivors, [self._fail_group(group_id, error) for group_id in sorted(failed)]
+        return sampled, survivors, [self._fail_group(group_id, RequestFailedError(
+            f"request {group_id!r} failed inside the engine step and was removed from the batch "
+            f"({type(error).__name__}); the other requests were not affected")) for group_id in sorted(failed)]
 
-    def _fail_group(self, group_id: str, cause: BaseException) -> RequestOutput:
-        """Finish every sample of a request as failed (blocks freed); its final output."""
+    def _end_blocked(self, sampled: SamplerOutput,
+                     out: SchedulerOutput) -> tuple[SamplerOutput, SchedulerOutput, list[RequestOutput]]:
+        """Fail the requests whose constraints left no token this step (their sampled token would
+        break them), as failure isolation fails a request: the step's results without them, and
+        their final outputs. Samples of one request stand or fall together."""
+        samplers = out.sampling_requests()
+        errors: dict[str, NoAllowedTokenError] = {}
+        for i in sampled.blocked or ():
+            request = samplers[i]
+            errors.setdefault(request.group_id, _no_token_error(request))
+        keep = [i for i, r in enumerate(samplers) if r.group_id not in errors]
+
+        def kept(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in keep]
+
+        prompt_logprobs = {rid: scored for rid, scored in (sampled.prompt_logprobs or {}).items()
+                           if self.scheduler.requests[rid].group_id not in errors}
+        survivors = _only(out, {r.group_id for r, _ in out.scheduled} - set(errors))
+        kept_sampled = SamplerOutput(kept(sampled.tokens) or [], kept(sampled.logprobs), prompt_logprobs or None,
+                                     kept(sampled.num_accepted))
+        return kept_sampled, survivors, [self._fail_group(group_id, error) for group_id, error in errors.items()]
+
+    def _fail_group(self, group_id: str, error: ConveyorError) -> RequestOutput:
+        """Finish every sample of a request as failed with `error` (blocks freed); its final output."""
         request = next(r for r in self.scheduler.requests.values() if r.group_id == group_id)
         self.abort_request(group_id)
         output = self._output(request, [], None)
         output.finish_reason = "error"
-        output.error = RequestFailedError(
-            f"request {group_id!r} failed inside the engine step and was removed from the batch "
-            f"({type(cause).__name__}); the other requests were not affected")
+        output.error = error
         return output
 
     def _retire_sample(self, group_id: str) -> None:
@@ -482,6 +521,17 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens or 0,
         )
+
+
+def _no_token_error(request: Request) -> NoAllowedTokenError:
+    p = request.sampling_params
+    fields = [name for name, used in (("allowed_token_ids", p.allowed_token_ids is not None),
+                                      ("bad_words", bool(p.bad_words_token_ids)),
+                                      ("min_tokens", len(request.output_token_ids) < p.min_tokens)) if used]
+    names = ", ".join(fields + (["the structured-output grammar"] if p.structured is not None else []))
+    return NoAllowedTokenError(
+        f"no token satisfies the request's constraints together ({names}) at output token "
+        f"{len(request.output_token_ids) + 1}; the request was ended there", param=fields[0] if fields else None)
 
 
 def _only(out: SchedulerOutput, group_ids: set[str]) -> SchedulerOutput:

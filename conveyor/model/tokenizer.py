@@ -37,7 +37,8 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 class ChatTemplateError(ConveyorError, ValueError):
-    """The checkpoint has no chat template, or the one it has does not compile."""
+    """The checkpoint has no chat template, the one it has does not compile, or it failed on the
+    messages (a value of a shape it does not expect: the caller's to fix)."""
 
 
 @lru_cache(maxsize=1)
@@ -184,6 +185,8 @@ class Tokenizer:
             text: str = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate")
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+        except Exception as e:  # noqa: BLE001 - the template runs on the caller's values (tojson of Undefined: a TypeError)
+            raise ChatTemplateError(f"the chat template failed on the messages: {type(e).__name__}: {e}") from e
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             # The template may strip the content: look for it as given, then stripped.

@@ -251,12 +251,14 @@ class ModelRunner:
                                     + [False] * (h.shape[0] - num_sampling), dtype=torch.bool)
         logits = self.model.logits(h, sampled_rows)
         t2 = time.perf_counter()
+        masked_rows: list[int] = []
         if token_masks is not None:
             apply_token_masks(logits[:num_sampling], token_masks)
+            masked_rows = token_masks.rows
         if speculating:
-            sampled = self.sampler.verify(logits[:num_sampling], requests)
+            sampled = self.sampler.verify(logits[:num_sampling], requests, masked_rows)
         else:
-            sampled = self.sampler(logits[:num_sampling], requests) if num_sampling else SamplerOutput([])
+            sampled = self.sampler(logits[:num_sampling], requests, masked_rows) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
             sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
             if self.keep_free_bytes is not None and logits.nbytes > self.keep_free_bytes:

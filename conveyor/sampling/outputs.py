@@ -17,6 +17,9 @@ class SamplerOutput:
     # Per sampling request: how many of its speculative tokens the model accepted; `tokens` holds
     # the token sampled after them (None: no request verified any this step).
     num_accepted: list[int] | None = None
+    # Sampling requests (indices) whose row had no token left once masked (allowed_token_ids, bad
+    # words, min_tokens, a grammar): their token is meaningless and the request cannot go on.
+    blocked: list[int] | None = None
 
 
 def verify_rows(row_tokens: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:

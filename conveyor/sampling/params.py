@@ -45,7 +45,9 @@ class SamplingParams:
     distribution, before any of these.
 
     Stop strings (`stop`) are searched for where text is made (LLM.generate and the server's
-    detokenizer), never on the engine thread; the engine stops on token ids only.
+    detokenizer), never on the engine thread, and only from min_tokens tokens on (vLLM); the
+    engine stops on token ids only. A structured output ends with its grammar, so it takes
+    neither min_tokens nor ignore_eos.
     """
 
     max_tokens: int = 16
@@ -144,6 +146,13 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
+        # A complete grammar allows nothing more, so neither could be honoured past its end.
+        if self.structured is not None and self.min_tokens > 0:
+            raise InvalidRequestError("min_tokens cannot be combined with a structured output (a complete grammar "
+                                      "allows no more tokens)", param="min_tokens")
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with a structured output (a complete grammar "
+                                      "allows no more tokens)", param="ignore_eos")
         bad = [t for t, b in self.logit_bias.items() if t < 0 or not -_MAX_LOGIT_BIAS <= b <= _MAX_LOGIT_BIAS]
         if bad:
             raise InvalidRequestError(

@@ -39,6 +39,7 @@ CONTENT_DEPENDENT = [
     (r"guided_\w+|response_format\.json_schema\.schema|structured_outputs\.\w+|tools\.\d+\.function\.parameters",
      r"."),  # a JSON schema, regex or grammar that does not compile
     (r"messages", r"chat template rejected the messages"),
+    (r"messages\.\d+\.(name|tool_calls)", r"does not render"),  # a field the chat template drops
     (r"continue_final_message", r"does not appear in the rendered chat"),
     (r"bad_words", r"tokens in all"),
     (r"min_tokens", r"max_tokens"),  # described: at most max_tokens

@@ -207,3 +207,13 @@ def test_build_raises_the_factorys_error_and_a_never_started_engine_stops():
     engine = AsyncEngine.build(lambda: LLMEngine(config, FakeRunner(), num_kv_blocks=8, max_model_len=32, vocab_size=100))
     engine.stop(timeout=5)
     assert not engine._thread.is_alive()
+
+
+def test_stop_strings_are_not_looked_for_before_min_tokens():
+    detok = IncrementalDetokenizer(ByteTokenizer(), [","], min_tokens=6)
+    for token in b"1, 2, 3, 4,":
+        detok.add([token])
+        if detok.stopped:
+            break
+    # Tokens 2 and 5 are commas, inside the first six; the next one, token 8, ends it (as vLLM).
+    assert detok.stopped and detok.num_tokens_at_stop == 8 and detok.finish() == "1, 2, 3"

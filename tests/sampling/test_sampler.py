@@ -383,3 +383,27 @@ def test_penalties_touch_only_seen_tokens_and_follow_their_definitions(seed, his
         unseen = [t for t in range(64) if t not in seen]
         assert torch.equal(adjusted[row, unseen], logits[row, unseen])
         assert torch.allclose(adjusted[row], reference_adjusted(logits[row], request), atol=1e-5)
+
+
+def test_rows_left_without_a_token_are_reported_and_only_masked_rows_are_looked_at():
+    logits = torch.randn(4, 50)
+    logits[3] = float("-inf")  # a grammar mask allowed nothing on this row
+    params = [SamplingParams(allowed_token_ids=[7], bad_words_token_ids=[[7]]),  # bans its only token
+              SamplingParams(allowed_token_ids=[7, 8], bad_words_token_ids=[[7]]),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8)]
+    out = Sampler()(logits, requests(*params), masked_rows=[3])
+    assert out.blocked == [0, 3] and out.tokens[1] == 8
+    assert Sampler()(logits[:3], requests(*params[:3])).blocked == [0]
+    # An unconstrained row is never inspected, whatever its logits.
+    assert Sampler()(torch.full((1, 50), float("-inf")), requests(SamplingParams())).blocked is None
+
+
+def test_a_verified_request_is_blocked_only_by_the_row_it_keeps():
+    logits = torch.randn(3, 20)
+    logits[1] = float("-inf")  # the row after the first draft: used only if the draft is kept
+    request = Request("r", [1], SamplingParams(temperature=0.0), 0.0)
+    request.spec_token_ids = [int(logits[0].argmax())]  # kept, so row 1 decides
+    assert Sampler().verify(logits[:2], [request], masked_rows=[0, 1]).blocked == [0]
+    request.spec_token_ids = [(int(logits[0].argmax()) + 1) % 20]  # rejected: row 0 decides
+    assert Sampler().verify(logits[:2], [request], masked_rows=[0, 1]).blocked is None

@@ -69,7 +69,7 @@ class LogitsRunner:
         self.rows.append([r.request_id for r in requests])
         if token_masks is not None:
             apply_token_masks(logits, token_masks)
-        return self.sampler(logits, requests)
+        return self.sampler(logits, requests, token_masks.rows if token_masks is not None else ())
 
 
 def text(out) -> str:  # noqa: ANN001 - the engine makes no text (stop strings are the caller's)
