@@ -16,10 +16,12 @@ one after the other, each alone on the machine. llama-server comes from benchmar
 (`--setup-only` builds it); without it, or for an HF folder, only conveyor is measured.
 The table splits resident memory into anonymous memory and mapped file pages (code, and a mapped
 file's pages: llama-server's weights by default; an untied embedding's rows looked up, conveyor's).
-`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-whole-context-kv` adds
-conveyor with `--no-window-kv-pool` (a model's sliding-window layers keeping the whole context's KV, as before). `--also-dequantized` adds conveyor serving the
-same file with `--dequantize-weights` (fp32 copies of every weight: how a GGUF's blocks and an HF
-folder's bf16 / f16 matrices were held before they stayed in their own form).
+`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-whole-context-kv`
+adds conveyor with `--no-window-kv-pool` (a model's sliding-window layers keeping the whole context's
+KV, as before). `--also-dequantized` adds conveyor serving the same file with `--dequantize-weights`
+(fp32 copies of every weight: how a GGUF's blocks and an HF folder's bf16 / f16 matrices were held
+before they stayed in their own form). `--no-long-prompts` skips the long prompts (minutes of
+prefill at tens of thousands of tokens a slot).
 """
 from __future__ import annotations
 
