@@ -108,14 +108,16 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
                                               torch.tensor(window[: blocks_for(start + n, bs)])))
             window_slots.extend(window[p // bs] * bs + p % bs for p in range(start, start + n))
 
-    decode_block_tables = decode_context_lens = window_decode_block_tables = None
-    if decodes:
-        width = max(blocks_for(c, bs) for c in context_lens)
-        decode_block_tables = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in decode_tables])
-        decode_context_lens = torch.tensor(context_lens)
-        if windowed:
-            window_decode_block_tables = torch.tensor(
-                [t[:width] + [0] * (width - min(len(t), width)) for t in window_decode_tables])
+    width = max((blocks_for(c, bs) for c in context_lens), default=0)
+    decode_context_lens = torch.tensor(context_lens) if decodes else None
+
+    def metadata(slots: list[int], tables: list[list[int]], chunks: list[PrefillChunk],
+                 window_group: AttentionMetadata | None = None) -> AttentionMetadata:
+        """One KV pool's view of the step: its slots and its block tables, padded with block 0."""
+        padded = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in tables]) if decodes else None
+        return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=len(context_lens),
+                                 decode_block_tables=padded, decode_context_lens=decode_context_lens, prefills=chunks,
+                                 prompt_rows=tuple(prompt_rows), window_group=window_group)
 
     for parent, child in out.forks:  # a new sample reads its parent's logits
         last_row[child.request_id] = last_row[parent.request_id]
@@ -137,28 +139,11 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             row = first_row[request.request_id] + start - request.num_computed_tokens
             logits_rows.extend(range(row, row + end - start))
             logprob_rows.append((request, start, end - start))
-    window_group = None
-    if windowed:
-        window_group = AttentionMetadata(
-            slot_mapping=torch.tensor(window_slots),
-            num_decode_tokens=len(context_lens),
-            decode_block_tables=window_decode_block_tables,
-            decode_context_lens=decode_context_lens,
-            prefills=window_chunks,
-            prompt_rows=tuple(prompt_rows),
-        )
+    window_group = metadata(window_slots, window_decode_tables, window_chunks) if windowed else None
     return ModelInputs(
         input_ids=torch.tensor(input_ids),
         positions=torch.tensor(positions),
-        meta=AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_decode_tokens=len(context_lens),
-            decode_block_tables=decode_block_tables,
-            decode_context_lens=decode_context_lens,
-            prefills=chunks,
-            prompt_rows=tuple(prompt_rows),
-            window_group=window_group,
-        ),
+        meta=metadata(slots, decode_tables, chunks, window_group),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         prompt_logprob_rows=logprob_rows,
         sampling_rows=sampling_rows,
