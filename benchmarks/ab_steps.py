@@ -26,6 +26,9 @@ alike. Switches:
   tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
 - `mlp-rows`: a step's MLP in runs of at most memory.MLP_ROWS rows vs all of its rows at once
   (what a prefill holds: use with `--prefill`)
+- `window-kv-pool`: a model's sliding-window layers keeping only their window's KV in a pool of their
+  own (EngineConfig.window_kv_pool) vs the whole context on every layer: two engines on one loaded
+  model, each with its own requests, stepped in alternation (Gemma 3)
 - `half-weights`: weights a checkpoint stores as F16 / BF16 (an HF bf16 folder, an F16 GGUF) in their
   16-bit panels vs fp32 panels of the same values (what serving such a checkpoint in fp32 held before);
   on a CPU with AVX512-BF16 the BF16 side multiplies in bf16 with the default activations (the
@@ -43,10 +46,12 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch prompt-tiles --model qwen2.5-coder-0.5b --batch-sizes 1 16 --prefill 512
     python benchmarks/ab_steps.py --switch mlp-rows --model qwen2.5-coder-0.5b --batch-sizes 1 32 --prefill 2048
     python benchmarks/ab_steps.py --switch sampled-head --temperature 0.8 --model qwen2.5-coder-0.5b --batch-sizes 1 16 32
+    python benchmarks/ab_steps.py --switch window-kv-pool --model gemma3-270m --batch-sizes 1 32 --prefill 2048
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -67,7 +72,7 @@ from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight, 
 from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
 from conveyor.model.quantized import HALF_TYPES
-from conveyor.runner.model_runner import ModelRunner
+from conveyor.runner.model_runner import LoadedModel, ModelRunner
 from conveyor.sampling.sampler import torch_argmax
 
 # benchmarks/kernels by its path: an installed package named `kernels` (transformers depends on one)
@@ -262,9 +267,38 @@ def ab_prefill(engine: LLMEngine, switch: Callable[[bool], None], tokens: int, r
           f"| {statistics.median(off) / statistics.median(on):.2f}x |")
 
 
+# Switches that need an engine of their own per side (an option the engine is built with).
+ENGINE_OPTIONS = {"window-kv-pool": "window_kv_pool"}
+
+
+def ab_engines(engines: dict[bool, LLMEngine], batch_sizes: list[int], contexts: list[int], repeats: int,
+               prefill: int) -> None:
+    """ab_steps and ab_prefill for two engines (the option on and off) sharing one loaded model:
+    each decodes a batch of its own (the same prompts), steps taken in alternating pairs."""
+    print("| batch | on step ms (min / median) | off step ms (min / median) | off / on |")
+    print("|---:|---:|---:|---:|")
+    for batch in batch_sizes:
+        ids = {on: start_decode_batch(engine, batch, contexts, 4 * repeats) for on, engine in engines.items()}
+        times = time_pairs({"on": engines[True].step, "off": engines[False].step}, repeats)
+        for on, engine in engines.items():
+            for request_id in ids[on]:
+                engine.abort_request(request_id)
+        a, b = times["on"], times["off"]
+        print(f"| {batch} | {min(a):.1f} / {statistics.median(a):.1f} | {min(b):.1f} / {statistics.median(b):.1f} "
+              f"| {statistics.median(b) / statistics.median(a):.2f}x |")
+    if prefill:
+        runs = {on: [] for on in engines}  # type: dict[bool, list[float]]
+        for repeat in range(repeats):
+            for on in (True, False) if repeat % 2 == 0 else (False, True):
+                runs[on].append(time_prefill(engines[on], prefill, seed=2 * repeat + on) * 1e3)
+        a, b = runs[True], runs[False]
+        print(f"| prefill of {prefill} tokens | on {min(a):.0f} / {statistics.median(a):.0f} ms | off {min(b):.0f} / "
+              f"{statistics.median(b):.0f} ms | {statistics.median(b) / statistics.median(a):.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", choices=[*SWITCHES, *AT_REVISION], required=True)
+    parser.add_argument("--switch", choices=[*SWITCHES, *AT_REVISION, *ENGINE_OPTIONS], required=True)
     parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at / int8-kernel-at")
     parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -277,7 +311,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch in AT_REVISION and not args.baseline:
         parser.error(f"--switch {args.switch} needs --baseline REV")
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads)
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads,
+              max_num_batched_tokens=max(2048, args.prefill))
+    if args.switch in ENGINE_OPTIONS:
+        option = ENGINE_OPTIONS[args.switch]
+        loaded = LoadedModel(llm.engine.runner.model, llm.engine.runner.tokenizer)
+        engines = {on: LLMEngine.from_config(dataclasses.replace(llm.engine.config, **{option: on}), loaded)
+                   for on in (True, False)}
+        del llm
+        ab_engines(engines, args.batch_sizes, args.contexts, args.repeats, args.prefill)
+        return
     if args.switch in AT_REVISION:
         switch, labels = AT_REVISION[args.switch](args.baseline), ("this tree", args.baseline)
         if args.switch == "int8-kernel-at" and llm.engine.runner.prompt_bf16_tiles:
