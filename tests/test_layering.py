@@ -19,7 +19,7 @@ OWNERS = ("scheduler", "kv")  # the packages that may change KV state
 # The methods that change a KV manager's or a block pool's state; checked against the classes below,
 # so that a rename cannot silently empty this list.
 MANAGER_WRITES = {"allocate", "free", "fork", "cache_full_blocks", "take_copies", "take_window_copies", "truncate",
-                  "drop_out_of_sight", "drop_window_before"}
+                  "drop_out_of_sight"}
 POOL_WRITES = {"allocate", "free", "share", "take_cached", "cache"}
 # What would change the manager's containers in place (block_tables, num_slotted_tokens, ...).
 CONTAINER_WRITES = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault"}

@@ -84,6 +84,11 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
             f"KV of {payload.request_id!r} has {payload.kv.shape[2]} blocks of {payload.kv.shape[3]} tokens "
             f"from block {first}; this engine needs {expected} blocks of {block_size}"
         )
+    if payload.window_held_from and engine.scheduler.kv.window is None:
+        # Its sliding-window layers' first blocks are zeros: this engine would key them as real KV.
+        raise InvalidRequestError(
+            f"KV of {payload.request_id!r} comes from an engine whose sliding-window layers keep only their window; "
+            "this one keeps the whole context (--no-window-kv-pool): give both engines the same setting")
     request = Request(payload.request_id, payload.prompt_token_ids, payload.params, engine.clock())
     request.output_token_ids = list(payload.output_token_ids)
     request.num_computed_tokens = payload.num_computed_tokens

@@ -68,6 +68,10 @@ class _PendingImport:
         return self.payload.num_computed_tokens
 
     @property
+    def window_held_from(self) -> int:
+        return self.payload.window_held_from
+
+    @property
     def sequence_key(self) -> SequenceKey:
         return sequence_key(self.payload.params, self.token_slice, self.request_id, len(self.payload.prompt_token_ids))
 

@@ -71,13 +71,19 @@ class ImportQueue(Generic[Item]):
         while self._items:
             item = self._items[0]
             needed = blocks_to_run(item.num_computed_tokens, block_size)
-            if needed > num_blocks:  # it would wait forever
-                self._items.popleft()
+            # Where the exporter's sliding-window layers had given back their first blocks (a payload's
+            # KVPayload.window_held_from; the simulator's requests move no data).
+            held_from = getattr(item, "window_held_from", 0)
+            window_pool = scheduler.kv.window_pool
+            window_needed = scheduler.kv.window_blocks_to_start(
+                item.num_computed_tokens + 1, (), scheduler.kv.import_window_start(item.num_computed_tokens, held_from))
+            if needed > num_blocks or (window_pool is not None and window_needed > window_pool.num_blocks - 1):
+                self._items.popleft()  # it would wait forever
                 refuse(item, InvalidRequestError(f"request {item.request_id!r} needs {needed} KV blocks; "
                                                  f"this engine has {num_blocks}"))
                 continue
             cached = scheduler.cached_import_prefix(item.sequence_key, item.num_computed_tokens)
-            if not scheduler.import_fits(item.num_computed_tokens, cached):
+            if not scheduler.import_fits(item.num_computed_tokens, cached, held_from):
                 return
             self._items.popleft()
             admit(item, cached)

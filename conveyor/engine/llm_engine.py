@@ -542,4 +542,6 @@ def _only(out: SchedulerOutput, group_ids: set[str]) -> SchedulerOutput:
         forks=[(parent, child) for parent, child in out.forks if parent.group_id in group_ids],
         block_copies=out.block_copies,
         block_tables=out.block_tables,
+        window_tables=out.window_tables,
+        window_block_copies=out.window_block_copies,
     )

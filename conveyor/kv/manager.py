@@ -136,11 +136,20 @@ class KVCacheManager:
             return 0
         return max(0, num_computed_tokens - self.window.tokens + 1) // self.block_size
 
-    def _window_hits(self, hits: Sequence[int]) -> list[int] | None:
-        """The window pool's blocks for a hit on `hits` (NULL_BLOCK before the first visible one),
-        None if it lacks one the next query sees."""
+    def import_window_start(self, num_computed_tokens: int, window_held_from: int) -> int:
+        """The first window entry an import keeps: what its next query sees, and up to a window's
+        worth of blocks before that (a later import of a shorter prefix hits on them) where the
+        exporter still held them; no more, so that an import of any length fits the pool."""
+        if self.window is None:
+            return 0
+        sight = self.first_visible_block(num_computed_tokens)
+        return max(window_held_from, sight - blocks_for(self.window.tokens, self.block_size), 0)
+
+    def _window_hits(self, hits: Sequence[int], window_from: int = 0) -> list[int] | None:
+        """The window pool's blocks for a hit on `hits` (NULL_BLOCK before the first visible one, or
+        before window_from), None if it lacks one the next query sees."""
         assert self.window_pool is not None
-        first = self.first_visible_block(len(hits) * self.block_size)
+        first = max(self.first_visible_block(len(hits) * self.block_size), min(window_from, len(hits)))
         blocks = [NULL_BLOCK] * first
         for block in hits[first:]:
             key = self.pool.key_of(block)
@@ -151,12 +160,21 @@ class KVCacheManager:
         return blocks
 
     def _within_window_pool(self, hits: list[int]) -> list[int]:
-        """The longest head of `hits` whose window blocks the window pool holds too."""
-        if self.window_pool is None:
+        """The longest head of `hits` whose window blocks the window pool holds too: one pass over
+        which of their window blocks it holds, then the longest head whose visible run is held."""
+        window_pool = self.window_pool
+        if window_pool is None:
             return hits
-        while hits and self._window_hits(hits) is None:
-            hits = hits[:-1]
-        return hits
+        held_run = 0  # how many blocks up to this one the window pool holds in a row
+        runs = []
+        for block in hits:
+            key = self.pool.key_of(block)
+            held_run = held_run + 1 if key is not None and window_pool.lookup(key) is not None else 0
+            runs.append(held_run)
+        for length in range(len(hits), 0, -1):
+            if runs[length - 1] >= length - self.first_visible_block(length * self.block_size):
+                return hits[:length]
+        return []
 
     def cached_prefix(self, key: SequenceKey, max_tokens: int) -> list[int]:
         """The blocks of the longest run of the request's leading full blocks that are cached and
@@ -214,25 +232,26 @@ class KVCacheManager:
         new = max(blocks_for(num_total_tokens, self.block_size), len(cached)) - len(cached)
         return new + sum(1 for b in cached if self.pool.ref_count(b) == 0)
 
-    def window_blocks_to_start(self, num_total_tokens: int, cached: Sequence[int] = ()) -> int:
-        """blocks_to_start for the window pool: the blocks past `cached`, and each of the window
-        blocks a hit on `cached` takes that is evictable (0 without a window)."""
+    def window_blocks_to_start(self, num_total_tokens: int, cached: Sequence[int] = (), window_from: int = 0) -> int:
+        """blocks_to_start for the window pool: the blocks past `cached` (from entry window_from on),
+        and each of the window blocks a hit on `cached` takes that is evictable (0 without a window)."""
         if self.window_pool is None:
             return 0
-        new = max(blocks_for(num_total_tokens, self.block_size), len(cached)) - len(cached)
-        hits = self._window_hits(cached) if cached else []
+        new = max(0, blocks_for(num_total_tokens, self.block_size) - max(len(cached), window_from))
+        hits = self._window_hits(cached, window_from) if cached else []
         if hits is None:  # no longer held: allocate refuses the hit
             return new + len(cached)
         return new + sum(1 for b in hits if b != NULL_BLOCK and self.window_pool.ref_count(b) == 0)
 
-    def _window_needs(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> int:
+    def _window_needs(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = (),
+                      window_from: int = 0) -> int:
         """Free window blocks the request takes to have window slots for num_total_tokens, net of the
         blocks it gives back first (those out of its next query's sight), copy-on-write included."""
         pool = self.window_pool
         assert pool is not None
         table = self.window_tables.get(request_id)
         if not table:
-            return self.window_blocks_to_start(num_total_tokens, cached)
+            return self.window_blocks_to_start(num_total_tokens, cached, window_from)
         bs = self.block_size
         written = self.num_slotted_tokens.get(request_id, 0)
         new = max(0, blocks_for(num_total_tokens, bs) - len(table))
@@ -241,23 +260,30 @@ class KVCacheManager:
         given_back = sum(1 for b in table[dropped:first] if pool.ref_count(b) == 1)
         return new + cow - given_back
 
-    def can_allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = (),
+                     window_from: int = 0) -> bool:
         new, copy_on_write = self._needs(request_id, num_total_tokens, cached)
         if new + copy_on_write > self.pool.num_free:
             return False
-        return self.window_pool is None or self._window_needs(request_id, num_total_tokens, cached) <= self.window_pool.num_free
+        return (self.window_pool is None
+                or self._window_needs(request_id, num_total_tokens, cached, window_from) <= self.window_pool.num_free)
 
-    def allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = ()) -> list[int]:
+    def allocate(self, request_id: str, num_total_tokens: int, cached: Sequence[int] = (),
+                 window_from: int = 0) -> list[int]:
         """Grow the request's table so that it has slots for num_total_tokens; append-only
         except that a shared block about to be written is swapped for a private copy. `cached`
         (from cached_prefix, for a request holding no blocks) become the head of its table and
-        their tokens count as slotted. Returns the newly allocated blocks."""
-        if cached and request_id in self.block_tables:
+        their tokens count as slotted. `window_from`, for a table that starts here: its window
+        table holds nothing before that entry (an import: import_window_start). Returns the newly
+        allocated blocks."""
+        starts = request_id not in self.block_tables
+        if cached and not starts:
             raise ValueError(f"{request_id!r} holds blocks already; a prefix hit starts a table")
-        if (cached or self.window_pool is not None) and not self.can_allocate(request_id, num_total_tokens, cached):
+        if (cached or self.window_pool is not None) and not self.can_allocate(request_id, num_total_tokens, cached,
+                                                                              window_from):
             raise OutOfBlocksError(f"{request_id!r} needs more blocks than are free")
         if cached:
-            window_hits = self._window_hits(cached) if self.window_pool is not None else None
+            window_hits = self._window_hits(cached, window_from) if self.window_pool is not None else None
             if self.window_pool is not None and window_hits is None:
                 raise BlockAccountingError(f"the window pool no longer holds the blocks of {request_id!r}'s hit")
             for block in cached:
@@ -284,18 +310,25 @@ class KVCacheManager:
             table[index] = private
         table.extend(new_blocks)
         if self.window_pool is not None:
-            self._grow_window_table(request_id, num_total_tokens)
+            self._grow_window_table(request_id, num_total_tokens, window_from if starts else 0)
         self.num_slotted_tokens[request_id] = max(
             num_total_tokens, self.num_slotted_tokens.get(request_id, 0)
         )
         return new_blocks
 
-    def _grow_window_table(self, request_id: str, num_total_tokens: int) -> None:
+    def _grow_window_table(self, request_id: str, num_total_tokens: int, window_from: int = 0) -> None:
         """The window table's part of allocate (can_allocate has checked the pool): give back the
-        blocks out of sight, copy a shared tail about to be written, append new blocks."""
+        blocks out of sight, copy a shared tail about to be written, append new blocks (NULL_BLOCK
+        before window_from, for a table that starts here)."""
         pool = self.window_pool
         assert pool is not None
         table = self.window_tables.setdefault(request_id, [])
+        # A start's entries before window_from: a hit's are NULL_BLOCK already (_window_hits), so
+        # these extend a run of them from the table's head.
+        nulls = min(window_from, blocks_for(num_total_tokens, self.block_size)) - len(table)
+        if nulls > 0:
+            table.extend([NULL_BLOCK] * nulls)
+            self._num_dropped[request_id] = len(table)
         self.drop_out_of_sight(request_id)
         bs = self.block_size
         written = self.num_slotted_tokens.get(request_id, 0)
@@ -313,17 +346,12 @@ class KVCacheManager:
     def drop_out_of_sight(self, request_id: str) -> None:
         """Give back the request's window blocks that its next query cannot see (those before
         first_visible_block of its slotted tokens); keyed ones stay cached until evicted."""
-        self.drop_window_before(request_id, self.first_visible_block(self.num_slotted_tokens.get(request_id, 0)))
-
-    def drop_window_before(self, request_id: str, index: int) -> None:
-        """Give back the request's window blocks before entry `index` (never one its next query sees)."""
         table = self.window_tables.get(request_id)
         if table is None:
             return
         assert self.window_pool is not None
         dropped = self._num_dropped.get(request_id, 0)
-        sight = self.first_visible_block(self.num_slotted_tokens.get(request_id, 0))
-        first = min(index, sight, len(table))
+        first = min(self.first_visible_block(self.num_slotted_tokens.get(request_id, 0)), len(table))
         if first > dropped:
             self.window_pool.free(table[dropped:first])
             table[dropped:first] = [NULL_BLOCK] * (first - dropped)

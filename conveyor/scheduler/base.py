@@ -137,7 +137,7 @@ class Scheduler:
         they are instead of writing them. Nothing is taken yet."""
         return self.kv.lookup_prefix(key, num_computed_tokens)
 
-    def import_fits(self, num_computed_tokens: int, cached: Sequence[int]) -> bool:
+    def import_fits(self, num_computed_tokens: int, cached: Sequence[int], window_held_from: int = 0) -> bool:
         """Whether an import of that many computed tokens, `cached` of them found here, may take
         blocks now: what it needs to run (its KV and the slot of its next token) within the blocks
         no request here is owed (uncommitted_free_blocks)."""
@@ -145,8 +145,9 @@ class Scheduler:
             return False
         # The window pool: a block of growth owed to each running request, as above.
         window_pool = self.kv.window_pool
-        return window_pool is None or (
-            self.kv.window_blocks_to_start(num_computed_tokens + 1, cached) <= window_pool.num_free - self.num_running)
+        window_from = self.kv.import_window_start(num_computed_tokens, window_held_from)
+        return window_pool is None or (self.kv.window_blocks_to_start(num_computed_tokens + 1, cached, window_from)
+                                       <= window_pool.num_free - self.num_running)
 
     def import_prefilled(self, request: Request, cached: Sequence[int] = (),
                          write_kv: Callable[[list[int], list[int] | None], None] | None = None,
@@ -162,10 +163,11 @@ class Scheduler:
         nothing computed takes no table and waits as a new request does."""
         rid = request.request_id
         if request.num_computed_tokens or cached:
-            self.kv.allocate(rid, request.num_computed_tokens, cached)
             # Window blocks the exporter no longer held would be written with nothing, and keyed as if
-            # they held it; those it held stay (and are keyed): a later import's hit needs them.
-            self.kv.drop_window_before(rid, window_held_from)
+            # they held it: the window table starts after them (and at most a window before what the
+            # next query sees, which a later import of a shorter prefix may hit).
+            window_from = self.kv.import_window_start(request.num_computed_tokens, window_held_from)
+            self.kv.allocate(rid, request.num_computed_tokens, cached, window_from)
         if write_kv is not None:
             window = self.kv.window_tables.get(rid, []) if self.kv.window_pool is not None else None
             try:

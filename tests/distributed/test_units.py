@@ -20,7 +20,7 @@ from conveyor.distributed.messages import WorkerInfo
 from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.kv import NULL_BLOCK
-from conveyor.errors import ConfigError, ModelLoadError, WorkerDiedError
+from conveyor.errors import ConfigError, InvalidRequestError, ModelLoadError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import make_prompts, reference_outputs, tiny_config
 from tests.helpers import make_tiny_hf_checkpoint
@@ -143,6 +143,20 @@ def test_a_handover_moves_the_window_pools_blocks_too(tiny_gemma3: Path) -> None
     assert prefill.scheduler.kv.usage().used_blocks == prefill.scheduler.kv.usage().window_used_blocks == 0
     assert _drain(decode) == expected
     assert decode.scheduler.kv.usage().used_blocks == decode.scheduler.kv.usage().window_used_blocks == 0
+
+
+def test_a_window_pools_export_is_refused_by_an_engine_keeping_the_whole_context(tiny_gemma3: Path) -> None:
+    """Its sliding-window layers' first blocks are zeros: an engine keeping the whole context on every
+    layer would key them as real KV, so it refuses the import by name of the setting."""
+    prefill = LLMEngine.from_config(tiny_config(tiny_gemma3, block_size=4, num_kv_blocks=256))
+    decode = LLMEngine.from_config(tiny_config(tiny_gemma3, block_size=4, num_kv_blocks=256, window_kv_pool=False))
+    parked = _prefill(prefill, [[(11 * j) % 1500 + 60 for j in range(41)]],
+                      [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    payload = export_request(prefill, parked["r0"])
+    assert payload.window_held_from > 0
+    with pytest.raises(InvalidRequestError, match="no-window-kv-pool"):
+        import_request(decode, payload)
+    assert not decode.scheduler.kv.block_tables and not decode.scheduler.requests
 
 
 def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_model) -> None:

@@ -354,3 +354,20 @@ def test_a_prefix_hit_reaches_only_as_far_as_the_window_pool_holds() -> None:
     assert window_pool is not None
     window_pool.allocate(window_pool.num_free)  # evicts every cached window block
     assert kv.cached_prefix(key("c"), 32) == [], "the main pool's blocks alone are no hit"
+
+
+def test_an_import_longer_than_the_window_pool_takes_only_what_it_keeps() -> None:
+    """A 100-token import into a 12-block window pool (window 5, blocks of 4): its window table starts
+    a window before its next query's sight (entry 22 of 26), so it takes 4 blocks, not 26."""
+    kv = KVCacheManager(64, 4, sliding_window=SlidingWindow(5, 12))
+    start = kv.import_window_start(100, window_held_from=0)
+    assert start == kv.first_visible_block(100) - blocks_for(5, 4) == 22
+    assert kv.window_blocks_to_start(101, (), start) == 26 - 22
+    kv.allocate("imported", 100, (), start)
+    assert kv.window_tables["imported"] == [NULL_BLOCK] * 22 + kv.window_tables["imported"][22:]
+    assert NULL_BLOCK not in kv.window_tables["imported"][22:] and kv.usage().window_used_blocks == 3
+    assert kv.import_window_start(100, window_held_from=24) == 24, "nothing the exporter no longer held"
+    kv.allocate("imported", 101)  # its first step gives back what it kept before its sight
+    assert kv.window_tables["imported"][:24] == [NULL_BLOCK] * 24
+    kv.free("imported")
+    assert kv.usage().window_used_blocks == 0

@@ -93,3 +93,36 @@ def test_the_window_pool_changes_no_token_and_holds_less(tiny_gemma3: Path) -> N
     assert results[True] == results[False]
     first = [tokens for tokens, _ in results[True][0]]
     assert results[True][3] == [first[5], first[4]], "speculation changed a token"
+
+
+def test_a_failing_request_leaves_the_window_pool_right(tiny_gemma3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failure isolation retries a step without the request that makes it raise: the retry keeps
+    the window pool's tables and copies (without them its sliding layers would take the main pool's
+    slots), and the others' tokens are a clean run's."""
+    from conveyor.errors import RequestFailedError
+
+    prompts = [[1, *range(300 + 41 * i, 300 + 41 * i + n)] for i, n in enumerate([6, 13, 21])]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    _, clean = _generate(tiny_gemma3, prompts, params)
+    llm = LLM(str(tiny_gemma3), max_num_seqs=16, max_num_batched_tokens=5, block_size=4, kv_cache_dtype="float32")
+    model, poison = llm.engine.runner.model, 999
+    original = model.sampling_hidden
+
+    def failing(input_ids: torch.Tensor, *rest: object, **kwargs: object) -> torch.Tensor:
+        hidden = original(input_ids, *rest, **kwargs)  # the whole forward first: every row's KV written
+        if bool((input_ids == poison).any()):
+            raise RuntimeError("injected failure")
+        return hidden
+
+    monkeypatch.setattr(model, "sampling_hidden", failing)
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in [prompts[0], [1, poison, 5, 6, 7, 8, 9, 10, 11], *prompts[1:]]]
+    finished = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert isinstance(finished[ids[1]].error, RequestFailedError)
+    assert [list(finished[i].token_ids) for i in ids[:1] + ids[2:]] == [tokens for tokens, _ in clean]
+    usage = engine.scheduler.kv.usage()
+    assert usage.used_blocks == usage.window_used_blocks == 0

@@ -25,10 +25,11 @@ def test_the_window_pool_holds_what_every_running_request_can_see() -> None:
     config = EngineConfig.from_kwargs(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048)
     blocks, window = kv_pools(GEMMA, config, F16)
     assert window is not None and window.tokens == 512
-    in_sight = 64 * (blocks_for(512, 16) + 2) + 2 * blocks_for(2048, 16)
+    # 64 windows with the block being written and the one before, two steps' budget, an import's window
+    in_sight = 64 * (blocks_for(512, 16) + 2) + 2 * blocks_for(2048, 16) + blocks_for(512, 16)
     assert window.num_blocks == in_sight + 1  # and its NULL_BLOCK
     full, sliding = kv_block_bytes(GEMMA, 16, F16, 3), kv_block_bytes(GEMMA, 16, F16, 15)
-    used = blocks * full + in_sight * sliding
+    used = blocks * full + window.num_blocks * sliding
     assert 2**30 - full < used <= 2**30, "the rest of the memory goes to the main pool"
     # The same gigabyte holds 2.6x the context it holds when every layer keeps the whole of it.
     assert blocks / (2**30 // kv_block_bytes(GEMMA, 16, F16)) > 2.5
@@ -39,7 +40,7 @@ def test_a_pool_given_in_blocks_keeps_its_context_and_saves_the_rest() -> None:
     has its 2,048 blocks, the window pool only what 4 requests see and one step computes."""
     config = EngineConfig.from_kwargs(num_kv_blocks=2048, max_num_seqs=4, max_num_batched_tokens=512)
     blocks, window = kv_pools(GEMMA, config, F16)
-    assert blocks == 2048 and window is not None and window.num_blocks == 4 * 34 + 2 * 32 + 1
+    assert blocks == 2048 and window is not None and window.num_blocks == 4 * 34 + 2 * 32 + 32 + 1
     small = EngineConfig.from_kwargs(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=512)
     _, small_window = kv_pools(GEMMA, small, F16)
     assert small_window is not None and small_window.num_blocks == 64 + 1  # never more than the main pool
@@ -49,4 +50,6 @@ def test_tiny_memory_splits_evenly() -> None:
     config = EngineConfig.from_kwargs(kv_cache_memory=64 * 2**20, max_num_seqs=64)
     blocks, window = kv_pools(GEMMA, config, F16)
     assert window is not None and window.num_blocks == blocks + 1
-    assert blocks * kv_block_bytes(GEMMA, 16, F16) <= 64 * 2**20
+    assert blocks * kv_block_bytes(GEMMA, 16, F16) + kv_block_bytes(GEMMA, 16, F16, 15) <= 64 * 2**20
+    blocks, window = kv_pools(GEMMA, EngineConfig.from_kwargs(kv_cache_memory=2**10), F16)
+    assert blocks < 1 and window is None, "the caller refuses a pool without a block"
