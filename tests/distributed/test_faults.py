@@ -52,7 +52,9 @@ def test_killed_replica_fails_or_retries_its_requests_and_the_rest_finish(replic
     prompts = make_prompts(6)
     params = [SamplingParams(max_tokens=400, temperature=0, ignore_eos=True) for _ in prompts]
     late_prompts = make_prompts(3, shortest=30)
-    late_params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in late_prompts]
+    # 128 tokens, so a late request is still running when its placement is read (20 could finish
+    # within the next one's add on this machine: a CI failure).
+    late_params = [SamplingParams(max_tokens=128, temperature=0, ignore_eos=True) for _ in late_prompts]
     expected = reference_outputs(config, prompts, params)
     expected_late = reference_outputs(config, late_prompts, late_params)
 
@@ -76,9 +78,10 @@ def test_killed_replica_fails_or_retries_its_requests_and_the_rest_finish(replic
                 break
             await asyncio.sleep(0.01)
         late = {f"late{i}": asyncio.Queue() for i in range(len(late_prompts))}
-        await asyncio.gather(*(client.add_request(rid, p, sp, late[rid])
-                               for (rid, p, sp) in zip(late, late_prompts, late_params)))
-        late_placed = {rid: client.placement(rid) for rid in late}
+        late_placed = {}
+        for rid, p, sp in zip(late, late_prompts, late_params):  # each placement read as its add returns
+            await client.add_request(rid, p, sp, late[rid])
+            late_placed[rid] = client.placement(rid)
         outcomes = await asyncio.gather(*(collect(q, 1) for q in sinks.values()))
         late_outcomes = await asyncio.gather(*(collect(q, 1) for q in late.values()))
         client.detach()
