@@ -84,11 +84,16 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
             f"KV of {payload.request_id!r} has {payload.kv.shape[2]} blocks of {payload.kv.shape[3]} tokens "
             f"from block {first}; this engine needs {expected} blocks of {block_size}"
         )
-    if payload.window_held_from and engine.scheduler.kv.window is None:
+    kv = engine.scheduler.kv
+    if payload.window_held_from and kv.window is None:
         # Its sliding-window layers' first blocks are zeros: this engine would key them as real KV.
         raise InvalidRequestError(
             f"KV of {payload.request_id!r} comes from an engine whose sliding-window layers keep only their window; "
             "this one keeps the whole context (--no-window-kv-pool): give both engines the same setting")
+    if not 0 <= payload.window_held_from <= kv.first_visible_block(payload.num_computed_tokens):
+        # An exporter never gives back a block its next query sees: past that, the import would read zeros.
+        raise InvalidRequestError(f"KV of {payload.request_id!r} says its window blocks start at block "
+                                  f"{payload.window_held_from}, past what its next query sees")
     request = Request(payload.request_id, payload.prompt_token_ids, payload.params, engine.clock())
     request.output_token_ids = list(payload.output_token_ids)
     request.num_computed_tokens = payload.num_computed_tokens

@@ -279,8 +279,12 @@ class KVCacheManager:
         starts = request_id not in self.block_tables
         if cached and not starts:
             raise ValueError(f"{request_id!r} holds blocks already; a prefix hit starts a table")
-        if (cached or self.window_pool is not None) and not self.can_allocate(request_id, num_total_tokens, cached,
-                                                                              window_from):
+        # The main pool refuses in pool.allocate, before its table changes; a hit and the window pool,
+        # whose tables change first, are checked here (the window's part alone, not can_allocate
+        # again: allocate runs for every scheduled request at every step).
+        if (cached and not self.can_allocate(request_id, num_total_tokens, cached, window_from)) or (
+                self.window_pool is not None and self._window_needs(request_id, num_total_tokens, cached, window_from)
+                > self.window_pool.num_free):
             raise OutOfBlocksError(f"{request_id!r} needs more blocks than are free")
         if cached:
             window_hits = self._window_hits(cached, window_from) if self.window_pool is not None else None

@@ -173,8 +173,8 @@ class ModelRunner:
         self.kv_window = kv_window  # the engine's KV manager gives these layers tables of their own
         self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, kv_dtype or dtype,
                                            kv_window.num_blocks if kv_window is not None else None)
-        self._window_layers = [layer for layer in range(model.cfg.num_layers)
-                               if kv_window is not None and model.cfg.window(layer) is not None]
+        self._window_layers = frozenset(layer for layer in range(model.cfg.num_layers)
+                                        if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=layer_ops(torch.float32).argmax_rows)
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
@@ -290,11 +290,14 @@ class ModelRunner:
         self.sampler.restore_rng_state(state)  # type: ignore[arg-type]
 
     def _copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]]) -> None:
+        if not copies and not window_copies:
+            return
+        # (sources, destinations) of each pool, built once for all of its layers
+        main, window = ((torch.tensor([s for s, _ in pairs]), torch.tensor([d for _, d in pairs]))
+                        for pairs in (copies, window_copies))
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            pairs = window_copies if layer in self._window_layers else copies
-            if pairs:
-                src = torch.tensor([s for s, _ in pairs])
-                dst = torch.tensor([d for _, d in pairs])
+            src, dst = window if layer in self._window_layers else main
+            if len(src):
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,10 @@ def test_a_window_pools_export_is_refused_by_an_engine_keeping_the_whole_context
     with pytest.raises(InvalidRequestError, match="no-window-kv-pool"):
         import_request(decode, payload)
     assert not decode.scheduler.kv.block_tables and not decode.scheduler.requests
+    # Nor does an engine with a window pool take a payload claiming blocks in sight were given back.
+    with pytest.raises(InvalidRequestError, match="past what its next query sees"):
+        import_request(prefill, dataclasses.replace(payload, request_id="r9", window_held_from=10**6))
+    assert "r9" not in prefill.scheduler.kv.block_tables
 
 
 def test_a_handover_leaves_out_the_blocks_the_decode_engines_cache_holds(tiny_model) -> None:
