@@ -309,7 +309,7 @@ class RayEngineClient:
             elif isinstance(event, HandoverReady):
                 self._spawn(self._handover(t, worker))
             elif isinstance(event, RequestError):
-                self._fail(t, ConveyorError(event.message))
+                self._fail(t, event.error)
         stats = step_stats(worker.name, result.load.steps, self._slo_misses)
         for step in stats[:-1]:
             self._report(StepReport(0, 0, 0.0, 0, step))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.errors import ConveyorError
 from conveyor.sampling.params import SamplingParams
 
 ROLES = ("replica", "prefill", "decode")  # replica: prefill and decode together (colocated)
@@ -57,10 +58,13 @@ class KVImported:
 
 @dataclass(frozen=True)
 class RequestError:
-    """The worker's engine failed this request (e.g. a step raised); nothing more will come."""
+    """The worker's engine ended this request with an error (a step raised with it in the batch, or
+    its own constraints left no token); nothing more will come. The error keeps its type (and a
+    refusal its `param`), so the front end answers as a single engine would: a 400 for the
+    request's own constraints, a 500 for the engine's failure."""
 
     request_id: str
-    message: str
+    error: ConveyorError
 
 
 @dataclass

@@ -37,7 +37,7 @@ from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
-from conveyor.errors import WorkerDiedError
+from conveyor.errors import ConveyorError, WorkerDiedError
 from conveyor.kv import NULL_BLOCK, SequenceKey
 from conveyor.request import Request, sequence_key
 from conveyor.runner.transfer import kv_transfer
@@ -262,8 +262,8 @@ class EngineWorker(EngineLoop[_Command]):
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         events = self._iteration_events
         for out in outputs:
-            if out.error is not None:  # the engine failed this request alone (failure isolation)
-                events.append(RequestError(out.request_id, str(out.error)))
+            if out.error is not None:  # failure isolation, or its constraints left no token
+                events.append(RequestError(out.request_id, out.error))
                 self._prefill_only.discard(out.request_id)
                 continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
@@ -283,7 +283,7 @@ class EngineWorker(EngineLoop[_Command]):
     def _fail_all(self, error: BaseException) -> None:
         for request in list(self.engine.scheduler.requests.values()):
             if self.engine.abort_request(request.group_id):
-                self._iteration_events.append(RequestError(request.group_id, f"the engine failed: {error}"))
+                self._iteration_events.append(RequestError(request.group_id, ConveyorError(f"the engine failed: {error}")))
             self._prefill_only.discard(request.group_id)
 
     def _end_iteration(self, stepped: bool) -> None:

@@ -25,7 +25,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # Set on the last output of a request the engine failed (finish_reason "error"): a step raised
-    # because of it (conveyor.errors.RequestFailedError); the others in the batch went on.
+    # Set on the last output of a request the engine ended with an error (finish_reason "error"): a
+    # step raised because of it (RequestFailedError), or its constraints left no token to sample
+    # (NoAllowedTokenError); the others in the batch went on.
     error: ConveyorError | None = None
 

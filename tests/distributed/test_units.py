@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,17 @@ from conveyor.distributed.handover import (
     import_request,
     request_blocks,
 )
-from conveyor.distributed.messages import WorkerInfo
+from conveyor.distributed.client import RayEngineClient
+from conveyor.distributed.messages import PollResult, RequestError, TokenEvent, WorkerInfo, WorkerLoadReport
 from conveyor.distributed.router import PrefixIndex, Router, WorkerHandle, outstanding_tokens, pick
+from conveyor.distributed.worker import EngineWorker
+from conveyor.engine.async_engine import Failed
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.kv import NULL_BLOCK
-from conveyor.errors import ConfigError, InvalidRequestError, ModelLoadError, WorkerDiedError
+from conveyor.errors import ConfigError, InvalidRequestError, ModelLoadError, NoAllowedTokenError, WorkerDiedError
 from conveyor.sampling.params import SamplingParams
 from tests.distributed.conftest import make_prompts, reference_outputs, tiny_config
+from tests.distributed.test_client_units import _FakeActor, _tracked
 from tests.helpers import make_tiny_hf_checkpoint
 
 
@@ -215,8 +220,6 @@ def test_imports_that_fill_the_pool_do_not_stall_the_decode_engine(tiny_model) -
 
 
 def test_a_dead_worker_loop_answers_its_callers_and_looks_dead(tiny_model) -> None:
-    from conveyor.distributed.worker import EngineWorker
-
     worker = EngineWorker("w", "replica", tiny_config(tiny_model))
 
     def broken() -> None:
@@ -240,8 +243,6 @@ def test_a_dead_worker_loop_answers_its_callers_and_looks_dead(tiny_model) -> No
 
 
 def test_worker_steps_carry_the_slo_state(tiny_model) -> None:
-    from conveyor.distributed.worker import EngineWorker
-
     worker = EngineWorker("w", "replica", tiny_config(tiny_model, slo_tpot_ms=50.0))
 
     async def main() -> list:
@@ -262,8 +263,6 @@ def test_worker_steps_carry_the_slo_state(tiny_model) -> None:
 
 def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
     # One thread doing all of a worker's torch work keeps libgomp to one team of threads.
-    from conveyor.distributed.worker import EngineWorker
-
     threads: dict[str, set[int]] = {"build": set(), "step": set()}
     build, step = LLMEngine.from_config, LLMEngine.step
 
@@ -298,8 +297,6 @@ def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monk
 
 
 def test_a_worker_whose_engine_cannot_be_built_raises_from_its_constructor(tmp_path) -> None:
-    from conveyor.distributed.worker import EngineWorker
-
     with pytest.raises(ModelLoadError, match="missing"):
         EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
 
@@ -389,3 +386,40 @@ def test_prefix_index_holds_at_most_the_workers_blocks_least_recently_used_out_f
     assert index.match([b"k2"]) == 0  # the least recently used went
     assert index.match([b"k1", b"k3", b"k4"]) == 3
     assert index.match([b"k3", b"k9", b"k4"]) == 1  # a prefix: it stops at the first miss
+
+
+
+def test_a_request_whose_constraints_leave_no_token_reaches_the_front_end_as_that_refusal(tiny_model) -> None:
+    # Through Ray the event is pickled: the error must arrive with its type and param (the server
+    # answers NoAllowedTokenError with a 400 naming the field, as with a single engine, not a 500).
+    worker = EngineWorker("w", "replica", tiny_config(tiny_model))
+    a, b = 11, 12  # "a" may not follow "a" and "b" is banned: the second token has nothing left
+    stuck = SamplingParams(allowed_token_ids=[a, b], bad_words_token_ids=[[b], [a, a]], max_tokens=5, temperature=1.0)
+
+    async def main() -> list:
+        await worker.start()
+        await worker.add("plain", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), False)
+        await worker.add("stuck", [5, 6, 7], stuck, False)
+        events, seen, ended = [], 0, set()
+        while ended != {"plain", "stuck"}:
+            result = await worker.poll(seen, 1.0)
+            seen, events = result.last_seq, events + result.events
+            ended |= {e.request_id for e in result.events
+                      if isinstance(e, RequestError) or (isinstance(e, TokenEvent) and e.finished)}
+        await worker.stop()
+        return events
+
+    events = pickle.loads(pickle.dumps(asyncio.run(asyncio.wait_for(main(), 60.0))))
+    errors = [e for e in events if isinstance(e, RequestError)]
+    assert [e.request_id for e in errors] == ["stuck"]
+    assert isinstance(errors[0].error, NoAllowedTokenError) and errors[0].error.param == "allowed_token_ids"
+    assert sum(len(e.new_token_ids) for e in events if isinstance(e, TokenEvent) and e.request_id == "plain") == 4
+
+    # The front end hands the worker's error to the request's stream as it came.
+    replica = WorkerHandle("replica-0", "replica", _FakeActor())
+    client = RayEngineClient([replica], tokenizer=None)
+    t = client._tracked["stuck"] = _tracked("stuck", replica, "replica")
+    client._handle(replica, PollResult([errors[0]], WorkerLoadReport(), 1), 0)
+    failed = t.sink.get_nowait()
+    assert isinstance(failed, Failed) and isinstance(failed.error, NoAllowedTokenError)
+    assert failed.error.param == "allowed_token_ids"
