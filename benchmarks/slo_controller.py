@@ -72,7 +72,7 @@ def real_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Ca
 
 
 def sim_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Callable[[], None]]:
-    from conveyor.sim.config import SimConfig, build_cost_model, num_kv_blocks
+    from conveyor.sim.config import SimConfig, build_cost_model, kv_pools
     from conveyor.sim.runner import SimRunner, VirtualClock
 
     cfg = SimConfig(hardware=args.sim, model=args.sim_model)
@@ -83,8 +83,9 @@ def sim_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Cal
         config = EngineConfig.from_kwargs(**kwargs)
         clock = VirtualClock()
         clocks.append(clock)
-        blocks = num_kv_blocks(cfg, model, hardware, config.block_size)
-        return LLMEngine(config, SimRunner(cost_model, clock), num_kv_blocks=blocks,
+        blocks, window = kv_pools(cfg, model, hardware, config)
+        return LLMEngine(config, SimRunner(cost_model, clock, attention_window=model.sliding_window, kv_window=window),
+                         num_kv_blocks=blocks,
                          max_model_len=model.max_model_len, vocab_size=model.vocab_size, clock=clock)
 
     def sleep(seconds: float) -> None:

@@ -49,6 +49,31 @@ class SlidingWindow:
             raise ValueError(f"a sliding window needs tokens >= 1 and num_blocks >= 2, got {self}")
 
 
+def split_kv_memory(window_tokens: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                    full_block_bytes: int, window_block_bytes: int, memory: int,
+                    num_blocks: int | None = None) -> tuple[int, SlidingWindow | None]:
+    """(blocks of the main pool, the sliding-window layers' pool) for a model with both kinds of
+    layers: `full_block_bytes` / `window_block_bytes` are a block's bytes in the layers that see the
+    whole context / a window of `window_tokens`. The window pool holds what every running request
+    can see at once in the worst case (a window each, with the block being written and the one
+    before it; two steps' token budget of prompt chunks: an earlier step's chunk is given back at
+    the request's next step; and one window more: what an import keeps before its next query's
+    sight, KVCacheManager.import_window_start), and never more than the main pool; the rest of
+    `memory` goes to the main pool. `num_blocks` fixes the main pool instead (its context kept).
+    A main pool without a block comes back with no window: the caller refuses it."""
+    window_blocks = blocks_for(window_tokens, block_size)
+    in_sight = max_num_seqs * (window_blocks + 2) + 2 * blocks_for(max_num_batched_tokens, block_size) + window_blocks
+    if num_blocks:
+        blocks = num_blocks
+    else:  # + 1: the window pool's NULL_BLOCK
+        blocks = (memory - (in_sight + 1) * window_block_bytes) // full_block_bytes
+        if blocks < in_sight:
+            blocks = (memory - window_block_bytes) // (full_block_bytes + window_block_bytes)
+    if blocks < 1:
+        return blocks, None
+    return blocks, SlidingWindow(window_tokens, min(in_sight, blocks) + 1)
+
+
 @dataclass(frozen=True)
 class KVUsage:
     used_blocks: int  # owned by some request; cached-but-evictable blocks are free

@@ -9,7 +9,7 @@ import torch
 
 from conveyor.config import EngineConfig, parse_memory
 from conveyor.errors import ConfigError
-from conveyor.kv import NULL_BLOCK, SlidingWindow, blocks_for
+from conveyor.kv import NULL_BLOCK, SlidingWindow, split_kv_memory
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.linear import bf16_tiles_available
@@ -51,32 +51,17 @@ def window_layers(cfg: ModelConfig) -> int:
 
 def kv_pools(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[int, SlidingWindow | None]:
     """(blocks of the main pool, the sliding-window layers' pool or None). Sliding-window layers
-    (Gemma 3's local ones) only ever read a request's last `window` tokens, so their pool holds what
-    every running request can see at once in the worst case (a window each, with the block being
-    written and the one before it, two steps' token budget of prompt chunks: an earlier step's
-    chunk is given back at the request's next step, and one window more: what an import keeps
-    before its next query's sight, KVCacheManager.import_window_start) and no more; the rest of
-    the KV memory goes to the main pool, whose blocks the other layers fill for the whole context."""
+    (Gemma 3's local ones) only ever read a request's last `window` tokens, so they get a pool of
+    their own sized for what the running requests can see (split_kv_memory), and the rest of the
+    KV memory goes to the main pool, whose blocks the other layers fill for the whole context."""
     bs, sliding = config.block_size, window_layers(cfg)
     if not config.window_kv_pool or not sliding or sliding == cfg.num_layers or cfg.sliding_window is None:
         blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // kv_block_bytes(cfg, bs, dtype)
         return blocks, None
-    sched, window_blocks = config.scheduler, blocks_for(cfg.sliding_window, bs)
-    in_sight = (sched.max_num_seqs * (window_blocks + 2) + 2 * blocks_for(sched.max_num_batched_tokens, bs)
-                + window_blocks)
-    full_bytes = kv_block_bytes(cfg, bs, dtype, cfg.num_layers - sliding)
-    window_bytes = kv_block_bytes(cfg, bs, dtype, sliding)
-    if config.num_kv_blocks:
-        blocks = config.num_kv_blocks
-    else:
-        memory = parse_memory(config.kv_cache_memory)
-        # The window pool never needs more blocks than the main pool has; + 1: its NULL_BLOCK.
-        blocks = (memory - (in_sight + 1) * window_bytes) // full_bytes
-        if blocks < in_sight:
-            blocks = (memory - window_bytes) // (full_bytes + window_bytes)
-    if blocks < 1:
-        return blocks, None  # the caller refuses a pool without a block
-    return blocks, SlidingWindow(cfg.sliding_window, min(in_sight, blocks) + 1)
+    sched = config.scheduler
+    return split_kv_memory(cfg.sliding_window, bs, sched.max_num_seqs, sched.max_num_batched_tokens,
+                           kv_block_bytes(cfg, bs, dtype, cfg.num_layers - sliding), kv_block_bytes(cfg, bs, dtype, sliding),
+                           parse_memory(config.kv_cache_memory), config.num_kv_blocks)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

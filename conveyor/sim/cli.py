@@ -28,6 +28,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs["block_size"] = args.block_size
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     kwargs["speculative_config"] = args.speculative_config
+    kwargs["window_kv_pool"] = args.window_kv_pool
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -74,8 +75,10 @@ def _run(args: argparse.Namespace) -> int:
                            "best": None if result.best is None else result.best.value}}
     else:
         run = run_simulation(cfg)
+        window = (f" (+ {run.kv_window.num_blocks - 1} blocks for the sliding-window layers' "
+                  f"{run.kv_window.tokens}-token windows)" if run.kv_window else "")
         print(f"cost model: {run.cost_model}; KV pool {run.num_kv_blocks} blocks of {cfg.engine['block_size']} tokens"
-              + (" per worker" if run.workers else ""))
+              + window + (" per worker" if run.workers else ""))
         if run.workers:
             print(_deployment_line(cfg, run.result.offline.extra))
         print(format_result(run.result.metrics, selected, request_rate=cfg.request_rate))
@@ -163,7 +166,8 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     knobs = [f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "scheduling_policy"]
     add_config_args(eng, SchedulerConfig, only=knobs, defaults={"max_num_seqs": 256},
                     helps={"slo_ttft_ms": "TTFT target: misses are counted, not dropped"})
-    add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching", "speculative_config"))
+    add_config_args(eng, EngineConfig, only=("block_size", "enable_prefix_caching", "speculative_config",
+                                             "window_kv_pool"))
     eng.add_argument("--spec-acceptance", type=float, default=None,
                      help="with --speculative-config: the chance each proposed token is accepted, given that "
                           "the ones before it were (the workload's; default 0.7)")

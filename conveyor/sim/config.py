@@ -10,6 +10,7 @@ from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import WorkloadConfig
 from conveyor.config import EngineConfig, parse_memory
 from conveyor.errors import ConfigError
+from conveyor.kv import SlidingWindow, split_kv_memory
 from conveyor.sim.hardware import HardwareSpec, get_hardware
 from conveyor.sim.models import ModelSpec, get_model
 from conveyor.sim.profiled import DEFAULT_PROFILE, ProfiledCostModel
@@ -61,6 +62,7 @@ class SimRun:
     num_kv_blocks: int
     cost_model: str
     workers: list[Any] = field(default_factory=list)  # disagg.Lane per engine of a multi-engine deployment
+    kv_window: SlidingWindow | None = None  # the sliding-window layers' own pool (kv_pools)
 
 
 def build_cost_model(cfg: SimConfig) -> tuple[CostModel, ModelSpec, HardwareSpec | None]:
@@ -73,16 +75,19 @@ def build_cost_model(cfg: SimConfig) -> tuple[CostModel, ModelSpec, HardwareSpec
     return RooflineCostModel(model, hardware, cfg.tp), model, hardware
 
 
-def num_kv_blocks(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None, block_size: int) -> int:
-    """Explicit blocks, else an explicit pool size, else (roofline) what the devices hold after the
-    weights, as vLLM's gpu_memory_utilization: device memory x utilization, minus weights, over tp
-    devices; the profiled model describes conveyor's engine on this machine: its default pool."""
-    if cfg.num_kv_blocks:
-        return cfg.num_kv_blocks
+def kv_pools(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None,
+             engine_config: EngineConfig) -> tuple[int, SlidingWindow | None]:
+    """(blocks of the main pool, the sliding-window layers' pool or None), as the engine splits its
+    KV memory (conveyor.kv.split_kv_memory) when the model has both kinds of layers and
+    window_kv_pool is on. The memory: explicit blocks, else an explicit pool size, else (roofline)
+    what the devices hold after the weights, as vLLM's gpu_memory_utilization: device memory x
+    utilization, minus weights, over tp devices; the profiled model describes conveyor's engine on
+    this machine: its default pool."""
+    block_size = engine_config.block_size
     block_bytes = block_size * model.kv_bytes_per_token
     if cfg.kv_cache_memory is not None:
         pool = parse_memory(cfg.kv_cache_memory)
-    elif cfg.cost_model == "profiled":  # the profile describes conveyor's engine here: its default pool
+    elif cfg.num_kv_blocks or cfg.cost_model == "profiled":  # the profile describes conveyor's engine here
         pool = parse_memory(EngineConfig().kv_cache_memory)
     else:
         if hardware is None:
@@ -94,10 +99,17 @@ def num_kv_blocks(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | Non
                 f"{cfg.tp} x {hardware.name} ({hardware.memory_bytes / 1e9:.0f} GB each at utilization "
                 f"{cfg.gpu_memory_utilization}); raise --tp"
             )
-    blocks = pool // block_bytes
+    if model.sliding_window is not None and model.num_window_layers < model.num_layers and engine_config.window_kv_pool:
+        window_bytes = block_size * model.window_kv_bytes_per_token
+        sched = engine_config.scheduler
+        blocks, window = split_kv_memory(model.sliding_window, block_size, sched.max_num_seqs,
+                                         sched.max_num_batched_tokens, block_bytes - window_bytes, window_bytes, pool,
+                                         cfg.num_kv_blocks)
+    else:
+        blocks, window = cfg.num_kv_blocks or pool // block_bytes, None
     if blocks < 1:
         raise ConfigError(f"KV memory {pool} bytes holds less than one block of {block_bytes} bytes")
-    return int(blocks)
+    return int(blocks), window
 
 
 def policy_label(engine_config: EngineConfig) -> str:

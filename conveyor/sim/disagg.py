@@ -41,7 +41,7 @@ from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
-from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, policy_label
 from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
 
@@ -162,7 +162,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     engine_config = EngineConfig.from_kwargs(**cfg.engine)
     if disagg and engine_config.scheduler.policy == "static":
         raise ConfigError("disaggregation hands requests between continuous-batching engines: use --policy continuous")
-    blocks = num_kv_blocks(cfg, model, hardware, engine_config.block_size)
+    blocks, window = kv_pools(cfg, model, hardware, engine_config)
     if requests is None:
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
@@ -173,8 +173,8 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     max_len, block_size = cfg.max_model_len or model.max_model_len, engine_config.block_size
 
     def lanes(role: str, n: int) -> list[Lane]:  # each its own engine, KV pool and clock; one cost model
-        runners = [SimRunner(cost_model, VirtualClock(), cfg.spec_acceptance, cfg.workload.seed + k)
-                   for k in range(n)]
+        runners = [SimRunner(cost_model, VirtualClock(), cfg.spec_acceptance, cfg.workload.seed + k,
+                             model.sliding_window, window) for k in range(n)]
         return [Lane(f"{role}{k}", LLMEngine(engine_config, r, num_kv_blocks=blocks, max_model_len=max_len,
                                              vocab_size=model.vocab_size, clock=r.clock, proposer=SimProposer()), r)
                 for k, r in enumerate(runners)]
@@ -246,7 +246,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     metrics = compute_metrics(records, duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(label, cfg.request_rate, dict(cfg.engine), offline, metrics)
     return SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,
-                           cost_model.describe(), workers)
+                           cost_model.describe(), workers, window)
 
 
 def _record(prompt_len: int, prefill: RequestTimes, decode: RequestTimes | None) -> RequestRecord:

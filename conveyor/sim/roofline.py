@@ -3,7 +3,8 @@
 FLOPs: 2 per matmul parameter per token, the LM head only on sampled rows, and attention's
 QK^T and PV (4 x heads x head_dim per query-key pair per layer). Bytes: every weight once per
 step (the LM head only when something is sampled), each row's KV read at its context length,
-new KV written, and activations (each matmul reads its input and writes its output once).
+new KV written, and activations (each matmul reads its input and writes its output once). A
+sliding-window layer's pairs and KV reads stop at its window (StepShape's window_ fields).
 Tensor parallelism over `tp` devices divides FLOPs and bytes by tp and adds two ring all-reduces
 of the hidden states per layer (after attention and after the MLP), not overlapped with compute.
 """
@@ -47,6 +48,8 @@ class RooflineCostModel:
         self._s_body_weights = (m.weight_bytes - lm_head_bytes) / bandwidth
         self._s_lm_head = lm_head_bytes / bandwidth
         self._s_per_kv_token = m.kv_bytes_per_token / bandwidth
+        self._s_per_window_kv_token = m.window_kv_bytes_per_token / bandwidth
+        self._window_share = m.window_layer_share
         self._s_per_token_act = m.num_layers * m.layer_activation_elements * b / bandwidth
         self._s_per_sample_act = (m.hidden_size + m.vocab_size) * b / bandwidth
         if tp > 1:  # ring all-reduce moves 2(tp-1)/tp of the message over each link
@@ -58,10 +61,15 @@ class RooflineCostModel:
 
     def cost(self, s: StepShape) -> StepCost:
         tokens = s.prefill_tokens + s.decode_tokens
-        compute = (tokens * self._s_per_token_flop + s.sampled * self._s_per_sample_flop
-                   + (s.prefill_attention + s.decode_context) * self._s_per_pair)
-        kv_tokens = s.decode_context + s.prefill_cached + tokens  # read back, plus the new KV written
-        memory = (self._s_body_weights + (self._s_lm_head if s.sampled else 0.0) + kv_tokens * self._s_per_kv_token
+        share = self._window_share
+        pairs = ((1.0 - share) * (s.prefill_attention + s.decode_context)
+                 + share * (s.window_prefill_attention + s.window_decode_context))
+        compute = tokens * self._s_per_token_flop + s.sampled * self._s_per_sample_flop + pairs * self._s_per_pair
+        read_back = s.decode_context + s.prefill_cached  # every layer's KV, the window layers' too
+        window_read_back = s.window_decode_context + s.window_prefill_cached
+        kv_s = ((read_back + tokens) * self._s_per_kv_token  # read back, plus the new KV written
+                - (read_back - window_read_back) * self._s_per_window_kv_token)
+        memory = (self._s_body_weights + (self._s_lm_head if s.sampled else 0.0) + kv_s
                   + tokens * self._s_per_token_act + s.sampled * self._s_per_sample_act)
         allreduce = tokens * self._s_allreduce_per_token + self._s_allreduce_fixed if tokens else 0.0
         return StepCost(compute, memory, allreduce, self.hardware.step_overhead_s)

@@ -13,6 +13,7 @@ import random
 from typing import Protocol, Sequence
 
 from conveyor.bench.workloads import FIRST_REGULAR_ID
+from conveyor.kv import SlidingWindow
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.scheduler import SchedulerOutput
@@ -50,10 +51,15 @@ class SimRunner:
     supports_speculation = True  # speculative tokens are accepted at random (spec_acceptance)
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock, spec_acceptance: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_window: int | None = None, kv_window: SlidingWindow | None = None) -> None:
         """spec_acceptance: the chance that each speculative token is accepted, given that the
-        ones before it were (the workload's; measured ones are in docs/BENCHMARKS.md)."""
+        ones before it were (the workload's; measured ones are in docs/BENCHMARKS.md).
+        attention_window: the model's sliding window, where its window layers' attention stops;
+        kv_window: those layers' own KV pool, which the engine's KV manager then keeps (as the real
+        runner's kv_window)."""
         self.cost_model = cost_model
+        self.attention_window = attention_window
+        self.kv_window = kv_window
         self.clock = clock
         self.spec_acceptance = spec_acceptance
         self._random = random.Random(seed)
@@ -61,7 +67,7 @@ class SimRunner:
         self.busy_s = 0.0
 
     def execute(self, out: SchedulerOutput, stats: StepStats) -> SamplerOutput:
-        shape = StepShape.of(out)
+        shape = StepShape.of(out, self.attention_window)
         seconds = self.cost_model.step_time(shape)
         self.clock.advance(seconds)
         self.num_steps += 1

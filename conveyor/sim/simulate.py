@@ -14,7 +14,7 @@ from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, generate_requests, parse_rate_schedule, request_arrivals
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sim.config import SimConfig, SimRun, build_cost_model, num_kv_blocks, policy_label
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, policy_label
 from conveyor.sim.disagg import run_deployment
 from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
@@ -25,12 +25,12 @@ def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     wall0 = time.perf_counter()
     cost_model, model, hardware = build_cost_model(cfg)
     engine_config = EngineConfig.from_kwargs(**cfg.engine)
-    blocks = num_kv_blocks(cfg, model, hardware, engine_config.block_size)
+    blocks, window = kv_pools(cfg, model, hardware, engine_config)
     if requests is None:
         cfg.workload.vocab_size = model.vocab_size
         requests = generate_requests(cfg.workload)
     clock = VirtualClock()
-    runner = SimRunner(cost_model, clock, cfg.spec_acceptance, cfg.workload.seed)
+    runner = SimRunner(cost_model, clock, cfg.spec_acceptance, cfg.workload.seed, model.sliding_window, window)
     engine = LLMEngine(engine_config, runner, num_kv_blocks=blocks,
                        max_model_len=cfg.max_model_len or model.max_model_len,
                        vocab_size=model.vocab_size, clock=clock, proposer=SimProposer())
@@ -39,4 +39,4 @@ def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     offline = run_offline(engine, requests, arrivals, sleep=clock.sleep)
     metrics = compute_metrics(offline.records, offline.duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(policy_label(engine_config), cfg.request_rate, dict(cfg.engine), offline, metrics)
-    return SimRun(result, time.perf_counter() - wall0, runner.num_steps, blocks, cost_model.describe())
+    return SimRun(result, time.perf_counter() - wall0, runner.num_steps, blocks, cost_model.describe(), kv_window=window)

@@ -100,3 +100,54 @@ def test_bad_descriptions_are_config_errors(tmp_path) -> None:  # noqa: ANN001
         get_hardware("this-machine", tmp_path / "missing.json")
     with pytest.raises(ConfigError):
         RooflineCostModel(TOY, get_hardware("h100"), tp=0)
+
+
+# --- sliding-window layers --------------------------------------------------------------------------
+TOY_WINDOW = ModelSpec("toy-window", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=32, dtype="float32", sliding_window=4, num_window_layers=1)
+
+
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 4), (0, 9), (2, 1), (3, 1), (3, 2), (7, 5), (20, 3), (1, 30)])
+@pytest.mark.parametrize("window", [None, 1, 4, 6])
+def test_keys_in_window_counts_each_querys_keys(start: int, n: int, window: int | None) -> None:
+    from conveyor.sim.shape import keys_in_window
+
+    # The query at position p reads positions max(0, p - window + 1) .. p.
+    want = sum(p + 1 if window is None else min(p + 1, window) for p in range(start, start + n))
+    assert keys_in_window(start, n, window) == want
+
+
+def test_published_gemma_3_27b() -> None:
+    gemma = get_model("gemma-3-27b")
+    assert gemma.num_params == pytest.approx(27.0e9, rel=0.01)
+    assert (gemma.num_layers - gemma.num_window_layers, gemma.sliding_window) == (10, 1024)  # 1 global layer in 6
+    assert gemma.window_kv_bytes_per_token == 52 * 2 * 16 * 128 * 2
+
+
+def test_a_window_layers_attention_stops_at_its_window() -> None:
+    model = RooflineCostModel(TOY_WINDOW, TOY_HW)
+    whole = RooflineCostModel(TOY, TOY_HW)  # the same shapes, every layer sees the whole context
+    # Within the window nothing differs.
+    assert model.cost(decode_shape([3, 4], window=4)) == whole.cost(decode_shape([3, 4]))
+    # At context 100 the window layer reads 4 keys: pairs (100 + 4) x 4 x 1 x 2 x 4, not 2 x 100 x ...
+    near, far = model.cost(decode_shape([100], window=4)), whole.cost(decode_shape([100]))
+    per_pair = 4 * 2 * 4 / 1e6  # a layer's QK^T and PV: 4 x heads x head_dim, over 1 MFLOP/s
+    assert far.compute_s - near.compute_s == pytest.approx((100 - 4) * per_pair)
+    per_token_layer = 2 * 1 * 4 * 4 / 1e4  # a layer's K and V of one token, over 10 kB/s
+    assert far.memory_s - near.memory_s == pytest.approx((100 - 4) * per_token_layer)
+    # A prefill chunk after 10 cached tokens: the window layer reads back 3 of them.
+    chunk, whole_chunk = model.cost(prefill_shape(5, cached=10, window=4)), whole.cost(prefill_shape(5, cached=10))
+    assert whole_chunk.memory_s - chunk.memory_s == pytest.approx((10 - 3) * per_token_layer)
+    pairs = 5 * (10 + 3)  # each of the 5 queries: 15 .. 11 keys whole, 4 in the window
+    assert whole_chunk.compute_s - chunk.compute_s == pytest.approx((pairs - 5 * 4) * per_pair)
+
+
+def test_step_shape_of_a_scheduled_step_counts_the_window() -> None:
+    decode, chunk = Request("d", list(range(20)), SamplingParams(), 0.0), Request("p", list(range(30)), SamplingParams(), 0.0)
+    decode.num_computed_tokens, chunk.num_computed_tokens = 19, 10
+    out = SchedulerOutput(scheduled=[(decode, 1), (chunk, 8)])
+    shape, whole = StepShape.of(out, window=4), StepShape.of(out)
+    assert (shape.decode_context, shape.window_decode_context) == (20, 4)
+    assert (shape.prefill_attention, shape.window_prefill_attention) == (8 * (10 + 4.5), 8 * 4)
+    assert (shape.prefill_cached, shape.window_prefill_cached) == (10, 3)
+    assert (whole.window_decode_context, whole.window_prefill_attention, whole.window_prefill_cached) == (20, 8 * 14.5, 10)

@@ -6,9 +6,10 @@ import math
 import pytest
 
 from conveyor.bench.workloads import WorkloadConfig
+from conveyor.config import EngineConfig
 from conveyor.errors import ConfigError
 from conveyor.sim import disagg, simulate
-from conveyor.sim.config import SimConfig, num_kv_blocks
+from conveyor.sim.config import SimConfig, kv_pools
 from conveyor.sim.hardware import get_hardware
 from conveyor.sim.models import get_model
 from conveyor.sim.runner import SimRunner, VirtualClock
@@ -98,11 +99,12 @@ def test_kv_pool_from_device_memory_minus_weights() -> None:
     model, h100 = get_model("llama-3-8b"), get_hardware("h100")
     cfg = SimConfig()
     expected = int(80e9 * 0.9 - model.weight_bytes) // (16 * 128 * 1024)
-    assert num_kv_blocks(cfg, model, h100, 16) == expected
-    assert num_kv_blocks(SimConfig(kv_cache_memory="2GiB"), model, h100, 16) == 2**31 // (16 * 128 * 1024)
+    engine = EngineConfig()
+    assert kv_pools(cfg, model, h100, engine) == (expected, None)
+    assert kv_pools(SimConfig(kv_cache_memory="2GiB"), model, h100, engine) == (2**31 // (16 * 128 * 1024), None)
     with pytest.raises(ConfigError, match="--tp"):
-        num_kv_blocks(SimConfig(model="llama-3-70b"), get_model("llama-3-70b"), h100, 16)
-    assert num_kv_blocks(SimConfig(model="llama-3-70b", tp=4), get_model("llama-3-70b"), h100, 16) > 0
+        kv_pools(SimConfig(model="llama-3-70b"), get_model("llama-3-70b"), h100, engine)
+    assert kv_pools(SimConfig(model="llama-3-70b", tp=4), get_model("llama-3-70b"), h100, engine)[0] > 0
 
 
 def test_sim_runner_tokens_are_never_eos() -> None:
@@ -123,3 +125,30 @@ def test_simulating_imports_no_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_gemma_3s_window_layers_keep_their_window_in_a_pool_of_their_own() -> None:
+    # As the engine does (conveyor.kv.split_kv_memory): the window pool holds every running
+    # request's window, and the rest of the device's KV memory goes to the layers that see the
+    # whole context, which then hold three times the tokens: more 8k-token prompts run at once.
+    model, h100 = get_model("gemma-3-27b"), get_hardware("h100")
+    engine = EngineConfig.from_kwargs(max_num_seqs=16)
+    pool = int(80e9 * 0.9 - model.weight_bytes)
+    whole, none = kv_pools(SimConfig(model="gemma-3-27b"), model, h100, EngineConfig.from_kwargs(window_kv_pool=False))
+    blocks, window = kv_pools(SimConfig(model="gemma-3-27b"), model, h100, engine)
+    assert none is None and whole == pool // (16 * model.kv_bytes_per_token)
+    assert window is not None and window.tokens == 1024 and window.num_blocks - 1 >= 16 * (64 + 2)
+    window_bytes = 16 * model.window_kv_bytes_per_token
+    assert blocks * (16 * model.kv_bytes_per_token - window_bytes) + window.num_blocks * window_bytes <= pool
+    assert blocks > 2.5 * whole
+
+    def run(window_kv_pool: bool):  # noqa: ANN202
+        workload = WorkloadConfig("uniform", 32, input_len=8000, output_len=64)
+        return run_simulation(SimConfig(model="gemma-3-27b", workload=workload,
+                                        engine=dict(max_num_seqs=16, window_kv_pool=window_kv_pool)))
+
+    pooled, shared = run(True), run(False)
+    assert (pooled.num_kv_blocks, shared.num_kv_blocks) == (blocks, whole)
+    assert pooled.result.metrics.completed == shared.result.metrics.completed == 32
+    assert pooled.result.metrics.output_throughput > 1.2 * shared.result.metrics.output_throughput
+    assert pooled.result.offline.num_preemptions < shared.result.offline.num_preemptions
