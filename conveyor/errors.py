@@ -13,6 +13,10 @@ class InvalidRequestError(ConveyorError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from both arguments wherever it is unpickled (a Ray worker's error reaches the front end).
+        return type(self), (str(self), self.param)
+
 
 class NoAllowedTokenError(InvalidRequestError):
     """At some step the request's constraints together (allowed_token_ids, bad words, min_tokens,

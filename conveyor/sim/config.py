@@ -108,7 +108,8 @@ def kv_pools(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None,
     else:
         blocks, window = cfg.num_kv_blocks or pool // block_bytes, None
     if blocks < 1:
-        raise ConfigError(f"KV memory {pool} bytes holds less than one block of {block_bytes} bytes")
+        also = " and the sliding-window pool's (never written) first block" if model.sliding_window else ""
+        raise ConfigError(f"KV memory {pool} bytes holds less than one block of {block_bytes} bytes{also}")
     return int(blocks), window
 
 

@@ -28,7 +28,8 @@ def write_outputs(cfg: SimConfig, runs: Sequence[SimRun], out_dir: str | Path, p
     config["request_rate"] = _clean(cfg.request_rate)
     payload = {"config": config, "table": table, **(extra or {}), "runs": [
         {**r.result.summary(), "request_rate": _clean(r.result.rate), "engine": r.result.engine_kwargs,
-         "cost_model": r.cost_model, "num_kv_blocks": r.num_kv_blocks, "num_steps": r.num_steps,
+         "cost_model": r.cost_model, "num_kv_blocks": r.num_kv_blocks,
+         "window_kv_blocks": r.kv_window.num_blocks - 1 if r.kv_window else None, "num_steps": r.num_steps,
          "wall_s": r.wall_s, **({"deployment": r.result.offline.extra} if r.workers else {}),
          "trace": r.result.offline.trace_dict(), **per_request_dict(r.result.offline.records)}
         for r in runs

@@ -28,7 +28,8 @@ class StepShape:
     cached_chunk_pairs: int = 0
     decode_context: int = 0  # sum of the decode rows' context lengths (keys each one reads)
     max_decode_context: int = 0  # the longest: conveyor pads every decode row to it
-    # The same in a sliding-window layer (equal to the above without a window).
+    # The same in a sliding-window layer, as `of`, decode_shape and prefill_shape set them (equal to
+    # the above without a window; a shape built by hand for a window model must set them too).
     window_prefill_attention: float = 0.0
     window_prefill_cached: int = 0
     window_decode_context: int = 0

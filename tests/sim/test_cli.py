@@ -38,9 +38,11 @@ def test_scheduler_knobs_reach_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     add_simulate_parser(parser.add_subparsers())
     args = parser.parse_args(["simulate", "--no-chunked-prefill", "--max-num-batched-tokens", "4096",
-                              "--policy", "static", "--block-size", "32", "--no-enable-prefix-caching"])
+                              "--policy", "static", "--block-size", "32", "--no-enable-prefix-caching",
+                              "--no-window-kv-pool"])
     assert _engine_kwargs(args) == {"policy": "static", "max_num_seqs": 256, "max_num_batched_tokens": 4096,
-                                    "chunked_prefill": False, "block_size": 32, "enable_prefix_caching": False}
+                                    "chunked_prefill": False, "block_size": 32, "enable_prefix_caching": False,
+                                    "window_kv_pool": False}
 
 
 def test_bad_hardware_and_sweep_without_slo_fail_clearly(capsys) -> None:  # noqa: ANN001
