@@ -104,6 +104,10 @@ class EngineWorker(EngineLoop[_Command]):
         self._steps: list[tuple[int, int, dict[str, float]]] = []
         self._load = WorkerLoadReport()
         self._prefill_only: set[str] = set()
+        # Request -> its samples not yet ended here (loop thread only): a step that raises after
+        # failure isolation ended some of them has lost their outputs, and _fail_all must still
+        # tell the front end about every one of them.
+        self._live: dict[str, int] = {}
         self._parked: dict[str, tuple[Request, list[int]]] = {}  # loop thread writes; export reads
         self._imports: ImportQueue[_PendingImport] = ImportQueue()
         self._iteration_events: list[Any] = []  # loop thread only
@@ -222,10 +226,12 @@ class EngineWorker(EngineLoop[_Command]):
 
     def _do_add(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> None:
         self.engine.add_request(prompt, params, request_id)
+        self._live[request_id] = params.n
         if prefill_only:
             self._prefill_only.add(request_id)
 
     def _do_abort(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
         self._prefill_only.discard(request_id)
         if request_id in self._parked:
             self._do_release(request_id)
@@ -253,6 +259,7 @@ class EngineWorker(EngineLoop[_Command]):
             pending.done.set_exception(exc)
         else:
             payload = pending.payload
+            self._live[payload.request_id] = 1
             # In the outbox before any token of the request: the front end counts the handover
             # before it can see the request end.
             self._iteration_events.append(KVImported(payload.request_id, int(payload.kv.nbytes),
@@ -265,26 +272,35 @@ class EngineWorker(EngineLoop[_Command]):
             if out.error is not None:  # failure isolation, or its constraints left no token
                 events.append(RequestError(out.request_id, out.error))
                 self._prefill_only.discard(out.request_id)
+                self._live.pop(out.request_id, None)
                 continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions,
                                      out.num_cached_tokens))
+            if out.finished and out.request_id in self._live:
+                self._live[out.request_id] -= 1
+                if not self._live[out.request_id]:
+                    del self._live[out.request_id]
             if out.request_id not in self._prefill_only:
                 continue
             self._prefill_only.discard(out.request_id)
             if out.finished:  # the first token ended it (EOS, max_tokens 1): nothing to hand over
                 continue
             request = self.engine.detach_request(out.request_id)
+            self._live.pop(out.request_id, None)  # parked: the front end hands it over or releases it
             if request is None:
                 continue
             self._parked[out.request_id] = (request, request_blocks(self.engine, request))
             events.append(HandoverReady(out.request_id))
 
     def _fail_all(self, error: BaseException) -> None:
-        for request in list(self.engine.scheduler.requests.values()):
-            if self.engine.abort_request(request.group_id):
-                self._iteration_events.append(RequestError(request.group_id, ConveyorError(f"the engine failed: {error}")))
-            self._prefill_only.discard(request.group_id)
+        # Every request not yet ended here, including those the failed step had already taken out
+        # of the engine (failure isolation) before raising, whose final outputs it never returned.
+        for request_id in [*self._live, *(r.group_id for r in self.engine.scheduler.requests.values())]:
+            if self.engine.abort_request(request_id) or self._live.pop(request_id, None) is not None:
+                self._iteration_events.append(RequestError(request_id, ConveyorError(f"the engine failed: {error}")))
+            self._live.pop(request_id, None)
+            self._prefill_only.discard(request_id)
 
     def _end_iteration(self, stepped: bool) -> None:
         scheduler, stats = self.engine.scheduler, self.engine.last_step

@@ -423,3 +423,48 @@ def test_a_request_whose_constraints_leave_no_token_reaches_the_front_end_as_tha
     failed = t.sink.get_nowait()
     assert isinstance(failed, Failed) and isinstance(failed.error, NoAllowedTokenError)
     assert failed.error.param == "allowed_token_ids"
+
+
+def test_a_step_that_raises_after_isolating_a_request_still_ends_that_request(tiny_model) -> None:
+    # Failure isolation takes "bad" out of the engine and makes its final output; if the step then
+    # raises, that output is lost with the step, and the worker must still tell the front end that
+    # "bad" ended (with "good", failed as the whole step's requests are), or its client waits forever.
+    worker = EngineWorker("w", "replica", tiny_config(tiny_model))
+    engine = worker.engine
+    execute, isolate, update = engine.runner.execute, engine._execute_isolating, engine.scheduler.update_from_output
+    isolated: list[str] = []
+
+    def failing_execute(out, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if any(r.group_id == "bad" for r, _ in out.scheduled):
+            raise RuntimeError("bad input")
+        return execute(out, *args, **kwargs)
+
+    def recording_isolate(out, stats):  # type: ignore[no-untyped-def]
+        sampled, kept, failed = isolate(out, stats)
+        isolated.extend(o.request_id for o in failed)
+        return sampled, kept, failed
+
+    def update_then_raise(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if isolated:
+            raise RuntimeError("a bug after failure isolation")
+        return update(*args, **kwargs)
+
+    engine.runner.execute, engine._execute_isolating = failing_execute, recording_isolate
+    engine.scheduler.update_from_output = update_then_raise
+
+    async def main() -> dict[str, RequestError]:
+        await worker.start()
+        await worker.add("good", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), False)
+        await worker.add("bad", [8, 9], SamplingParams(max_tokens=5), False)
+        errors: dict[str, RequestError] = {}
+        seen = 0
+        while set(errors) != {"good", "bad"}:
+            result = await worker.poll(seen, 1.0)
+            seen = result.last_seq
+            errors.update({e.request_id: e for e in result.events if isinstance(e, RequestError)})
+        await worker.stop()
+        return errors
+
+    errors = asyncio.run(asyncio.wait_for(main(), 60.0))
+    assert isolated == ["bad"] and not engine.scheduler.requests
+    assert all("the engine failed" in str(e.error) for e in errors.values())
