@@ -23,7 +23,7 @@ import torch
 from conveyor.distributed.messages import KVPayload
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.errors import InvalidRequestError
-from conveyor.kv import NULL_BLOCK, blocks_for
+from conveyor.kv import blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
@@ -43,30 +43,35 @@ def cached_prefix_blocks(engine: LLMEngine, token_ids: Sequence[int], params: Sa
 
 
 def export_request(engine: LLMEngine, request: Request, first_block: int = 0) -> KVPayload:
-    """The request's KV from block `first_block` on (the importer holds the blocks before it)."""
+    """The request's KV from block `first_block` on (the importer holds the blocks before it); of
+    sliding-window layers with a pool of their own, only the blocks the exporter still held."""
     runner = kv_transfer(engine.runner)
     blocks = request_blocks(engine, request)
     window = engine.scheduler.handover_window_blocks(request)
     first_block = max(0, min(first_block, len(blocks)))
-    data = runner.read_kv_blocks(blocks[first_block:], None if window is None else window[first_block:])
-    dtype = "bfloat16" if data.dtype == torch.bfloat16 else "float32"
-    array = data.view(torch.int16).numpy() if dtype == "bfloat16" else data.numpy()
+    main_layers, window_layers = runner.kv_layer_groups()
+    held_from = leading_null_blocks(window)
+    window_first = max(first_block, held_from)
+    data = runner.read_kv_layers(main_layers, blocks[first_block:])
+    window_data = runner.read_kv_layers(window_layers, window[window_first:]) if window and window_layers else None
     return KVPayload(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
         output_token_ids=list(request.output_token_ids),
         params=request.sampling_params,
         num_computed_tokens=request.num_computed_tokens,
-        kv=array,
-        kv_dtype=dtype,
+        kv=_to_numpy(data),
+        kv_dtype="bfloat16" if data.dtype == torch.bfloat16 else "float32",
         first_block=first_block,
         sampler_state=runner.sampler.generator_state(request),
-        window_held_from=_leading_nulls(window),
+        window_held_from=held_from,
+        window_layers=tuple(window_layers) if window_data is not None else (),
+        window_kv=None if window_data is None else _to_numpy(window_data),
     )
 
 
-def _leading_nulls(window: list[int] | None) -> int:
-    return next((i for i, block in enumerate(window) if block != NULL_BLOCK), len(window)) if window else 0
+def _to_numpy(data: torch.Tensor) -> np.ndarray:
+    return data.view(torch.int16).numpy() if data.dtype == torch.bfloat16 else data.numpy()
 
 
 def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
@@ -94,6 +99,18 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
         # An exporter never gives back a block its next query sees: past that, the import would read zeros.
         raise InvalidRequestError(f"KV of {payload.request_id!r} says its window blocks start at block "
                                   f"{payload.window_held_from}, past what its next query sees")
+    main_layers, window_layers = runner.kv_layer_groups()
+    num_layers = len(main_layers) + len(window_layers)
+    window_kv = payload.window_kv
+    if (payload.kv.shape[0] + len(payload.window_layers) != num_layers
+            or not set(payload.window_layers) <= set(range(num_layers))
+            or len(set(payload.window_layers)) != len(payload.window_layers)
+            or (window_kv is None) != (not payload.window_layers)
+            or (window_kv is not None and (window_kv.shape[0] != len(payload.window_layers)
+                                           or window_kv.shape[2] != expected - min(payload.window_first_block, expected)
+                                           or window_kv.shape[3:] != payload.kv.shape[3:]))):
+        raise InvalidRequestError(f"KV of {payload.request_id!r} does not hold this model's {num_layers} layers' "
+                                  f"blocks {first} to {expected}")
     request = Request(payload.request_id, payload.prompt_token_ids, payload.params, engine.clock())
     request.output_token_ids = list(payload.output_token_ids)
     request.num_computed_tokens = payload.num_computed_tokens
@@ -104,14 +121,34 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
         request.num_computed_tokens = len(cached) * block_size
 
+    # Where each layer's blocks are in the payload: (array, its row, the block its data starts at).
+    exporter_main = [layer for layer in range(num_layers) if layer not in payload.window_layers]
+    rows = {layer: (payload.kv, row, first) for row, layer in enumerate(exporter_main)}
+    rows.update({layer: (window_kv, row, payload.window_first_block) for row, layer in enumerate(payload.window_layers)})
+
+    def tensor(layers: list[int], start: int, count: int) -> torch.Tensor:
+        """Those layers' blocks start .. start + count - 1 from the payload, as the runner takes them."""
+        parts = []
+        for layer in layers:
+            array, row, array_first = rows[layer]
+            if start < array_first:  # the exporter had given them back: no KV to write
+                raise InvalidRequestError(f"KV of {payload.request_id!r} lacks layer {layer}'s blocks from {start}")
+            parts.append(array[row, :, start - array_first : start - array_first + count])
+        # What Ray hands over is a read-only view of the object store: np.stack copies it for torch.
+        data = torch.from_numpy(np.stack(parts))
+        return data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data
+
     def write_kv(blocks: list[int], window_blocks: list[int] | None) -> None:
         if not blocks:
             return
-        array = np.ascontiguousarray(payload.kv[:, :, len(cached) - first:])
-        # What Ray hands over is a read-only view of the object store: copy it, torch wants to own it.
-        data = torch.from_numpy(array if array.flags.writeable else array.copy())
-        runner.write_kv_blocks(blocks, data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data,
-                               window_blocks)
+        start = len(cached)
+        main = main_layers if window_blocks is not None else main_layers + window_layers
+        runner.write_kv_layers(main, blocks, tensor(main, start, len(blocks)))
+        if window_blocks is not None and window_layers:
+            held = leading_null_blocks(window_blocks)
+            if held < len(window_blocks):
+                runner.write_kv_layers(window_layers, window_blocks[held:],
+                                       tensor(window_layers, start + held, len(window_blocks) - held))
 
     engine.add_prefilled_request(request, cached, write_kv, payload.window_held_from)
     if payload.sampler_state is not None:

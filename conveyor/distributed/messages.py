@@ -96,12 +96,25 @@ class KVPayload:
     output_token_ids: list[int]
     params: SamplingParams
     num_computed_tokens: int
-    # numpy array [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] (zero-copy in Ray): the
-    # request's blocks from `first_block` on (the importer said its prefix cache holds those before)
+    # numpy array [layers, 2, num_blocks, block_size, kv_heads, head_dim] (zero-copy in Ray): the
+    # request's blocks from `first_block` on (the importer said its prefix cache holds those before),
+    # of every layer but `window_layers`
     kv: Any
     kv_dtype: str  # "float32" or "bfloat16" (bf16 travels as int16 bits: numpy has no bf16)
     sampler_state: Any = None  # the request's own generator state when it samples with a seed
     first_block: int = 0
-    # Sliding-window layers with a pool of their own: the exporter had given back their blocks before
-    # this one (out of sight), so `kv` holds zeros there for those layers.
+    # Sliding-window layers with a pool of their own on the exporter: it had given back their blocks
+    # before `window_held_from` (out of sight); `window_kv` holds those layers' blocks from
+    # max(first_block, window_held_from) on, in the order of `window_layers`.
     window_held_from: int = 0
+    window_layers: tuple[int, ...] = ()
+    window_kv: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes) + (int(self.window_kv.nbytes) if self.window_kv is not None else 0)
+
+    @property
+    def window_first_block(self) -> int:
+        """The first block `window_kv` holds."""
+        return max(self.first_block, self.window_held_from)

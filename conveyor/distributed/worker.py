@@ -38,7 +38,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConveyorError, WorkerDiedError
-from conveyor.kv import NULL_BLOCK, SequenceKey
+from conveyor.kv import SequenceKey
 from conveyor.request import Request, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
@@ -88,8 +88,9 @@ class EngineWorker(EngineLoop[_Command]):
         self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config).warm_up(), self.thread_name,
                                                   lambda _: self._wait_then_run())
         self._park_on(thread)
-        # Every layer's K and V of a block (the window pool's NULL_BLOCK for sliding-window layers of their own).
-        one_block = kv_transfer(self.engine.runner).read_kv_blocks([0], [NULL_BLOCK])
+        # Every layer's K and V of a block (block 0 is in every pool: the window pool's NULL_BLOCK).
+        transfer = kv_transfer(self.engine.runner)
+        one_block = transfer.read_kv_layers([layer for group in transfer.kv_layer_groups() for layer in group], [0])
         kv = self.engine.scheduler.kv
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=kv.num_blocks,
@@ -262,7 +263,7 @@ class EngineWorker(EngineLoop[_Command]):
             self._live[payload.request_id] = 1
             # In the outbox before any token of the request: the front end counts the handover
             # before it can see the request end.
-            self._iteration_events.append(KVImported(payload.request_id, int(payload.kv.nbytes),
+            self._iteration_events.append(KVImported(payload.request_id, payload.nbytes,
                                                      payload.first_block * self.info.kv_block_bytes))
             pending.done.set_result(None)
 

@@ -36,6 +36,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 NULL_BLOCK = 0
 
 
+def leading_null_blocks(window_table: Sequence[int] | None) -> int:
+    """How many blocks a window table has given back (they lead it: sight only moves forward)."""
+    if not window_table:
+        return 0
+    return next((i for i, block in enumerate(window_table) if block != NULL_BLOCK), len(window_table))
+
+
 @dataclass(frozen=True)
 class SlidingWindow:
     """The KV of a model's sliding-window layers: `tokens` positions a query sees (itself included),

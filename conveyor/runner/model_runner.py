@@ -286,29 +286,28 @@ class ModelRunner:
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]
 
-    def _layer_index(self, layer: int, block_ids: list[int], window_block_ids: list[int] | None) -> torch.Tensor:
-        if layer not in self._window_layers:
-            return torch.tensor(block_ids, dtype=torch.long)
-        if window_block_ids is None or len(window_block_ids) != len(block_ids):
-            raise ValueError("this runner's sliding-window layers have a pool of their own: pass their blocks")
-        return torch.tensor(window_block_ids, dtype=torch.long)
-
     # KV handover: a request's blocks leave one runner and enter another, never the whole pool.
-    def read_kv_blocks(self, block_ids: list[int], window_block_ids: list[int] | None = None) -> torch.Tensor:
-        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy.
-        `window_block_ids`: the same blocks in the sliding-window layers' pool (kv_window), where a
-        NULL_BLOCK (out of sight) reads as zeros."""
-        indices = [self._layer_index(layer, block_ids, window_block_ids) for layer in range(len(self.kv_caches))]
-        return torch.stack([torch.stack((k[i], v[i])) for (k, v), i in zip(self.kv_caches, indices)])
+    def kv_layer_groups(self) -> tuple[list[int], list[int]]:
+        """(layers whose KV is in the main pool, sliding-window layers with a pool of their own)."""
+        layers = range(len(self.kv_caches))
+        return ([layer for layer in layers if layer not in self._window_layers],
+                [layer for layer in layers if layer in self._window_layers])
 
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor,
-                        window_block_ids: list[int] | None = None) -> None:
-        """The blocks read_kv_blocks gave; a sliding-window layer writes none of NULL_BLOCK's (out of sight)."""
-        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            index = self._layer_index(layer, block_ids, window_block_ids)
+    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> torch.Tensor:
+        """[len(layers), 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy: those
+        layers' blocks, each layer's from its own pool (kv_layer_groups)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return torch.stack([torch.stack((self.kv_caches[layer][0][index], self.kv_caches[layer][1][index]))
+                            for layer in layers])
+
+    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: torch.Tensor) -> None:
+        """What read_kv_layers gave, into these blocks of those layers' pools; a sliding-window
+        layer writes none of NULL_BLOCK's (out of sight)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for row, layer in enumerate(layers):
+            k_cache, v_cache = self.kv_caches[layer]
             rows = torch.arange(len(block_ids))
             if layer in self._window_layers:
                 rows = rows[index != NULL_BLOCK]
-                index = index[rows]
-            k_cache[index] = data[layer, 0, rows].to(k_cache.dtype)
-            v_cache[index] = data[layer, 1, rows].to(v_cache.dtype)
+            k_cache[index[rows]] = data[row, 0, rows].to(k_cache.dtype)
+            v_cache[index[rows]] = data[row, 1, rows].to(v_cache.dtype)

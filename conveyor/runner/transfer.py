@@ -17,13 +17,16 @@ if TYPE_CHECKING:
 class KVTransferRunner(Protocol):
     sampler: Sampler
 
-    def read_kv_blocks(self, block_ids: list[int], window_block_ids: list[int] | None = None) -> torch.Tensor:
-        """[num_layers, 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy; the
-        sliding-window layers' from window_block_ids where they have a pool of their own."""
+    def kv_layer_groups(self) -> tuple[list[int], list[int]]:
+        """(layers whose KV is in the main pool, sliding-window layers with a pool of their own)."""
         ...
 
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor,
-                        window_block_ids: list[int] | None = None) -> None: ...
+    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> torch.Tensor:
+        """[len(layers), 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy; each
+        layer's blocks from its own pool."""
+        ...
+
+    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: torch.Tensor) -> None: ...
 
 
 def kv_transfer(runner: object) -> KVTransferRunner:

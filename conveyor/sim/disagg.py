@@ -38,7 +38,7 @@ from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError
-from conveyor.kv import blocks_for
+from conveyor.kv import blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, policy_label
@@ -198,8 +198,11 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
                 continue
             request = lane.engine.detach_request(out.request_id)
             assert request is not None and out.times is not None and out.times.first_token is not None
-            # Whole blocks move, as export_request reads them; the tp shards move their slices in parallel.
-            nbytes = blocks_for(request.num_computed_tokens, block_size) * block_size * model.kv_bytes_per_token
+            # Whole blocks move, as export_request reads them (of the sliding-window layers only those
+            # still held); the tp shards move their slices in parallel.
+            num_blocks = blocks_for(request.num_computed_tokens, block_size)
+            given_back = leading_null_blocks(lane.engine.scheduler.handover_window_blocks(request))
+            nbytes = block_size * (num_blocks * model.kv_bytes_per_token - given_back * model.window_kv_bytes_per_token)
             seconds = nbytes / (bandwidth * cfg.tp)
             ho.bytes, ho.seconds = ho.bytes + nbytes, ho.seconds + seconds
             release = out.times.first_token + seconds

@@ -116,10 +116,9 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_handover_moves_the_window_pools_blocks_too(tiny_gemma3: Path) -> None:
     """Gemma 3's sliding-window layers (window 8, blocks of 4) in a pool of their own on both
-    engines: the export carries what the prefill engine's window pool holds (zeros where its blocks
-    were given back), the import keeps what was held (a later import of the same prefix takes its
-    cached blocks from both pools) and none of the zeros. Outputs are one engine's; both pools end
-    empty."""
+    engines: the export carries what the prefill engine's window pool holds (nothing of the blocks
+    it gave back), the import keeps what was held (a later import of the same prefix takes its
+    cached blocks from both pools). Outputs are one engine's; both pools end empty."""
     config = tiny_config(tiny_gemma3, block_size=4, num_kv_blocks=256)
     shared = [(7 * j + 3) % 1900 + 50 for j in range(24)]
     prompts = [shared + [100 + i] * (3 + 9 * i) for i in range(3)] + [[(11 * j) % 1500 + 60 for j in range(41)]]
@@ -135,7 +134,13 @@ def test_a_handover_moves_the_window_pools_blocks_too(tiny_gemma3: Path) -> None
         assert window is not None
         exported_holes.append(window.count(NULL_BLOCK))
         skip = cached_prefix_blocks(decode, request.prompt_token_ids, request.sampling_params)
-        import_request(decode, export_request(prefill, request, skip))
+        payload = export_request(prefill, request, skip)
+        blocks = len(request_blocks(prefill, request))
+        # Layer 1 sees the whole context; layers 0 and 2 only their blocks still held.
+        assert payload.window_layers == (0, 2) and payload.kv.shape[:3] == (1, 2, blocks - skip)
+        assert payload.window_kv.shape[:3] == (2, 2, blocks - max(skip, exported_holes[-1]))
+        assert payload.window_kv.any(axis=(1, 3, 4, 5)).all(), "no block of zeros travels"
+        import_request(decode, payload)
         skipped.append(skip)
         prefill.scheduler.release_handover(request_id)
         imported = decode.scheduler.kv.window_tables[request_id]
