@@ -4,9 +4,11 @@ teacher-forced on the fixed texts. The claim (docs/BENCHMARKS.md, claim 25) is p
 0.5% (also with the vocabulary projection in int8, as requests that sample take it) and top-1
 agreement of 98% or more over 4,096 positions of each text; here, to keep the suite short, the
 first 1,024 positions, where a top-1 share's standard error is about half a point, so the bound is
-a point lower, 97%. On a CPU with AMX-BF16 the same bounds hold with every position on the bf16
-tiles a prompt's tokens take there. Without the carried lone large features SmolLM2's code (96.2%) and Gemma's
-prose (96.4%) fail it; a kernel that lost a term fails both bounds."""
+a point lower, 97% (on Qwen2.5-Coder, which agrees 99.5%, the first 512: the largest model, its
+exact path the slowest, and a standard error of a third of a point there). On a CPU with AMX-BF16
+the same bounds hold with every position on the bf16 tiles a prompt's tokens take there. Without
+the carried lone large features SmolLM2's code (96.2%) and Gemma's prose (96.4%) fail it; a kernel
+that lost a term fails both bounds."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +23,7 @@ from conveyor.runner.model_runner import load_model
 
 
 TOKENS = 1024  # of each text (512 would not tell the old kernel's Gemma from the new)
+TOKENS_OF = {"qwen2.5-coder-0.5b": 512}
 TOP1_BOUND = 0.97
 
 
@@ -37,9 +40,10 @@ def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> No
         pytest.skip(str(e))
     # tiles: every position scored as a prompt token on the bf16 tiles, as a served prompt computes
     # on a CPU with AMX-BF16 (generated tokens take the int8 kernel, scored without them).
-    results = run_quality(loaded.model, loaded.tokenizer, "int8", TOKENS, 512, torch.float16, prompt_tiles=tiles)
+    tokens = TOKENS_OF.get(model, TOKENS)
+    results = run_quality(loaded.model, loaded.tokenizer, "int8", tokens, 512, torch.float16, prompt_tiles=tiles)
     for r in results:
-        assert r.tokens == TOKENS - 1
+        assert r.tokens == tokens - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, (model, r)
         assert r.top1_agreement >= TOP1_BOUND, (model, r)
         # requests that sample take the vocabulary projection in int8 too
