@@ -53,7 +53,7 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
     held_from = leading_null_blocks(window)
     window_first = max(first_block, held_from)
     data = runner.read_kv_layers(main_layers, blocks[first_block:])
-    window_data = runner.read_kv_layers(window_layers, window[window_first:]) if window and window_layers else None
+    window_data = runner.read_kv_layers(window_layers, window[window_first:]) if window is not None and window_layers else None
     return KVPayload(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -61,13 +61,16 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
         params=request.sampling_params,
         num_computed_tokens=request.num_computed_tokens,
         kv=_to_numpy(data),
-        kv_dtype="bfloat16" if data.dtype == torch.bfloat16 else "float32",
+        kv_dtype="bfloat16" if data.dtype == torch.bfloat16 else str(data.dtype).removeprefix("torch."),
         first_block=first_block,
         sampler_state=runner.sampler.generator_state(request),
         window_held_from=held_from,
         window_layers=tuple(window_layers) if window_data is not None else (),
         window_kv=None if window_data is None else _to_numpy(window_data),
     )
+
+
+_CARRIED_AS = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
 def _to_numpy(data: torch.Tensor) -> np.ndarray:
@@ -102,6 +105,11 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     main_layers, window_layers = runner.kv_layer_groups()
     num_layers = len(main_layers) + len(window_layers)
     window_kv = payload.window_kv
+    carried = _CARRIED_AS.get(payload.kv_dtype)  # bf16 travels as its bits: numpy has no bf16
+    if carried is None or any(a is not None and (a.dtype != carried or a.ndim != 6 or a.shape[1] != 2)
+                              for a in (payload.kv, window_kv)):
+        raise InvalidRequestError(f"KV of {payload.request_id!r} is not [layers, 2, blocks, block_size, heads, "
+                                  f"head_dim] arrays of its kv_dtype {payload.kv_dtype!r}")
     if (payload.kv.shape[0] + len(payload.window_layers) != num_layers
             or not set(payload.window_layers) <= set(range(num_layers))
             or len(set(payload.window_layers)) != len(payload.window_layers)
@@ -118,8 +126,15 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     if cached is None:
         cached = engine.scheduler.cached_import_prefix(request.sequence_key, request.num_computed_tokens)
     cached = cached[:expected]
+    held_from = payload.window_held_from
     if len(cached) < first:  # evicted since the front end asked: recompute from the last one held
         request.num_computed_tokens = len(cached) * block_size
+        held_from = 0  # nothing of the payload is written: the window blocks in sight are this engine's
+    if payload.sampler_state is not None:  # checked before the request is queued: a bad one must not leave it there
+        try:
+            torch.Generator().set_state(payload.sampler_state)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"KV of {payload.request_id!r} carries a sampler state that is not one: {e}") from e
 
     # Where each layer's blocks are in the payload: (array, its row, the block its data starts at).
     exporter_main = [layer for layer in range(num_layers) if layer not in payload.window_layers]
@@ -150,7 +165,7 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
                 runner.write_kv_layers(window_layers, window_blocks[held:],
                                        tensor(window_layers, start + held, len(window_blocks) - held))
 
-    engine.add_prefilled_request(request, cached, write_kv, payload.window_held_from)
+    engine.add_prefilled_request(request, cached, write_kv, held_from)
     if payload.sampler_state is not None:
         runner.sampler.set_generator_state(request, payload.sampler_state)
     request.times.first_token = request.times.first_scheduled = request.arrival_time

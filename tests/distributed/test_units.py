@@ -473,3 +473,45 @@ def test_a_step_that_raises_after_isolating_a_request_still_ends_that_request(ti
     errors = asyncio.run(asyncio.wait_for(main(), 60.0))
     assert isolated == ["bad"] and not engine.scheduler.requests
     assert all("the engine failed" in str(e.error) for e in errors.values())
+
+
+def test_an_import_whose_promised_blocks_were_evicted_recomputes_its_window_from_its_own_cache(tiny_gemma3: Path) -> None:
+    """The decode engine promised the 6 blocks of a shared prefix; one was evicted before the KV
+    came, so the import recomputes from block 5 and writes nothing of the payload. The window
+    blocks its recompute sees are the decode engine's own cached ones, not the exporter's
+    window_held_from's NULL_BLOCKs (zeros: wrong tokens)."""
+    config = tiny_config(tiny_gemma3, block_size=4, num_kv_blocks=256)
+    shared = [(7 * j + 3) % 1900 + 50 for j in range(24)]
+    prompts = [shared + [100] * 3, shared + [101] * 21]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    expected = reference_outputs(config, prompts, params)
+    prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(config)
+    parked = _prefill(prefill, prompts, params)
+    import_request(decode, export_request(prefill, parked["r0"]))
+    prefill.scheduler.release_handover("r0")
+    request = parked["r1"]
+    skip = cached_prefix_blocks(decode, request.prompt_token_ids, request.sampling_params)
+    payload = export_request(prefill, request, skip)
+    kept = decode.scheduler.cached_import_prefix(request.sequence_key, request.num_computed_tokens)[: skip - 1]
+    assert skip == 6 and payload.window_held_from > decode.scheduler.kv.first_visible_block(len(kept) * 4)
+    imported = import_request(decode, payload, kept)
+    prefill.scheduler.release_handover("r1")
+    assert imported.num_computed_tokens == len(kept) * 4
+    assert _drain(decode) == expected
+    assert decode.scheduler.kv.usage().used_blocks == decode.scheduler.kv.usage().window_used_blocks == 0
+
+
+def test_an_import_with_a_broken_sampler_state_is_refused_and_leaves_nothing(tiny_model) -> None:
+    config = tiny_config(tiny_model)
+    prefill, decode = LLMEngine.from_config(config), LLMEngine.from_config(config)
+    seeded = SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True)
+    payload = export_request(prefill, _prefill(prefill, make_prompts(1), [seeded])["r0"])
+    assert payload.sampler_state is not None
+    broken = dataclasses.replace(payload, sampler_state=payload.sampler_state[:7])
+    with pytest.raises(InvalidRequestError, match="sampler state"):
+        import_request(decode, broken)
+    assert not decode.scheduler.requests and decode.scheduler.kv.pool.num_used == 0
+    with pytest.raises(InvalidRequestError, match="kv_dtype"):
+        import_request(decode, dataclasses.replace(payload, kv=payload.kv.astype("float64")))
+    import_request(decode, payload)  # the same request, whole, still goes in
+    assert len(_drain(decode)["r0"][0]) == 4
