@@ -1,6 +1,7 @@
 """What crosses the wire between the front end and the engine workers (all picklable, no Ray)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,16 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return int(self.kv.nbytes) + (int(self.window_kv.nbytes) if self.window_kv is not None else 0)
+
+    @property
+    def cached_nbytes(self) -> int:
+        """What the blocks before first_block would have added (the importer's prefix cache held
+        them); of the window layers, only those the exporter still held."""
+        def block_bytes(array: Any) -> int:
+            return int(array.dtype.itemsize) * math.prod(array.shape[:2]) * math.prod(array.shape[3:])
+
+        window = 0 if self.window_kv is None else max(0, self.first_block - self.window_held_from)
+        return self.first_block * block_bytes(self.kv) + (window * block_bytes(self.window_kv) if window else 0)
 
     @property
     def window_first_block(self) -> int:

@@ -263,8 +263,7 @@ class EngineWorker(EngineLoop[_Command]):
             self._live[payload.request_id] = 1
             # In the outbox before any token of the request: the front end counts the handover
             # before it can see the request end.
-            self._iteration_events.append(KVImported(payload.request_id, payload.nbytes,
-                                                     payload.first_block * self.info.kv_block_bytes))
+            self._iteration_events.append(KVImported(payload.request_id, payload.nbytes, payload.cached_nbytes))
             pending.done.set_result(None)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -140,6 +140,8 @@ def test_a_handover_moves_the_window_pools_blocks_too(tiny_gemma3: Path) -> None
         assert payload.window_layers == (0, 2) and payload.kv.shape[:3] == (1, 2, blocks - skip)
         assert payload.window_kv.shape[:3] == (2, 2, blocks - max(skip, exported_holes[-1]))
         assert payload.window_kv.any(axis=(1, 3, 4, 5)).all(), "no block of zeros travels"
+        # What the decode engine's cache spared is what a whole export would have added.
+        assert payload.nbytes + payload.cached_nbytes == export_request(prefill, request).nbytes
         import_request(decode, payload)
         skipped.append(skip)
         prefill.scheduler.release_handover(request_id)
