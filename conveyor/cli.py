@@ -92,7 +92,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -139,6 +139,13 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     exp.set_defaults(func=_export_hf)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving with continuous batching")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -169,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except ConveyorError as exc:
+    except (ConveyorError, OSError) as exc:  # OSError: a path given that cannot be read or written
         print(f"conveyor: error: {exc}", file=sys.stderr)
         return 2
 

@@ -164,6 +164,13 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        # None means the default; 0 is not another way of saying so (it was taken for one).
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be positive (leave it out for the default), got {value}")
+        if not 0 <= self.seed < 2**64:  # what torch's generators take
+            raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
         parse_memory(self.kv_cache_memory)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from conveyor.config import ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES
 
@@ -76,12 +76,25 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             help_text += f" (default: {default})" if help_text else f"default: {default}"
         flag = "--" + f.name.replace("_", "-")
         if dataclasses.is_dataclass(kind):  # a nested config given as a JSON object, as vLLM's
-            parser.add_argument(flag, type=kind.parse, default=default, metavar="JSON",  # type: ignore[attr-defined]
+            parser.add_argument(flag, type=_parsed_by(kind.parse), default=default, metavar="JSON",  # type: ignore[attr-defined]
                                 help=help_text)
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_text)
+
+
+def _parsed_by(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type whose errors reach the user: argparse replaces a ValueError's
+    message with "invalid value", but prints an ArgumentTypeError's."""
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    parsed.__name__ = getattr(parse, "__name__", "parse")
+    return parsed
 
 
 def config_kwargs(args: argparse.Namespace, *config_classes: type) -> dict[str, Any]:

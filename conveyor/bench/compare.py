@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from conveyor.errors import ConfigError
 from conveyor.bench.metrics import compute_metrics, per_request_dict
 from conveyor.bench.offline import run_offline
 from conveyor.bench.results import RunResult
@@ -72,9 +73,9 @@ class CompareConfig:
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
-            raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+            raise ConfigError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
         if "continuous-slo" in self.policies and not self.slo_tpot_ms:
-            raise ValueError("the continuous-slo policy needs slo_tpot_ms (--slo-tpot-ms)")
+            raise ConfigError("the continuous-slo policy needs slo_tpot_ms (--slo-tpot-ms)")
         if 99.0 not in self.percentiles:
             self.percentiles = [*self.percentiles, 99.0]
 

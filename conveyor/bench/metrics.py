@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+from conveyor.errors import ConfigError
 
 METRICS = {  # key: (short name, section header)
     "ttft": ("TTFT", "Time to First Token"),
@@ -86,10 +87,10 @@ def parse_goodput(pairs: Sequence[str] | None) -> dict[str, float]:
     for pair in pairs or []:
         name, sep, value = pair.partition(":")
         if not sep or name not in GOODPUT_KEYS:
-            raise ValueError(f"goodput SLOs are KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}; got {pair!r}")
+            raise ConfigError(f"goodput SLOs are KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}; got {pair!r}")
         slos[name] = float(value)
         if slos[name] < 0:
-            raise ValueError(f"goodput SLO {pair!r} must be non-negative")
+            raise ConfigError(f"goodput SLO {pair!r} must be non-negative")
     return slos
 
 
@@ -262,5 +263,11 @@ def parse_selection(metrics: str | None, percentiles: str | None) -> tuple[list[
     selected = [m.strip() for m in (metrics or ",".join(METRICS)).split(",") if m.strip()]
     unknown = [m for m in selected if m not in METRICS]
     if unknown:
-        raise ValueError(f"unknown metrics {unknown}; choose from {', '.join(METRICS)}")
-    return selected, [float(p) for p in (percentiles or "99").split(",") if p.strip()]
+        raise ConfigError(f"unknown metrics {unknown}; choose from {', '.join(METRICS)}")
+    try:
+        chosen = [float(p) for p in (percentiles or "99").split(",") if p.strip()]
+    except ValueError:
+        chosen = []
+    if not chosen or not all(0 <= p <= 100 for p in chosen):
+        raise ConfigError(f"percentiles are numbers from 0 to 100, comma-separated (e.g. 50,90,99); got {percentiles!r}")
+    return selected, chosen

@@ -19,7 +19,7 @@ import numpy as np
 from conveyor.bench.metrics import RequestRecord, prefix_reuse
 from conveyor.bench.workloads import BenchRequest, followers, next_turn_prompt
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.request import RequestTimes
 from conveyor.sampling.params import SamplingParams
 
@@ -166,6 +166,7 @@ def run_offline(
                for i in range(len(requests))]
     for i, record in enumerate(records):
         record.cached_tokens = cached.get(str(i))
+    require_served(records)
     duration = max((r.start + r.latency for r in records if r.success), default=clock() - start)
     return OfflineResult(
         records=records,
@@ -177,6 +178,12 @@ def run_offline(
                "prefix_cache_hit_rate": hit_rate(engine.scheduler.prefix_cache_queries - queries_before,
                                                  engine.scheduler.prefix_cache_hits - hits_before)},
     )
+
+
+def require_served(records: Sequence[RequestRecord]) -> None:
+    """A run whose every request was refused measures nothing: say why instead of a table of zeros."""
+    if records and not any(r.success for r in records):
+        raise ConfigError(f"every one of the {len(records)} requests was refused; the first: {records[0].error}")
 
 
 def hit_rate(queries: int, hits: int) -> float:

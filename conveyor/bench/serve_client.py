@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from conveyor.errors import ConfigError
 from conveyor.bench.metrics import (
     METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, format_reuse, metrics_dict,
     per_request_dict, prefix_reuse,
@@ -55,6 +56,14 @@ class ServeConfig:
     request_timeout_s: float = 6 * 3600.0
     label: str = "conveyor-bench"
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be at least 1 (leave it out for no limit), got {self.max_concurrency}")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"base_url must be an http:// or https:// URL, got {self.base_url!r}")
+        if not self.ready_timeout_s >= 0:
+            raise ConfigError(f"ready_timeout must be >= 0 seconds, got {self.ready_timeout_s}")
 
 
 def _payload(cfg: ServeConfig, req: BenchRequest, prompt: list[int] | None = None,

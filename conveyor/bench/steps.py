@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from conveyor.errors import ConfigError
 from conveyor.bench.decode import decode_prompt, time_decode_steps
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling.params import SamplingParams
@@ -140,7 +141,8 @@ def time_prefill(engine: LLMEngine, tokens: int, seed: int) -> float:
     """Wall time of the one step that computes a fresh `tokens`-token prompt (distinct per seed, so
     nothing is a prefix-cache hit) and samples its first token."""
     if engine.config.scheduler.max_num_batched_tokens < tokens:
-        raise ValueError(f"the token budget ({engine.config.scheduler.max_num_batched_tokens}) is below --prefill")
+        raise ConfigError(f"--prefill {tokens} is over the step token budget "
+                          f"({engine.config.scheduler.max_num_batched_tokens}, --max-num-batched-tokens)")
     request_id = engine.add_request(decode_prompt(50_000 + seed, tokens),
                                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     start = time.perf_counter()

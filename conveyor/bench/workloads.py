@@ -119,15 +119,22 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
         if self.num_prompts < 1:
-            raise ValueError("num_prompts must be positive")
+            raise ConfigError("num_prompts must be positive")
+        lengths = {"input_len": self.input_len, "output_len": self.output_len, "long_prompt_len": self.long_prompt_len,
+                   "long_prompt_every": self.long_prompt_every, "long_prompt_output_len": self.long_prompt_output_len}
+        wrong = [f"{name} {value}" for name, value in lengths.items() if value is not None and value < 1]
+        if wrong:
+            raise ConfigError(f"lengths must be at least 1 (input_len / output_len: leave them out for the dataset's "
+                              f"default): {', '.join(wrong)}")
         if not 0.0 <= self.range_ratio < 1.0:
-            raise ValueError("range_ratio must be in [0, 1)")
+            raise ConfigError("range_ratio must be in [0, 1)")
         if self.vocab_size <= FIRST_REGULAR_ID:
-            raise ValueError(f"vocab_size must exceed {FIRST_REGULAR_ID}")
-        if min(self.num_groups, self.num_turns) < 1 or self.prefix_len < 0 or self.turn_len < 0 or self.think_time < 0:
-            raise ValueError("num_groups and num_turns must be positive; prefix_len, turn_len and think_time >= 0")
+            raise ConfigError(f"vocab_size must exceed {FIRST_REGULAR_ID}")
+        if (min(self.num_groups, self.num_turns) < 1 or self.prefix_len < 0 or self.turn_len < 0
+                or not self.think_time >= 0):
+            raise ConfigError("num_groups and num_turns must be positive; prefix_len, turn_len and think_time >= 0")
 
 
 @dataclass(frozen=True)
@@ -299,12 +306,12 @@ def arrival_times(num: int, request_rate: float, burstiness: float = 1.0, seed: 
                   schedule: RateSchedule | None = None) -> list[float]:
     """Seconds from the start at which each request is sent (vLLM's `get_request` schedule). With a
     `schedule` (see parse_rate_schedule) the rate follows it and `request_rate` is ignored."""
-    if burstiness <= 0:
-        raise ValueError("burstiness must be positive")
+    if not burstiness > 0:  # NaN too
+        raise ConfigError(f"burstiness must be positive, got {burstiness}")
     if schedule:
         return _scheduled_times(num, schedule, burstiness, seed)
-    if request_rate <= 0:
-        raise ValueError("request_rate must be positive (use inf for all at once)")
+    if not request_rate > 0:  # NaN too: it would never send anything
+        raise ConfigError(f"the request rate must be positive (inf: all at once), got {request_rate}")
     if math.isinf(request_rate):
         return [0.0] * num
     if math.isinf(burstiness):

@@ -304,13 +304,28 @@ class LLMEngine:
     def warm_up(self, prompt_len: int = 32, output_len: int = 4) -> "LLMEngine":
         """Run two small requests (one greedy, one sampled) through every stage of a step, so that
         first-call costs (allocator growth, thread pools, lazily built tables) are paid before the
-        first real request, not inside it. Call it on an idle engine; returns the engine."""
+        first real request, not inside it. Call it on an idle engine; returns the engine. The
+        requests shrink to what the engine's limits admit (a short --max-model-len, a small pool);
+        an engine that admits no request at all is a ConfigError that says so."""
+        sched, kv = self.config.scheduler, self.scheduler.kv
+        room = min(self.max_model_len, kv.num_blocks * kv.block_size)
+        if not sched.chunked_prefill:  # a whole request then fits one step's budget
+            room = min(room, sched.max_num_batched_tokens)
+        output_len = max(1, min(output_len, room // 4))
+        prompt_len = max(1, min(prompt_len, room - output_len))
         half = self.vocab_size // 2  # ids in the upper half: clear of the special tokens at the start
         ids = [half + (7 * i) % (self.vocab_size - half) for i in range(prompt_len)]
         greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=output_len, temperature=0.8, top_p=0.9, seed=0, ignore_eos=True)
-        self.add_request(ids, greedy, request_id="warm-up greedy")
-        self.add_request(ids[::-1], sampled, request_id="warm-up sampled")
+        try:
+            self.add_request(ids, greedy, request_id="warm-up greedy")
+            self.add_request(ids[::-1], sampled, request_id="warm-up sampled")
+        except InvalidRequestError as e:
+            for request_id in ("warm-up greedy", "warm-up sampled"):
+                self.abort_request(request_id)
+            raise ConfigError(f"this engine admits no request of even {prompt_len} prompt token(s) and {output_len} "
+                              f"output token(s) (--max-model-len, --num-kv-blocks / --kv-cache-memory, "
+                              f"--max-num-batched-tokens): {e}") from e
         while self.has_unfinished_requests:
             self.step()
         return self

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conveyor.bench.metrics import RequestRecord, compute_metrics
-from conveyor.bench.offline import IterationSample, OfflineResult, record_from_times
+from conveyor.bench.offline import IterationSample, OfflineResult, record_from_times, require_served
 from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, arrival_times, generate_requests, parse_rate_schedule
 from conveyor.config import EngineConfig
@@ -246,6 +246,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
                "workers": [{"name": w.name, "requests": w.num_requests, "steps": w.runner.num_steps,
                             "busy_s": w.runner.busy_s} for w in workers]},
     )
+    require_served(records)
     metrics = compute_metrics(records, duration, cfg.percentiles, cfg.goodput or None)
     result = RunResult(label, cfg.request_rate, dict(cfg.engine), offline, metrics)
     return SimRun(result, time.perf_counter() - wall0, sum(w.runner.num_steps for w in workers), blocks,

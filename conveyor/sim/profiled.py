@@ -84,7 +84,7 @@ def fit_profile(shapes: Sequence[StepShape], step_s: Sequence[float], meta: dict
     then refits once without outliers (relative residual beyond 3x the median one and 15%): on a
     shared machine a step now and then stalls behind another process, which is not the engine's cost."""
     if len(shapes) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(shapes)}")
+        raise ConfigError(f"need at least {len(FEATURES)} measured steps to fit, got {len(shapes)}")
     x = np.array([features(s) for s in shapes], dtype=float)
     y = np.asarray(step_s, dtype=float)
     coef = nonnegative_lstsq(x, y, 1.0 / y)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+from conveyor.errors import ConfigError
 from conveyor.bench.metrics import BenchmarkMetrics
 from conveyor.bench.workloads import generate_requests
 from conveyor.sim.config import SimConfig, SimRun
@@ -31,7 +32,7 @@ def parse_slos(pairs: Sequence[str] | None) -> dict[str, float]:
         except ValueError:
             ms = -1.0
         if not sep or key not in SLO_KEYS or ms < 0:
-            raise ValueError(f"SLOs are KEY:MS with KEY one of {', '.join(SLO_KEYS)} and MS >= 0; got {pair!r}")
+            raise ConfigError(f"SLOs are KEY:MS with KEY one of {', '.join(SLO_KEYS)} and MS >= 0; got {pair!r}")
         slos[key] = ms
     return slos
 

@@ -149,3 +149,20 @@ def test_logprobs_come_with_each_token(make_engine):
     for token, entry in per_token:
         assert len(entry) == 2 and max(entry, key=entry.get) == token  # greedy picks the top one
         assert all(v <= 0.0 for v in entry.values())
+
+
+@pytest.mark.parametrize("limits", [dict(max_model_len=30), dict(num_kv_blocks=1),
+                                    dict(max_num_batched_tokens=8, chunked_prefill=False)],
+                         ids=["short context", "one block", "small unchunked budget"])
+def test_warm_up_fits_the_engines_own_limits(make_engine, limits) -> None:
+    engine = make_engine(**limits).warm_up()  # its requests were 32 + 4 tokens, over each of these limits
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.usage().used_blocks == 0
+
+
+def test_an_engine_that_admits_no_request_says_so_at_warm_up(make_engine) -> None:
+    from conveyor.errors import ConfigError
+
+    engine = make_engine(max_model_len=1)
+    with pytest.raises(ConfigError, match="admits no request"):
+        engine.warm_up()
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.usage().used_blocks == 0

@@ -1,0 +1,41 @@
+"""Bad command-line input ends in one line naming what is wrong (exit status 2), never a traceback
+or a run that hangs or measures nothing."""
+from __future__ import annotations
+
+import pytest
+
+from conveyor.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--num-prompts", "3", "--rate", "nan"], "request rate must be positive"),
+    (["simulate", "--num-prompts", "3", "--input-len", "100000"], "every one of the 3 requests was refused"),
+    (["simulate", "--num-prompts", "3", "--input-len", "100000", "--prefill-workers", "1", "--decode-workers", "1"],
+     "every one of the 3 requests was refused"),
+    (["simulate", "--num-prompts", "0"], "num_prompts must be positive"),
+    (["simulate", "--num-prompts", "2", "--output-len", "-3"], "output_len -3"),
+    (["simulate", "--num-prompts", "2", "--dataset", "multi-turn", "--think-time", "nan"], "think_time"),
+    (["simulate", "--num-prompts", "2", "--sweep", "rate", "--slo", "ttft:abc"], "SLOs are KEY:MS"),
+    (["simulate", "--num-prompts", "2", "--metric-percentiles", "50,150"], "percentiles are numbers from 0 to 100"),
+    (["simulate", "--num-prompts", "2", "--output-dir", __file__], "File exists"),
+    (["generate", "--num-threads", "0", "x"], "num_threads must be positive"),
+    (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be positive"),
+    (["generate", "--seed", str(2**70), "x"], "seed must be in [0, 2**64)"),
+    (["bench", "serve", "--model", "m", "--base-url", "notaurl", "--num-prompts", "1"], "base_url must be an http"),
+    (["bench", "serve", "--model", "m", "--max-concurrency", "0", "--num-prompts", "1"], "max_concurrency must be at least 1"),
+])
+def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("conveyor: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--speculative-config", '{"method": "eagle"}', "x"], "speculative_config.method 'eagle' is not available"),
+    (["serve", "--port", "70000"], "a port is 0-65535"),
+])
+def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
