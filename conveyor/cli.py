@@ -60,10 +60,17 @@ def _serve(args: argparse.Namespace) -> int:
     from conveyor.api.server import run_server
     from conveyor.config import EngineConfig
     from conveyor.distributed.deploy import DeploymentConfig
+    from conveyor.errors import ConfigError
 
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ConfigError(f"two models given: {args.model_path!r} and --model {args.model!r}; pass one")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key (or CONVEYOR_API_KEY) is empty: leave it out to serve without a key")
     model = args.model_path or args.model
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or "smollm2-135m"]
+    if not all(name.strip() for name in names):
+        raise ConfigError("--served-model-name is empty")
     try:
         chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     except OSError as exc:
@@ -125,6 +132,10 @@ def _export_hf(args: argparse.Namespace) -> int:
 
     from conveyor.model.export import export_model
 
+    from conveyor.errors import ConfigError
+
+    if not str(args.out_dir).strip():
+        raise ConfigError("export-hf: the output folder is empty")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     folder = export_model(args.model, args.out_dir, dtype)
     print(f"wrote an HF checkpoint ({args.dtype}) to {folder}")

@@ -18,7 +18,8 @@ KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_memory(value: str | int) -> int:
@@ -27,7 +28,7 @@ def parse_memory(value: str | int) -> int:
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
     if not match or match.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+        raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB', '1.5GB' or bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 

@@ -84,6 +84,18 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_text)
 
 
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
+    def parsed(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parsed.__name__ = "int"
+    return parsed
+
+
 def _parsed_by(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse` as an argparse type whose errors reach the user: argparse replaces a ValueError's
     message with "invalid value", but prints an ArgumentTypeError's."""

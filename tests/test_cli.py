@@ -23,6 +23,17 @@ from conveyor.cli import main
     (["generate", "--seed", str(2**70), "x"], "seed must be in [0, 2**64)"),
     (["bench", "serve", "--model", "m", "--base-url", "notaurl", "--num-prompts", "1"], "base_url must be an http"),
     (["bench", "serve", "--model", "m", "--max-concurrency", "0", "--num-prompts", "1"], "max_concurrency must be at least 1"),
+    (["simulate", "--num-prompts", "2", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["simulate", "--num-prompts", "2", "--tp", "3"], "tensor parallel size 3 does not divide"),
+    (["simulate", "--num-prompts", "2", "--num-kv-blocks", "1000000000"], "more than the simulator tracks"),
+    (["simulate", "--num-prompts", "2", "--max-model-len", "1000000"], "is over llama-3-8b's context length"),
+    (["simulate", "--num-prompts", "2", "--hardware", "l4", "--kv-cache-memory", "1TB"], "more than 1 x l4 hold"),
+    (["simulate", "--num-prompts", "2", "--prefill-workers", "1", "--decode-workers", "1",
+      "--kv-transfer-bandwidth", "0"], "kv_transfer_bandwidth must be a positive"),
+    (["serve", "smollm2-135m", "--model", "gemma3-270m"], "two models given"),
+    (["serve", "--api-key", " "], "--api-key (or CONVEYOR_API_KEY) is empty"),
+    (["serve", "--served-model-name", ""], "--served-model-name is empty"),
+    (["export-hf", ""], "the output folder is empty"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
@@ -33,6 +44,8 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--speculative-config", '{"method": "eagle"}', "x"], "speculative_config.method 'eagle' is not available"),
     (["serve", "--port", "70000"], "a port is 0-65535"),
+    (["bench", "quality", "--max-tokens", "-1"], "--max-tokens: must be at least 2"),
+    (["bench", "steps", "--repeats", "0"], "--repeats: must be at least 1"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

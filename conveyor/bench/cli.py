@@ -8,7 +8,7 @@ import math
 from conveyor.bench.compare import CompareConfig
 from conveyor.bench.workloads import DATASETS
 from conveyor.config import ACTIVATION_DTYPES, EngineConfig, SchedulerConfig
-from conveyor.options import add_config_args
+from conveyor.options import add_config_args, int_at_least
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -228,7 +228,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_model_args(roof)
     roof.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     roof.add_argument("--context", type=int, default=128, help="tokens of context each request decodes at")
-    roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
+    roof.add_argument("--steps", type=int_at_least(1), default=8, help="timed decode steps per batch size (median)")
     roof.add_argument("--output-dir", default="out/roofline")
     roof.set_defaults(func=_run_roofline)
 
@@ -242,16 +242,16 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     quality.add_argument("--prompt-tiles", action="store_true",
                          help="score int8 with every position computed as a prompt token on the bf16 tiles "
                               "(CPUs with AMX-BF16; what a prompt's tokens take by default there)")
-    quality.add_argument("--max-tokens", type=int, default=4096, help="tokens of each text scored")
-    quality.add_argument("--window", type=int, default=512, help="tokens a teacher-forced window holds")
+    quality.add_argument("--max-tokens", type=int_at_least(2), default=4096, help="tokens of each text scored")
+    quality.add_argument("--window", type=int_at_least(2), default=512, help="tokens a teacher-forced window holds")
     quality.set_defaults(func=_run_quality)
 
     steps = sub.add_parser("steps", help="time whole decode steps across batch sizes (optionally beside transformers)")
     _add_model_args(steps)
     steps.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     steps.add_argument("--contexts", type=int, nargs="+", default=[128], help="prompt lengths drawn per request")
-    steps.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size and repeat")
-    steps.add_argument("--repeats", type=int, default=3)
+    steps.add_argument("--steps", type=int_at_least(1), default=16, help="timed decode steps per batch size and repeat")
+    steps.add_argument("--repeats", type=int_at_least(1), default=3)
     add_config_args(steps, SchedulerConfig, only=("max_num_batched_tokens",),
                     helps={"max_num_batched_tokens": "token budget of a prefill step (raised to fit the prompts)"})
     steps.add_argument("--hf", action="store_true", help="also time transformers' forward pass (the test extra)")

@@ -52,6 +52,25 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.spec_acceptance <= 1.0:
             raise ConfigError(f"spec_acceptance must be in [0, 1], got {self.spec_acceptance}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_transfer_bandwidth is not None and not 0 < self.kv_transfer_bandwidth < math.inf:
+            raise ConfigError(f"kv_transfer_bandwidth must be a positive number of bytes/s, got {self.kv_transfer_bandwidth}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+# The simulator tracks every block of the pool in Python: past this many it would take the host's
+# memory (a pool of billions of blocks is a typing error, not a deployment).
+MAX_SIM_BLOCKS = 10**7
+
+
+def max_model_len(cfg: SimConfig, model: ModelSpec) -> int:
+    """--max-model-len, at most the model's context length (as vLLM refuses a longer one)."""
+    if cfg.max_model_len is not None and cfg.max_model_len > model.max_model_len:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} is over {model.name}'s context length "
+                          f"{model.max_model_len}")
+    return cfg.max_model_len or model.max_model_len
 
 
 @dataclass
@@ -87,6 +106,9 @@ def kv_pools(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None,
     block_bytes = block_size * model.kv_bytes_per_token
     if cfg.kv_cache_memory is not None:
         pool = parse_memory(cfg.kv_cache_memory)
+        if hardware is not None and pool > cfg.tp * hardware.memory_bytes - model.weight_bytes:
+            raise ConfigError(f"--kv-cache-memory {cfg.kv_cache_memory} is more than {cfg.tp} x {hardware.name} hold "
+                              f"beside {model.name}'s {model.weight_bytes / 1e9:.1f} GB of weights")
     elif cfg.num_kv_blocks or cfg.cost_model == "profiled":  # the profile describes conveyor's engine here
         pool = parse_memory(EngineConfig().kv_cache_memory)
     else:
@@ -110,6 +132,9 @@ def kv_pools(cfg: SimConfig, model: ModelSpec, hardware: HardwareSpec | None,
     if blocks < 1:
         also = " and the sliding-window pool's (never written) first block" if model.sliding_window else ""
         raise ConfigError(f"KV memory {pool} bytes holds less than one block of {block_bytes} bytes{also}")
+    if blocks > MAX_SIM_BLOCKS:
+        raise ConfigError(f"a KV pool of {blocks:,} blocks is more than the simulator tracks ({MAX_SIM_BLOCKS:,}): "
+                          "lower --num-kv-blocks / --kv-cache-memory / --tp, or raise --block-size")
     return int(blocks), window
 
 

@@ -41,7 +41,7 @@ from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.kv import blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
-from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, policy_label
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, max_model_len, policy_label
 from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
 
@@ -170,7 +170,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
         raise ConfigError("conversations (the multi-turn workload) run on one simulated engine, not a deployment")
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     arrivals = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
-    max_len, block_size = cfg.max_model_len or model.max_model_len, engine_config.block_size
+    max_len, block_size = max_model_len(cfg, model), engine_config.block_size
 
     def lanes(role: str, n: int) -> list[Lane]:  # each its own engine, KV pool and clock; one cost model
         runners = [SimRunner(cost_model, VirtualClock(), cfg.spec_acceptance, cfg.workload.seed + k,

@@ -1,4 +1,4 @@
-"""`conveyor simulate profile`: measure the real engine's step times over a grid of batch shapes and
+"""`conveyor simulate fit`: measure the real engine's step times over a grid of batch shapes and
 fit the profiled cost model to them.
 
 Every engine step of every episode is a sample: the step's shape (conveyor/sim/shape.py, taken

@@ -1,5 +1,5 @@
 """Profiled cost model: step time as a linear function of the step's shape, fitted by least squares
-to step times the real engine measured on this machine (`conveyor simulate profile`).
+to step times the real engine measured on this machine (`conveyor simulate fit`).
 
 The features are what a step's work grows with in conveyor's CPU runner: tokens through the
 matmuls (prefill and decode rows apart, since decode rows also pay the batched-attention
@@ -71,7 +71,7 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"profile {path} not found: run `conveyor simulate profile --output {path}` first")
+            raise ConfigError(f"profile {path} not found: run `conveyor simulate fit --output {path}` first")
         data = json.loads(path.read_text())
         unknown = set(data.get("coefficients", {})) - set(FEATURES)
         if unknown:

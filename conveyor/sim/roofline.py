@@ -36,6 +36,8 @@ class RooflineCostModel:
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1) -> None:
         if tp < 1:
             raise ConfigError(f"tensor parallel size must be positive, got {tp}")
+        if model.num_heads % tp:
+            raise ConfigError(f"tensor parallel size {tp} does not divide {model.name}'s {model.num_heads} attention heads")
         if tp > 1 and hardware.interconnect_bandwidth <= 0:
             raise ConfigError(f"hardware {hardware.name!r} has no interconnect for tensor parallelism")
         self.model, self.hardware, self.tp = model, hardware, tp

@@ -14,7 +14,7 @@ from conveyor.bench.results import RunResult
 from conveyor.bench.workloads import BenchRequest, generate_requests, parse_rate_schedule, request_arrivals
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, policy_label
+from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, max_model_len, policy_label
 from conveyor.sim.disagg import run_deployment
 from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
 
@@ -32,7 +32,7 @@ def run_simulation(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
     clock = VirtualClock()
     runner = SimRunner(cost_model, clock, cfg.spec_acceptance, cfg.workload.seed, model.sliding_window, window)
     engine = LLMEngine(engine_config, runner, num_kv_blocks=blocks,
-                       max_model_len=cfg.max_model_len or model.max_model_len,
+                       max_model_len=max_model_len(cfg, model),
                        vocab_size=model.vocab_size, clock=clock, proposer=SimProposer())
     schedule = parse_rate_schedule(cfg.rate_schedule) if cfg.rate_schedule else None
     arrivals = request_arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.workload.seed, schedule)
