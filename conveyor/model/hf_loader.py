@@ -57,13 +57,21 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where / 'config.json'} is not a JSON object")
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"{where}: architectures {archs} not supported; conveyor runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:
+        sizes = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+        if not all(isinstance(cfg.get(name), int) and cfg[name] > 0 for name in sizes):
+            raise ValueError(f"{', '.join(sizes)} must be positive integers, got "
+                             f"{', '.join(str(cfg.get(name)) for name in sizes)}")
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         gemma = arch == "Gemma3ForCausalLM"
         extra = _gemma3_fields(cfg) if gemma else {}

@@ -193,6 +193,8 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return stored
+    if not isinstance(config, dict):
+        return stored  # the load itself says what is wrong with it
     stored_dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     stored_size = 4 if stored_dtype == "float32" else 2
     if keep_blocks and dtype == torch.float32 and stored_size == 2:

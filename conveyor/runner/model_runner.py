@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import EngineConfig, parse_memory
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, ConveyorError, ModelLoadError
 from conveyor.kv import NULL_BLOCK, SlidingWindow, split_kv_memory
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
@@ -112,7 +112,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
-    model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, consume=True)
+    try:
+        model = LlamaModel.from_weights(cfg, checkpoint.weights, dtype, consume=True)
+    except ConveyorError:
+        raise
+    except (KeyError, ValueError) as e:  # a weight missing, or of a shape config.json does not give it
+        detail = f"no weight {e.args[0]}" if isinstance(e, KeyError) else str(e)
+        raise ModelLoadError(f"{path.name}: its weights do not match its config ({detail})") from e
     model.activation_dtype = config.activation_dtype
     return_freed_memory()
     mapped = model.embed.nbytes if model.embed.blocks is not None else 0

@@ -273,3 +273,31 @@ def test_tensors_only_header_skips_the_arrays(smollm_gguf_path: Path) -> None:
     held = sum(t.nbytes if len(t.shape) == 2 and t.qtype.name in BLOCK_SIZES else 4 * math.prod(t.shape)
                for t in full.tensors.values())
     assert checkpoint_bytes(smollm_gguf_path, torch.float32) == held
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 5}, "weights do not match its config"),  # the file holds 2 layers
+    ({"intermediate_size": 100}, "weights do not match its config"),
+    ({"num_attention_heads": 0}, "must be positive integers"),
+    ({"vocab_size": "many"}, "must be positive integers"),
+    ({"architectures": "LlamaForCausalLM"}, None),  # a string instead of a list: read as one
+])
+def test_a_config_that_does_not_fit_its_weights_is_a_load_error(tmp_path: Path, change: dict, message: str | None) -> None:
+    from conveyor.config import EngineConfig
+    from conveyor.runner.model_runner import load_model
+
+    folder = make_tiny_hf_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    if message is None:
+        assert load_model(EngineConfig(model=str(folder))).model.cfg.architecture == "LlamaForCausalLM"
+        return
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_a_config_that_is_not_an_object_is_a_load_error(tmp_path: Path) -> None:
+    folder = make_tiny_hf_checkpoint(tmp_path)
+    (folder / "config.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match="not a JSON object"):
+        load_checkpoint(str(folder))
