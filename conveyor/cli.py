@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     except OSError as exc:
         raise SystemExit(f"conveyor serve: cannot read --chat-template: {exc}") from None
+    _check_address(args.host, args.port)
     return run_server(
         config,
         host=args.host,
@@ -148,6 +149,24 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     exp.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     exp.set_defaults(func=_export_hf)
+
+
+def _check_address(host: str, port: int) -> None:
+    """Before the model loads (seconds to minutes): the address must resolve and be free to bind."""
+    import socket
+
+    from conveyor.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--host {host!r} does not resolve: {exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port} (--host / --port): {exc.strerror}") from None
 
 
 def _port(text: str) -> int:

@@ -52,3 +52,15 @@ def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], m
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    assert main(["serve", "--host", "999.1.1.1"]) == 2
+    assert "--host '999.1.1.1' does not resolve" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
