@@ -95,15 +95,16 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
     from conveyor.distributed.router import ROUTING_POLICIES
+    from conveyor.options import int_at_least
 
     srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=_port, default=8000)
-    srv.add_argument("--max-waiting-requests", type=int, default=256,
+    srv.add_argument("--max-waiting-requests", type=int_at_least(1), default=256,
                      help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
-    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    srv.add_argument("--max-request-bytes", type=int_at_least(1024), default=DEFAULT_MAX_REQUEST_BYTES,
                      help="largest request body accepted; a larger one gets 413 without being read "
                           f"(default {DEFAULT_MAX_REQUEST_BYTES})")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),

@@ -34,6 +34,10 @@ from conveyor.cli import main
     (["serve", "--api-key", " "], "--api-key (or CONVEYOR_API_KEY) is empty"),
     (["serve", "--served-model-name", ""], "--served-model-name is empty"),
     (["export-hf", ""], "the output folder is empty"),
+    (["simulate", "--num-prompts", "2", "--slo", "ttft:500"], "--slo and --sweep-values are for --sweep"),
+    (["simulate", "--num-prompts", "2", "--spec-acceptance", "0.5"], "--spec-acceptance is for a run with"),
+    (["simulate", "--num-prompts", "2", "--sweep", "max-num-seqs", "--sweep-values", "2.5", "--slo", "tpot:50"],
+     "whole caps of at least 1"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
@@ -46,6 +50,8 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["serve", "--port", "70000"], "a port is 0-65535"),
     (["bench", "quality", "--max-tokens", "-1"], "--max-tokens: must be at least 2"),
     (["bench", "steps", "--repeats", "0"], "--repeats: must be at least 1"),
+    (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests: must be at least 1"),
+    (["serve", "--max-request-bytes", "5"], "--max-request-bytes: must be at least 1024"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,12 +51,25 @@ def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported 
     )
 
 
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """Options that only mean something beside another one: given alone they would be ignored."""
+    from conveyor.errors import ConfigError
+
+    if not args.sweep and (args.slo or args.sweep_values):
+        raise ConfigError("--slo and --sweep-values are for --sweep rate|max-num-seqs")
+    if args.spec_acceptance is not None and args.speculative_config is None:
+        raise ConfigError("--spec-acceptance is for a run with --speculative-config")
+    if args.sweep == "max-num-seqs" and any(v != int(v) or v < 1 for v in args.sweep_values or ()):
+        raise ConfigError(f"--sweep max-num-seqs takes whole caps of at least 1, got {args.sweep_values}")
+
+
 def _run(args: argparse.Namespace) -> int:
     from conveyor.bench.metrics import format_result, parse_selection
     from conveyor.sim.report import write_outputs
     from conveyor.sim.simulate import run_simulation
     from conveyor.sim.sweep import format_sweep, parse_slos, sweep_max_num_seqs, sweep_rate
 
+    _refuse_unused(args)
     cfg = sim_config(args)
     selected, _ = parse_selection(args.percentile_metrics, args.metric_percentiles)
     wall0 = time.perf_counter()
