@@ -28,6 +28,11 @@ class Importable(Protocol):
     @property
     def sequence_key(self) -> SequenceKey: ...
 
+    @property
+    def window_held_from(self) -> int:
+        """The first block the exporter's sliding-window pool still held (0 without one)."""
+        ...
+
 
 Item = TypeVar("Item", bound=Importable)
 
@@ -71,9 +76,7 @@ class ImportQueue(Generic[Item]):
         while self._items:
             item = self._items[0]
             needed = blocks_to_run(item.num_computed_tokens, block_size)
-            # Where the exporter's sliding-window layers had given back their first blocks (a payload's
-            # KVPayload.window_held_from; the simulator's requests move no data).
-            held_from = getattr(item, "window_held_from", 0)
+            held_from = item.window_held_from
             window_pool = scheduler.kv.window_pool
             window_needed = scheduler.kv.window_blocks_to_start(
                 item.num_computed_tokens + 1, (), scheduler.kv.import_window_start(item.num_computed_tokens, held_from))

@@ -38,11 +38,32 @@ from conveyor.engine.kv_imports import ImportQueue
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import ConfigError, InvalidRequestError
-from conveyor.kv import blocks_for, leading_null_blocks
+from conveyor.kv import SequenceKey, blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, RequestTimes
 from conveyor.sampling.params import SamplingParams
 from conveyor.sim.config import SimConfig, SimRun, build_cost_model, kv_pools, max_model_len, policy_label
 from conveyor.sim.runner import SimProposer, SimRunner, VirtualClock
+
+
+@dataclass(eq=False)
+class SimImport:
+    """A handed-over request as a decode lane takes it in: no KV moves, but where the exporter's
+    sliding-window layers had given back their blocks, as a payload's window_held_from says."""
+
+    request: Request
+    window_held_from: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def sequence_key(self) -> SequenceKey:
+        return self.request.sequence_key
 
 
 @dataclass(eq=False)
@@ -53,7 +74,7 @@ class Lane:
     engine: LLMEngine
     runner: SimRunner
     trace: list[IterationSample] = field(default_factory=list)
-    imports: ImportQueue[Request] = field(default_factory=ImportQueue)  # decode: handed over, waiting for blocks
+    imports: ImportQueue[SimImport] = field(default_factory=ImportQueue)  # decode: handed over, waiting for blocks
     parked: list[tuple[float, str]] = field(default_factory=list)  # prefill: (handover end, request id)
     num_requests: int = 0
 
@@ -85,10 +106,11 @@ class Lane:
 def take_imports(lane: Lane) -> None:
     engine = lane.engine
 
-    def admit(request: Request, cached: list[int]) -> None:
-        engine.add_prefilled_request(request, cached)  # the prefill worker validated the same limits
+    def admit(item: SimImport, cached: list[int]) -> None:
+        # The prefill worker validated the same limits.
+        engine.add_prefilled_request(item.request, cached, window_held_from=item.window_held_from)
 
-    def refuse(request: Request, error: InvalidRequestError) -> None:
+    def refuse(item: SimImport, error: InvalidRequestError) -> None:
         raise error  # both sides share one engine configuration: this cannot happen
 
     lane.imports.take(engine, admit, refuse)
@@ -146,7 +168,7 @@ class Handover:
     record_times: dict[int, RequestTimes] = field(default_factory=dict)  # prefill side: arrival, first token
     decode_times: dict[int, RequestTimes] = field(default_factory=dict)
     pending: list[tuple[float, int]] = field(default_factory=list)  # (decode arrival, request index)
-    requests: dict[int, Request] = field(default_factory=dict)  # as the decode worker will import them
+    requests: dict[int, SimImport] = field(default_factory=dict)  # as the decode worker will import them
     bytes: int = 0
     seconds: float = 0.0
 
@@ -211,7 +233,7 @@ def run_deployment(cfg: SimConfig, requests: list[BenchRequest] | None = None) -
             moved.output_token_ids = list(request.output_token_ids)
             moved.num_computed_tokens, moved.status = request.num_computed_tokens, RequestStatus.WAITING
             moved.times.first_token = moved.times.first_scheduled = release  # as import_request
-            ho.requests[i] = moved
+            ho.requests[i] = SimImport(moved, given_back)
             ho.pending.append((release, i))
 
     def decoded(lane: Lane, outputs: list[RequestOutput]) -> None:

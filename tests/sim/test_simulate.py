@@ -152,3 +152,21 @@ def test_gemma_3s_window_layers_keep_their_window_in_a_pool_of_their_own() -> No
     assert pooled.result.metrics.completed == shared.result.metrics.completed == 32
     assert pooled.result.metrics.output_throughput > 1.2 * shared.result.metrics.output_throughput
     assert pooled.result.offline.num_preemptions < shared.result.offline.num_preemptions
+
+
+def test_a_handover_of_gemma_3_moves_only_the_window_blocks_its_prefill_worker_held() -> None:
+    def run(window_kv_pool: bool):  # noqa: ANN202
+        workload = WorkloadConfig("uniform", 8, input_len=8000, output_len=8)
+        return run_simulation(SimConfig(model="gemma-3-27b", workload=workload, prefill_workers=1, decode_workers=1,
+                                        engine=dict(max_num_seqs=8, window_kv_pool=window_kv_pool)))
+
+    pooled, whole = run(True), run(False)
+    model = get_model("gemma-3-27b")
+    every_layer = 8 * 500 * 16 * model.kv_bytes_per_token  # 8 prompts of 500 blocks of 16 tokens
+    assert whole.result.offline.extra["kv_transfer_bytes"] == every_layer
+    # The global layers' blocks all move; the window layers' only from the last chunks the prefill
+    # worker still held (its step budget of 2,048 tokens, and the window before them).
+    moved = pooled.result.offline.extra["kv_transfer_bytes"]
+    global_layers = every_layer * (model.num_layers - model.num_window_layers) // model.num_layers
+    assert global_layers < moved < every_layer / 2
+    assert pooled.result.metrics.completed == whole.result.metrics.completed == 8
