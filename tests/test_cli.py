@@ -38,6 +38,7 @@ from conveyor.cli import main
     (["simulate", "--num-prompts", "2", "--spec-acceptance", "0.5"], "--spec-acceptance is for a run with"),
     (["simulate", "--num-prompts", "2", "--sweep", "max-num-seqs", "--sweep-values", "2.5", "--slo", "tpot:50"],
      "whole caps of at least 1"),
+    (["simulate", "--num-prompts", "2", "--dataset", "edit"], "run it with `conveyor bench`"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
@@ -50,6 +51,8 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["serve", "--port", "70000"], "a port is 0-65535"),
     (["bench", "quality", "--max-tokens", "-1"], "--max-tokens: must be at least 2"),
     (["bench", "steps", "--repeats", "0"], "--repeats: must be at least 1"),
+    (["bench", "steps", "--contexts", "0"], "--contexts: must be at least 1"),
+    (["simulate", "fit", "--batch-sizes", "-1"], "--batch-sizes: must be at least 1"),
     (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests: must be at least 1"),
     (["serve", "--max-request-bytes", "5"], "--max-request-bytes: must be at least 1024"),
 ])

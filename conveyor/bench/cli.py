@@ -226,8 +226,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
     roof = sub.add_parser("roofline", help="measure bandwidth and FLOPS, predict and find the decode batch knee")
     _add_model_args(roof)
-    roof.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
-    roof.add_argument("--context", type=int, default=128, help="tokens of context each request decodes at")
+    roof.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    roof.add_argument("--context", type=int_at_least(1), default=128, help="tokens of context each request decodes at")
     roof.add_argument("--steps", type=int_at_least(1), default=8, help="timed decode steps per batch size (median)")
     roof.add_argument("--output-dir", default="out/roofline")
     roof.set_defaults(func=_run_roofline)
@@ -248,8 +248,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
     steps = sub.add_parser("steps", help="time whole decode steps across batch sizes (optionally beside transformers)")
     _add_model_args(steps)
-    steps.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    steps.add_argument("--contexts", type=int, nargs="+", default=[128], help="prompt lengths drawn per request")
+    steps.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 8, 32, 64])
+    steps.add_argument("--contexts", type=int_at_least(1), nargs="+", default=[128], help="prompt lengths drawn per request")
     steps.add_argument("--steps", type=int_at_least(1), default=16, help="timed decode steps per batch size and repeat")
     steps.add_argument("--repeats", type=int_at_least(1), default=3)
     add_config_args(steps, SchedulerConfig, only=("max_num_batched_tokens",),
@@ -258,5 +258,6 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     steps.add_argument("--activation-dtypes", nargs="+", choices=list(ACTIVATION_DTYPES), metavar="DTYPE",
                        help="activation dtypes run back to back each repeat, the first the ratios' base "
                             f"(choices: {', '.join(ACTIVATION_DTYPES)}; default: the engine's)")
-    steps.add_argument("--prefill", type=int, default=0, metavar="N", help="also time a fresh N-token prompt's prefill")
+    steps.add_argument("--prefill", type=int_at_least(0), default=0, metavar="N",
+                       help="also time a fresh N-token prompt's prefill")
     steps.set_defaults(func=_run_steps)

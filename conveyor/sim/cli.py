@@ -16,7 +16,7 @@ import time
 from conveyor.bench.cli import _add_workload_args, _workload
 from conveyor.bench.workloads import DATASETS
 from conveyor.config import EngineConfig, SchedulerConfig
-from conveyor.options import add_config_args
+from conveyor.options import add_config_args, int_at_least
 from conveyor.sim.hardware import ALIASES, HARDWARE_NAMES
 from conveyor.sim.models import MODELS
 from conveyor.sim.profiled import DEFAULT_PROFILE
@@ -57,6 +57,9 @@ def _refuse_unused(args: argparse.Namespace) -> None:
 
     if not args.sweep and (args.slo or args.sweep_values):
         raise ConfigError("--slo and --sweep-values are for --sweep rate|max-num-seqs")
+    if args.dataset == "edit":
+        raise ConfigError("the edit dataset's prompts are a real model's text: run it with `conveyor bench`, "
+                          "not the simulator")
     if args.spec_acceptance is not None and args.speculative_config is None:
         raise ConfigError("--spec-acceptance is for a run with --speculative-config")
     if args.sweep == "max-num-seqs" and any(v != int(v) or v < 1 for v in args.sweep_values or ()):
@@ -144,9 +147,9 @@ def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
     fit = sub.add_parser("fit", help="measure the real engine's step times on this machine; fit the profiled model")
     add_config_args(fit, EngineConfig, only=("model", "dtype", "num_threads", "kv_cache_memory", "block_size"),
                     defaults={"num_threads": 1}, helps={"num_threads": "torch threads; use what the engine will run with"})
-    fit.add_argument("--batch-sizes", type=int, nargs="+", default=None)
-    fit.add_argument("--contexts", type=int, nargs="+", default=None)
-    fit.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="whole prompts measured alone")
+    fit.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=None)
+    fit.add_argument("--contexts", type=int_at_least(1), nargs="+", default=None)
+    fit.add_argument("--prompt-lens", type=int_at_least(1), nargs="+", default=None, help="whole prompts measured alone")
     fit.add_argument("--chunk-episodes", action=argparse.BooleanOptionalAction, default=True,
                      help="also measure prompts cut into chunks beside running decodes")
     fit.add_argument("--repeats", type=int, default=1, help="run the grid this many times (noisy machines)")
