@@ -296,10 +296,10 @@ class EngineWorker(EngineLoop[_Command]):
     def _fail_all(self, error: BaseException) -> None:
         # Every request not yet ended here, including those the failed step had already taken out
         # of the engine (failure isolation) before raising, whose final outputs it never returned.
-        for request_id in [*self._live, *(r.group_id for r in self.engine.scheduler.requests.values())]:
-            if self.engine.abort_request(request_id) or self._live.pop(request_id, None) is not None:
+        live, self._live = self._live, {}
+        for request_id in dict.fromkeys([*live, *(r.group_id for r in self.engine.scheduler.requests.values())]):
+            if self.engine.abort_request(request_id) or request_id in live:
                 self._iteration_events.append(RequestError(request_id, ConveyorError(f"the engine failed: {error}")))
-            self._live.pop(request_id, None)
             self._prefill_only.discard(request_id)
 
     def _end_iteration(self, stepped: bool) -> None:
