@@ -39,6 +39,9 @@ from conveyor.cli import main
     (["simulate", "--num-prompts", "2", "--sweep", "max-num-seqs", "--sweep-values", "2.5", "--slo", "tpot:50"],
      "whole caps of at least 1"),
     (["simulate", "--num-prompts", "2", "--dataset", "edit"], "run it with `conveyor bench`"),
+    (["simulate", "--num-prompts", "2", "--profile", "p.json"], "--profile is the profiled cost model's"),
+    (["simulate", "--num-prompts", "2", "--hardware", "h100-sxm", "--roofline-json", "r.json"],
+     "--roofline-json describes this machine"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2

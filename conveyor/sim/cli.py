@@ -17,7 +17,7 @@ from conveyor.bench.cli import _add_workload_args, _workload
 from conveyor.bench.workloads import DATASETS
 from conveyor.config import EngineConfig, SchedulerConfig
 from conveyor.options import add_config_args, int_at_least
-from conveyor.sim.hardware import ALIASES, HARDWARE_NAMES
+from conveyor.sim.hardware import ALIASES, HARDWARE_NAMES, hardware_key
 from conveyor.sim.models import MODELS
 from conveyor.sim.profiled import DEFAULT_PROFILE
 
@@ -39,7 +39,7 @@ def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported 
     _, percentiles = parse_selection(None, args.metric_percentiles)
     return SimConfig(
         hardware=args.hardware, model=args.model, dtype=args.dtype, tp=args.tp, cost_model=args.cost_model,
-        profile=args.profile, roofline_json=args.roofline_json, efficiency=args.efficiency,
+        roofline_json=args.roofline_json, efficiency=args.efficiency,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, workload=_workload(args),
         request_rate=args.rate, burstiness=args.burstiness, rate_schedule=args.rate_schedule,
@@ -48,6 +48,7 @@ def sim_config(args: argparse.Namespace):  # noqa: ANN201 - SimConfig (imported 
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, replicas=args.replicas,
         kv_transfer_bandwidth=None if args.kv_transfer_bandwidth is None else args.kv_transfer_bandwidth * 1e9,
         **({} if args.spec_acceptance is None else {"spec_acceptance": args.spec_acceptance}),
+        **({} if args.profile is None else {"profile": args.profile}),
     )
 
 
@@ -60,6 +61,10 @@ def _refuse_unused(args: argparse.Namespace) -> None:
     if args.dataset == "edit":
         raise ConfigError("the edit dataset's prompts are a real model's text: run it with `conveyor bench`, "
                           "not the simulator")
+    if args.profile is not None and args.cost_model != "profiled":
+        raise ConfigError("--profile is the profiled cost model's: give it with --cost-model profiled")
+    if args.roofline_json is not None and hardware_key(args.hardware) != "this-machine":
+        raise ConfigError("--roofline-json describes this machine: give it with --hardware this-machine")
     if args.spec_acceptance is not None and args.speculative_config is None:
         raise ConfigError("--spec-acceptance is for a run with --speculative-config")
     if args.sweep == "max-num-seqs" and any(v != int(v) or v < 1 for v in args.sweep_values or ()):
@@ -168,7 +173,9 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     hw.add_argument("--dtype", default=None, help="override the model description's dtype (bfloat16, fp8, float32)")
     hw.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     hw.add_argument("--cost-model", default="roofline", choices=["roofline", "profiled"])
-    hw.add_argument("--profile", default=DEFAULT_PROFILE, help="the profiled model's JSON (`conveyor simulate fit`)")
+    hw.add_argument("--profile", default=None,
+                    help=f"with --cost-model profiled: the profiled model's JSON (`conveyor simulate fit`; "
+                         f"default {DEFAULT_PROFILE})")
     hw.add_argument("--roofline-json", default=None, help="for --hardware this-machine (`conveyor bench roofline`)")
     hw.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak FLOP/s and bandwidth")
     hw.add_argument("--gpu-memory-utilization", type=float, default=0.9)

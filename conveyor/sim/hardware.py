@@ -86,8 +86,13 @@ def this_machine(roofline_json: str | Path = DEFAULT_ROOFLINE_JSON) -> HardwareS
     )
 
 
+def hardware_key(name: str) -> str:
+    """A hardware name as HARDWARE (or "this-machine") spells it, aliases resolved."""
+    return ALIASES.get(name.lower(), name.lower())
+
+
 def get_hardware(name: str, roofline_json: str | Path | None = None, efficiency: float | None = None) -> HardwareSpec:
-    key = ALIASES.get(name.lower(), name.lower())
+    key = hardware_key(name)
     if key == "this-machine":
         spec = this_machine(roofline_json or DEFAULT_ROOFLINE_JSON)
     elif key in HARDWARE:
