@@ -44,10 +44,12 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    inputs: list[str] | list[list[int]] = prompts
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        tokenizer = llm.tokenizer
+        inputs = [tokenizer.encode_chat(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(inputs, params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(args.prompts or prompts, outputs):
         print(f"### {prompt!r}\n{out.text}\n[finish: {out.finish_reason}, {len(out.token_ids)} tokens]\n")

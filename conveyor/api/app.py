@@ -156,8 +156,8 @@ def build_app(state: ServerState) -> FastAPI:
         if tools is not None and tools.spec is not None and asked is not None:
             raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
         grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt), add_special,
+        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt),
+                                         body.add_special_tokens,
                                          tools, bool(body.continue_final_message), body.chat_template_kwargs)
         prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
         requested = body.max_completion_tokens or body.max_tokens
@@ -327,7 +327,7 @@ async def _grammar(state: ServerState, asked: tuple | None) -> Any:
 
 
 def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = True, tools: ToolPlan | None = None,
+                 add_special_tokens: bool | None = None, tools: ToolPlan | None = None,
                  continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     tokenizer = state.tokenizer
     try:
@@ -350,7 +350,7 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
                               param="tool_choice")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_chat(text, add_special_tokens)
 
 
 # Message fields a chat template may or may not render. tool_call_id is not among them: OpenAI

@@ -129,7 +129,8 @@ class _Sampling(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool | None = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    add_special_tokens: bool | None = None  # default: true for completions, false for chat (vLLM)
+    # Default: true for completions; for chat, the BOS a template did not already write (llama.cpp's).
+    add_special_tokens: bool | None = None
     user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
     # vLLM's: cached prompt blocks are shared only between requests that send the same salt.
     cache_salt: str | None = Field(None, min_length=1)
@@ -344,7 +345,7 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None  # as chat: the BOS the template did not already write
     return_token_strs: bool | None = False
 
     unsupported = {"chat_template": (None,), "tools": (None, []), "mm_processor_kwargs": (None,),

@@ -235,7 +235,7 @@ def _edit_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
         ask = (f"Rename `{name}` to `{name}_renamed` in this Python code. Reply with the whole code, changed in "
                f"that one place only, in a ```python block.\n\n```python\n{snippet}```")
         text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        prompt = tokenizer.encode_chat(text)
         output_len = count(snippet) + 16  # the code back, with its fences
         requests.append(BenchRequest(prompt, min(output_len, cfg.output_len) if cfg.output_len else output_len))
     return requests

@@ -134,6 +134,15 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_chat(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """A rendered chat's ids. By default (None) the model's BOS is added unless the template
+        already wrote it (Gemma's and Llama 3's templates begin with `{{ bos_token }}`), so the
+        prompt starts with exactly one, as llama.cpp's server renders it; True or False as asked."""
+        if add_special_tokens is None:
+            bos = self.token_to_str(self.bos_token_id)
+            add_special_tokens = not (bos and text.startswith(bos))
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -319,3 +319,19 @@ def test_a_served_model_can_be_retrieved_by_name(http):
     assert http.get("/v1/models/m").json() == listed
     missing = http.get("/v1/models/gpt-17")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_chat_and_its_tokenize_count_one_bos_where_the_template_writes_it():
+    """A model that adds BOS, with a template that writes it too (Gemma's, Llama 3's): the prompt
+    holds one, as llama.cpp's server renders it; a client's add_special_tokens true gets a second."""
+    from tests.model.test_tokenizer import _tiny_sentencepiece
+
+    tokenizer, ids = _tiny_sentencepiece()
+    for http in _client(tokenizer):
+        messages = [{"role": "user", "content": "ab"}]
+        served = http.post(CHAT, json=chat(messages))
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["prompt_tokens"] == 2
+        assert http.post(TOKENIZE, json={"messages": messages}).json()["tokens"] == [ids["<bos>"], ids["ab"]]
+        doubled = http.post(TOKENIZE, json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
+        assert doubled == [ids["<bos>"], ids["<bos>"], ids["ab"]]

@@ -239,3 +239,25 @@ def test_sentencepiece_gguf_merges_follow_the_file_order() -> None:
     assert tok.encode(" a  b", add_special_tokens=False) == [ids["\u2581a"], ids["  "], ids["b"]]
     assert tok.encode("é", add_special_tokens=False) == [ids["<0xC3>"], ids["<0xA9>"]]  # byte fallback
     assert tok.decode(tok.encode("é a  ab")) == "é a  ab"
+
+
+def _tiny_sentencepiece() -> tuple[Tokenizer, dict[str, int]]:
+    """A Gemma-style vocabulary (adds BOS) with a template that writes `{{ bos_token }}` itself."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *[f"<0x{b:02X}>" for b in range(256)], "a", "b", "ab"]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3, 3, 3, *[6] * 256, 1, 1, 1],
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"}
+    return Tokenizer.from_gguf(meta), {t: i for i, t in enumerate(tokens)}
+
+
+def test_a_chat_starts_with_one_bos_whether_or_not_its_template_wrote_it() -> None:
+    tok, ids = _tiny_sentencepiece()
+    assert tok.add_bos_token
+    rendered = tok.apply_chat_template([{"role": "user", "content": "ab"}])
+    assert rendered == "<bos>ab"
+    assert tok.encode_chat(rendered) == [ids["<bos>"], ids["ab"]]
+    assert tok.encode_chat("ab") == [ids["<bos>"], ids["ab"]]  # a template that does not write it
+    assert tok.encode_chat(rendered, add_special_tokens=True) == [ids["<bos>"], ids["<bos>"], ids["ab"]]  # as asked
+    assert tok.encode_chat(rendered, add_special_tokens=False) == [ids["<bos>"], ids["ab"]]
+    assert tok.encode_chat("ab", add_special_tokens=False) == [ids["ab"]]
