@@ -62,6 +62,7 @@ class Request:
     # not started yet); what the API reports as usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
     stop_reason: int | str | None = None
+    ended_on_stop_token: bool = False  # its last token is the EOS or stop_token_ids entry that ended it
     # With sampling_params.prompt_logprobs: {token id: logprob} per prompt token scored so far (the
     # first token has none), filled chunk by chunk as the prompt is computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -85,14 +85,15 @@ class Choice:
                 entries = _echo_entries(tokenizer, self._token_name, self.echo_ids, self.prompt_logprobs,
                                         self.num_logprobs)
         self.token_ids.extend(out.new_token_ids)
+        last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
             offset = len(self.echo) + len(self.detok.text)
-            self.detok.add([token])
+            self.detok.add([token], ends_on_stop_token=i == last and out.ended_on_stop_token)
             if self.num_logprobs is not None and step_logprobs and i < len(step_logprobs):
                 entries.append(_entry(tokenizer, self._token_name, token, step_logprobs[i], self.num_logprobs, offset))
             if self.detok.stopped:
                 self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
-            elif out.finished and i == len(out.new_token_ids) - 1:
+            elif out.finished and i == last:
                 self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
             pieces.append((self.detok.finish() if self.finished else self.detok.release(), entries))
             entries = []

@@ -38,6 +38,7 @@ class TokenEvent:
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV the worker's prefix cache held
+    ended_on_stop_token: bool = False  # RequestOutput's
 
 
 @dataclass(frozen=True)

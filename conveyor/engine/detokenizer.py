@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self._end: int | None = None  # the output's end in `text` once stopped
         self._prefix = 0  # window start: a few tokens of context for the decoder
         self._read = 0  # tokens whose text is already in `text`
+        self._textless = 0  # trailing tokens whose text is left out: the stop token that ended it
         self._longest = max(map(len, self.stop), default=0)
 
     @property
@@ -47,16 +48,20 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Decode the new tokens; ignored once a stop string was found (the output ended there)."""
+    def add(self, token_ids: Sequence[int], ends_on_stop_token: bool = False) -> None:
+        """Decode the new tokens; ignored once a stop string was found (the output ended there).
+        `ends_on_stop_token`: the last one is the EOS or stop_token_ids entry that ended the output;
+        it counts as a token, but its text is left out unless include_stop_str_in_output (vLLM)."""
         if self.stopped:
             return
         self.token_ids.extend(token_ids)
+        self._textless = int(ends_on_stop_token and not self.include_stop_str_in_output)
+        end = len(self.token_ids) - self._textless
         before = self._decode(self.token_ids[self._prefix : self._read])
-        after = self._decode(self.token_ids[self._prefix :])
+        after = self._decode(self.token_ids[self._prefix : end])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self._append(after[len(before) :])
-            self._prefix, self._read = self._read, len(self.token_ids)
+            self._prefix, self._read = self._read, end
 
     def _append(self, piece: str) -> None:
         start = max(0, len(self.text) - self._longest + 1)  # a stop string may begin before the piece
@@ -90,10 +95,11 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The rest of the text once the output has ended (its last tokens decoded as they are,
         an incomplete character as U+FFFD, as a whole decode shows it)."""
-        if not self.stopped and self._read < len(self.token_ids):
+        end = len(self.token_ids) - self._textless
+        if not self.stopped and self._read < end:
             before = self._decode(self.token_ids[self._prefix : self._read])
-            self._append(self._decode(self.token_ids[self._prefix :])[len(before) :])
-            self._read = len(self.token_ids)
+            self._append(self._decode(self.token_ids[self._prefix : end])[len(before) :])
+            self._read = end
         end = self._end if self._end is not None else len(self.text)
         delta, self.emitted = self.text[self.emitted : max(end, self.emitted)], max(end, self.emitted)
         return delta

@@ -53,7 +53,7 @@ class LLM:
                     texts[key] = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
                                                         p.skip_special_tokens, p.min_tokens)
                 detok = texts[key]
-                detok.add(output.new_token_ids)
+                detok.add(output.new_token_ids, ends_on_stop_token=output.ended_on_stop_token)
                 if detok.stopped:  # the text reached a stop string: end the sample here, whatever else
                     if not output.finished:
                         output = self.engine.stop_sample(output.request_id, output.index, detok.stop_reason) or output

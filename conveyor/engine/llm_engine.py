@@ -532,6 +532,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
+            ended_on_stop_token=finished and request.ended_on_stop_token,
             times=request.times,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens or 0,

@@ -20,9 +20,10 @@ class StopChecker:
         num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:  # before min_tokens only the length can end it (vLLM)
             if token in self.eos_token_ids and not params.ignore_eos:
+                request.ended_on_stop_token = True
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
-                request.stop_reason = token
+                request.stop_reason, request.ended_on_stop_token = token, True
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

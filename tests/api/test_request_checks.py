@@ -335,3 +335,33 @@ def test_a_chat_and_its_tokenize_count_one_bos_where_the_template_writes_it():
         assert http.post(TOKENIZE, json={"messages": messages}).json()["tokens"] == [ids["<bos>"], ids["ab"]]
         doubled = http.post(TOKENIZE, json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
         assert doubled == [ids["<bos>"], ids["<bos>"], ids["ab"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_counts_but_its_text_is_left_out_unless_asked(http, stream):
+    """vLLM's: the EOS or stop_token_ids entry that ends an output is one of its tokens (usage,
+    token_ids), but its text is not part of the output unless include_stop_str_in_output."""
+    import json
+
+    tokenizer = _tokenizer()
+    body = {"prompt": [5, 6], "max_tokens": 6, "return_token_ids": True, "stream": stream}
+    free = http.post(COMPLETIONS, json={**body, "stream": False}).json()["choices"][0]["token_ids"]
+    stop = free[1]
+    assert tokenizer.decode([stop]), "the test needs a stop token with text"
+
+    def served(**fields: Any) -> tuple[str, list[int], str]:
+        response = http.post(COMPLETIONS, json={**body, "stop_token_ids": [stop], **fields})
+        assert response.status_code == 200, response.text
+        if not stream:
+            choice = response.json()["choices"][0]
+            return choice["text"], choice["token_ids"], choice["finish_reason"]
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks if c.get("choices")]
+        ids = [t for c in choices for t in c.get("token_ids") or []]
+        return "".join(c["text"] for c in choices), ids, choices[-1]["finish_reason"]
+
+    text, ids, reason = served()
+    assert (ids, reason) == ([free[0], stop], "stop")
+    assert text == tokenizer.decode([free[0]])
+    text, ids, _ = served(include_stop_str_in_output=True)
+    assert ids == [free[0], stop] and text == tokenizer.decode([free[0], stop])

@@ -33,6 +33,14 @@ def test_stop_reasons(make_engine):
     by_token = finish_all(engine)[rid]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_at
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+    assert by_token.ended_on_stop_token and not full.ended_on_stop_token
+    # The stop token is one of the output's tokens, but its text is left out unless asked for (vLLM).
+    token_params = [SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at], **kept)
+                    for kept in ({}, {"include_stop_str_in_output": True})]
+    cut, whole = LLM.from_engine(engine).generate(["The capital of France is"] * 2, token_params)
+    assert cut.token_ids == whole.token_ids == by_token.token_ids
+    assert cut.text == engine.tokenizer.decode(by_token.token_ids[:-1])
+    assert whole.text == engine.tokenizer.decode(by_token.token_ids) != cut.text
 
     # Stop strings are found where the text is made: LLM.generate ends the sample at once.
     params = [SamplingParams(max_tokens=24, temperature=0.0, stop=["answer"]),
