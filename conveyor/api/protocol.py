@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
@@ -74,13 +74,37 @@ class _Strict(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         """Raises the 400 itself (pydantic passes it through), so that `param` names the field."""
-        if not isinstance(data, dict) or not cls.unsupported:
+        if not isinstance(data, dict):
             return data
+        cls._check_unsupported(data, "")
+        return {k: v for k, v in data.items() if k not in cls.unsupported}
+
+    @classmethod
+    def _check_unsupported(cls, data: dict[str, Any], path: str) -> None:
+        """This model's unsupported fields and those of the models nested in it, so that `param`
+        is the field's whole path (messages.1.refusal): a nested model, validated on its own
+        later, would not know where it sits."""
         for name, off in cls.unsupported.items():
             value = data.get(name, _ABSENT)
             if value is not _ABSENT and not any(value == v and type(value) is type(v) for v in off):
-                raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-        return {k: v for k, v in data.items() if k not in cls.unsupported}
+                raise bad_request(f"{path}{name} is not supported by this server", param=f"{path}{name}",
+                                  code="unsupported_parameter")
+        for name, info in cls.model_fields.items():
+            nested = _strict_model(info.annotation)
+            value = data.get(name)
+            if nested is None or value is None:
+                continue
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for index, item in items:
+                if isinstance(item, dict):
+                    nested._check_unsupported(item, f"{path}{name}." + ("" if index is None else f"{index}."))
+
+
+def _strict_model(annotation: Any) -> type[_Strict] | None:
+    """The _Strict model an annotation holds (Model, Model | None, list[Model]), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, _Strict):
+        return annotation
+    return next((m for arg in get_args(annotation) if (m := _strict_model(arg)) is not None), None)
 
 
 class StreamOptions(_Strict):
@@ -258,18 +282,18 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn answering one
 
-    unsupported = {"function_call": (None,), "audio": (None,),
+    # annotations: what the openai SDK's model_dump() of a reply sends back (None, or [] unused).
+    unsupported = {"function_call": (None,), "audio": (None,), "annotations": (None, []),
                    "refusal": (None,), "reasoning_content": (None,)}
 
-    @model_validator(mode="before")
+    @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        parts = data.get("content") if isinstance(data, dict) else None
-        for part in parts if isinstance(parts, list) else ():
+    def _text_only(cls, parts: Any) -> Any:
+        for index, part in enumerate(parts if isinstance(parts, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"{_NOT_TEXT} (got a content part of type {kind!r})")
-        return data
+                raise ValueError(f"{_NOT_TEXT} (content part {index} is of type {kind!r})")
+        return parts
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content

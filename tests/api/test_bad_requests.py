@@ -68,10 +68,18 @@ CASES = [
     ("unknown field", COMPLETIONS, {**OK_COMPLETION, "temprature": 0.5}, 400, "temprature", "Unrecognized"),
     ("image content", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
-     400, "messages.0", "only text content is supported"),
+     400, "messages.0.content", "content part 1 is of type 'image_url'"),
     ("audio content", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, 400, "messages.0",
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, 400, "messages.0.content",
      "only text content is supported"),
+    ("a reply's refusal sent back", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": "No.", "refusal": "No."}]}, 400, "messages.1.refusal", "not supported"),
+    ("a reply's citations sent back", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}]}, 400,
+     "messages.1.annotations", "not supported"),
+    ("continuous usage stats", COMPLETIONS, {**OK_COMPLETION, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats",
+     "not supported"),
     ("prompt_logprobs above 20", COMPLETIONS, {**OK_COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs", ""),
     ("truncate_prompt_tokens of 0", COMPLETIONS, {**OK_COMPLETION, "truncate_prompt_tokens": 0}, 400, None,
      "truncate_prompt_tokens"),
@@ -119,6 +127,17 @@ def test_fields_at_their_off_value_are_accepted(http):
     chat = {**OK_CHAT, **chat_no_ops, "tools": [], "tool_choice": "none", "store": False, "metadata": {"a": "b"},
             "response_format": {"type": "text"}, "service_tier": "auto", "modalities": ["text"]}
     assert http.post(CHAT, json=chat).status_code == 200, http.post(CHAT, json=chat).text
+
+
+def test_a_reply_sent_back_as_the_openai_client_dumps_it_is_taken(http, client):
+    """`messages.append(reply.choices[0].message.model_dump())`: every field it adds at its off value."""
+    reply = client.chat.completions.create(**OK_CHAT).choices[0].message.model_dump()
+    assert {"annotations", "refusal", "audio", "function_call", "tool_calls"} <= set(reply)
+    messages = [*OK_CHAT["messages"], reply, {"role": "user", "content": "And then?"}]
+    response = http.post(CHAT, json={**OK_CHAT, "messages": messages})
+    assert response.status_code == 200, response.text
+    reply["annotations"] = []
+    assert http.post(CHAT, json={**OK_CHAT, "messages": messages}).status_code == 200
 
 
 def test_good_requests_still_served_after_bad_ones(http, client):
