@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from conveyor.api.errors import APIError, bad_request, from_validation
 from conveyor.sampling.params import SamplingParams
@@ -52,7 +53,8 @@ def _mentions(annotation: Any, kind: Any) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # NaN and Infinity (Python's JSON reads them) are no number a field means: "a finite number".
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     # Fields of OpenAI's or vLLM's API that this server does not implement: name -> the values
     # that mean "off" (accepted, as they ask for nothing). Anything else is a 400 naming the field.
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -277,7 +279,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = Field(None, validate_default=True)
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn answering one
@@ -285,6 +287,14 @@ class ChatMessage(_Strict):
     # annotations: what the openai SDK's model_dump() of a reply sends back (None, or [] unused).
     unsupported = {"function_call": (None,), "audio": (None,), "annotations": (None, []),
                    "refusal": (None,), "reasoning_content": (None,)}
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
+        """OpenAI's: only an assistant turn (one that called tools) may come without content."""
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return content
 
     @field_validator("content", mode="before")
     @classmethod
@@ -343,6 +353,9 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens ({self.max_tokens}), "
+                             "its older name, differ: send one")
         _check_continuation(self)
         _check_tool_fields(self.messages)
         return self

@@ -100,9 +100,17 @@ def _legacy_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [None if e.top is None else {t: lp for t, _, lp in e.top} for e in entries],
+        "top_logprobs": [None if e.top is None else _with_chosen(e) for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
+
+
+def _with_chosen(entry: TokenLogprob) -> dict[str, float | None]:
+    """The top alternatives and the chosen token, as OpenAI's legacy completions always give it
+    (so up to logprobs + 1 entries; chat names the chosen token beside its list instead)."""
+    top: dict[str, float | None] = {t: lp for t, _, lp in entry.top or []}
+    top.setdefault(entry.token, entry.logprob)
+    return top
 
 
 def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any]:

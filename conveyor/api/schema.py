@@ -300,6 +300,7 @@ def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         _set(props, "max_completion_tokens", maximum=limits.capacity - 1)
         _describe(props, "stream_options", "only with stream: true")
         _describe(props, "top_logprobs", "needs logprobs: true")
+        _describe(props, "max_completion_tokens", "max_tokens, if sent too, must be the same")
         function = {"type": "object", "required": ["name"], "additionalProperties": False,
                     "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
                                    "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}
@@ -339,14 +340,15 @@ def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         _set(schemas[name]["properties"], "model", enum=list(limits.model_names))
     if "ChatMessage" in schemas:
-        # Assistant turns make tool calls, tool turns answer one by its id (OpenAI's rules).
-        absent = {"type": "null"}
+        # Assistant turns make tool calls (and may then have no content), tool turns answer one by
+        # its id (OpenAI's rules).
+        absent, present = {"type": "null"}, {"not": {"type": "null"}}
         schemas["ChatMessage"]["anyOf"] = [
             {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": absent,
-                            "tool_call_id": absent}},
+                            "tool_call_id": absent, "content": present}, "required": ["content"]},
             {"properties": {"role": {"const": "assistant"}, "tool_call_id": absent}},
-            {"properties": {"role": {"const": "tool"}, "tool_calls": absent, "tool_call_id": {"type": "string"}},
-             "required": ["tool_call_id"]}]
+            {"properties": {"role": {"const": "tool"}, "tool_calls": absent, "tool_call_id": {"type": "string"},
+                            "content": present}, "required": ["tool_call_id", "content"]}]
     if limits.vocab_size is not None:
         schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {
             "type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}

@@ -77,6 +77,12 @@ CASES = [
     ("a reply's citations sent back", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "Hi"}, {
         "role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}]}, 400,
      "messages.1.annotations", "not supported"),
+    ("both token limits, differing", CHAT, {**OK_CHAT, "max_tokens": 6, "max_completion_tokens": 3}, 400,
+     "max_completion_tokens", "differ"),
+    ("a user message without content", CHAT, {**OK_CHAT, "messages": [{"role": "user"}]}, 400,
+     "messages.0.content", "needs content"),
+    ("temperature NaN", COMPLETIONS, b'{"prompt": "Hi", "max_tokens": 2, "temperature": NaN}', 400, "temperature",
+     "finite number"),
     ("continuous usage stats", COMPLETIONS, {**OK_COMPLETION, "stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats",
      "not supported"),

@@ -133,6 +133,12 @@ def test_logprobs_shapes(client):
         assert len(top) == 3 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the chosen token is the best
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # Sampled: the chosen token is always among top_logprobs (OpenAI's legacy shape: up to k + 1).
+    hot = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.5, seed=3,
+                                    logprobs=1).choices[0].logprobs
+    assert all(token in top and top[token] == logprob and len(top) <= 2
+               for token, logprob, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs))
+    assert any(len(top) == 2 for top in hot.top_logprobs), "no unlikely token drawn: the test shows nothing"
 
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2)
