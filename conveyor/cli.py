@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_names=names,
         api_key=args.api_key or None,
+        allowed_origins=args.allowed_origins,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_timeout,
@@ -111,6 +112,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           f"(default {DEFAULT_MAX_REQUEST_BYTES})")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
+    srv.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                     help="origins whose browser pages may call the API (CORS; default any, as vLLM); "
+                          "none given: no cross-origin calls")
     srv.add_argument("--served-model-name", action="append", default=None,
                      help="model name(s) clients use (repeatable; default: the model argument)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,

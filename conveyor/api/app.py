@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from conveyor import __version__
@@ -57,6 +58,8 @@ class ServerState:
     model_names: Sequence[str]
     metrics: Metrics
     api_key: str | None = None
+    # Origins a browser page may call from (CORS; vLLM's --allowed-origins, default any); empty: none.
+    allowed_origins: Sequence[str] = ("*",)
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     inflight: int = 0  # accepted generations not yet answered
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies past it get 413, unread
@@ -97,6 +100,10 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
     app.state.conveyor = state
     install_handlers(app)
+    if state.allowed_origins:  # added last, so outermost: errors and preflights get its headers too
+        # No credentials (cookies): a client authenticates with its bearer key, a header allowed here.
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def check_key(request: Request) -> None:  # async: a sync dependency costs a thread-pool hop
         if state.api_key is None:

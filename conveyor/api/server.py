@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import uvicorn
 
@@ -76,6 +76,7 @@ def run_server(
     port: int = 8000,
     served_model_names: list[str],
     api_key: str | None = None,
+    allowed_origins: Sequence[str] = ("*",),
     max_waiting_requests: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_grace_s: float = 30.0,
@@ -102,7 +103,8 @@ def run_server(
     if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
         engine_client.tokenizer.set_chat_template(chat_template)
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key,
-                        max_request_bytes=max_request_bytes, max_num_seqs=config.scheduler.max_num_seqs,
+                        allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
+                        max_num_seqs=config.scheduler.max_num_seqs,
                         priority_scheduling=config.scheduler.scheduling_policy == "priority")
     app = build_app(state)
     uv_config = uvicorn.Config(

@@ -365,3 +365,29 @@ def test_the_stop_token_counts_but_its_text_is_left_out_unless_asked(http, strea
     assert text == tokenizer.decode([free[0]])
     text, ids, _ = served(include_stop_str_in_output=True)
     assert ids == [free[0], stop] and text == tokenizer.decode([free[0], stop])
+
+
+def test_a_browser_page_may_call_the_api_from_the_origins_allowed():
+    """CORS as vLLM's --allowed-origins (default any): the preflight is answered without the API
+    key (a browser sends none with it), and answers, errors included, carry the header."""
+    tokenizer = _tokenizer()
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    for origins, allowed in ((("*",), "*"), (("http://page.example",), "http://page.example"), ((), None)):
+        config = EngineConfig.from_kwargs(max_num_seqs=4)
+        engine = LLMEngine(config, FakeRunner(tokenizer.vocab_size), num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
+                           vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids)
+        state = ServerState(AsyncEngine(engine), ["m"], Metrics("m"), api_key="k", allowed_origins=origins)
+        with TestClient(build_app(state)) as http:
+            answer = http.options(COMPLETIONS, headers=preflight)
+            assert answer.headers.get("access-control-allow-origin") == allowed
+            if allowed is not None:
+                assert answer.status_code == 200 and "authorization" in answer.headers["access-control-allow-headers"]
+            origin = {"Origin": "http://page.example"}
+            keyed = {**origin, "Authorization": "Bearer k"}
+            served = http.post(COMPLETIONS, json={"prompt": [5], "max_tokens": 2}, headers=keyed)
+            refused = http.post(COMPLETIONS, json={"prompt": [5], "max_tokens": 0}, headers=keyed)
+            unauthorized = http.post(COMPLETIONS, json={"prompt": [5], "max_tokens": 2}, headers=origin)
+            assert (served.status_code, refused.status_code, unauthorized.status_code) == (200, 400, 401)
+            for response in (served, refused, unauthorized):
+                assert response.headers.get("access-control-allow-origin") == allowed
