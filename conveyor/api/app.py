@@ -140,14 +140,15 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
         prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
         grammar = await _grammar(state, requested_grammar(body))
-        params = body.sampling_params(_max_tokens(state, body.max_tokens, prompts, chat=False), body.logprobs,
-                                      grammar)
+        echo_only = body.max_tokens == 0  # the engine makes one token, which the answer leaves out (vLLM's way)
+        params = body.sampling_params(_max_tokens(state, 1 if echo_only else body.max_tokens, prompts, chat=False),
+                                      body.logprobs, grammar)
         if body.num_prompt_logprobs != body.prompt_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
         echo = await asyncio.to_thread(_echo_texts, state, echo_source, prompts) if body.echo else None
         gen = Generation(state.engine, state.tokenizer, params, body.logprobs, "cmpl",
-                         bool(body.return_tokens_as_token_ids), body.request_id)
+                         bool(body.return_tokens_as_token_ids), body.request_id, generates=not echo_only)
         return await _serve(request, state, gen, prompts,
                             CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)

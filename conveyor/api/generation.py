@@ -52,6 +52,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)  # every generated token, for return_token_ids
     _token_ids_taken: int = 0
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens named "token_id:N"
+    generates: bool = True  # False: echo with max_tokens 0, the prompt alone (its one token left out)
 
     def _token_name(self, token: int) -> str:
         return f"token_id:{token}" if self.tokens_as_ids else token_text(self.detok.tokenizer, token)
@@ -84,6 +85,11 @@ class Choice:
             if self.echo_ids and self.num_logprobs is not None:
                 entries = _echo_entries(tokenizer, self._token_name, self.echo_ids, self.prompt_logprobs,
                                         self.num_logprobs)
+        if not self.generates:
+            self.finish_reason = "length"  # as OpenAI ends a completion of max_tokens 0
+            self.text += prefix
+            self.logprobs.extend(entries)
+            return [(prefix, entries)]
         self.token_ids.extend(out.new_token_ids)
         last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
@@ -151,15 +157,18 @@ def _entry(tokenizer: Any, name: Callable[[int], str], token: int, logprobs: dic
 
 class Generation:
     def __init__(self, engine: EngineClient, tokenizer: Any, params: SamplingParams, num_logprobs: int | None,
-                 prefix: str, tokens_as_ids: bool = False, request_id: str | None = None) -> None:
+                 prefix: str, tokens_as_ids: bool = False, request_id: str | None = None,
+                 generates: bool = True) -> None:
         """`request_id`: the caller's (vLLM's field), else a random one; the response's id is
-        `{prefix}-{request_id}` and the engine's requests are named after it."""
+        `{prefix}-{request_id}` and the engine's requests are named after it. `generates` False:
+        the choices answer with the prompt alone (echo with max_tokens 0)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.params = params
         self.n = getattr(params, "n", 1)
         self.num_logprobs = num_logprobs
         self.tokens_as_ids = tokens_as_ids
+        self.generates = generates
         self.id = f"{prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sink: asyncio.Queue = asyncio.Queue()
@@ -199,7 +208,8 @@ class Generation:
                     p = self.params
                     detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
                                                    getattr(p, "skip_special_tokens", True), getattr(p, "min_tokens", 0))
-                    choice = Choice(i * self.n + j, detok, self.num_logprobs, tokens_as_ids=self.tokens_as_ids)
+                    choice = Choice(i * self.n + j, detok, self.num_logprobs, tokens_as_ids=self.tokens_as_ids,
+                                    generates=self.generates)
                     if echo is not None:
                         choice.echo, choice.echo_ids = echo[i], list(prompt)
                     self.choices.append(choice)

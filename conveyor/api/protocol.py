@@ -234,6 +234,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt scored, nothing generated (OpenAI)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False  # the prompt comes first in the text (and its logprobs, with logprobs)
     best_of: int | None = None
@@ -246,6 +247,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of other than n is not supported by this server")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens of 0 asks for the prompt alone: only with echo (its text and, with "
+                             "logprobs, its tokens' logprobs), else at least 1")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens must be at most max_tokens")
         return self
 
     @property

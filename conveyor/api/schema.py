@@ -288,6 +288,8 @@ def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
                        "title": "Prompt", "description": "a text, texts, token ids, or lists of token ids"}
     # best_of is accepted only as what it means here, n: stated for n = 1.
     _describe(props, "best_of", "accepted only equal to n")
+    # Described, not stated: one more rule tying fields together is past what generators expand here.
+    _describe(props, "max_tokens", "0 only with echo: the prompt alone, scored")
     schema["dependentSchemas"] = {
         **_only_if("stream_options", {"stream": {"const": True}}, ("stream",)),
         **_only_if("best_of", {"best_of": {"const": 1}, "n": {"enum": [1, None]}}),

@@ -119,6 +119,29 @@ def test_echo_and_prompt_logprobs_equal_the_engines(http, offline_tokenizer):
         want = reference[position][ids[position]]
         assert scored[position][str(ids[position])]["logprob"] == pytest.approx(want, abs=1e-4)
         assert lp["token_logprobs"][position] == pytest.approx(want, abs=1e-4)
+    # max_tokens 0 with echo (OpenAI's scoring): the prompt and its logprobs alone, streamed or not.
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream,
+                "return_token_ids": True, **({"stream_options": {"include_usage": True}} if stream else {})}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            choices = [c["choices"][0] for c in chunks if c.get("choices")]
+            text, usage = "".join(c["text"] for c in choices), chunks[-1]["usage"]
+            tokens = [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+            ids_back = [t for c in choices for t in c.get("token_ids") or []]
+            finish = choices[-1]["finish_reason"]
+        else:
+            answer = response.json()
+            choice, usage = answer["choices"][0], answer["usage"]
+            text, tokens, ids_back = choice["text"], choice["logprobs"]["tokens"], choice["token_ids"]
+            finish = choice["finish_reason"]
+            assert choice["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1 : len(ids)]
+        assert (text, tokens, ids_back) == (PROMPT, lp["tokens"][: len(ids)], [])
+        assert (usage["prompt_tokens"], usage["completion_tokens"], finish) == (len(ids), 0, "length")
+    refused = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}).json()["error"]
+    assert refused["param"] == "max_tokens" and "only with echo" in refused["message"]
 
 
 def test_a_stop_string_ends_the_request_and_frees_its_kv_at_once(http, server):
