@@ -46,6 +46,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     echo: str = ""  # completions with echo: the prompt's text, released before the first token's
     echo_ids: list[int] = field(default_factory=list)  # and its token ids, to echo their logprobs
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt's token ids (vLLM's return_token_ids)
     # vLLM's prompt_logprobs: {token id: logprob} per prompt token (None for the first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     _started: bool = False
@@ -209,7 +210,7 @@ class Generation:
                     detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
                                                    getattr(p, "skip_special_tokens", True), getattr(p, "min_tokens", 0))
                     choice = Choice(i * self.n + j, detok, self.num_logprobs, tokens_as_ids=self.tokens_as_ids,
-                                    generates=self.generates)
+                                    generates=self.generates, prompt_ids=prompt)
                     if echo is not None:
                         choice.echo, choice.echo_ids = echo[i], list(prompt)
                     self.choices.append(choice)

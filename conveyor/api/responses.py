@@ -39,6 +39,9 @@ def failure(gen: Generation) -> APIError:
 
 class CompletionFormat:
     object_name, chunk_object = "text_completion", "text_completion"
+    # Where return_token_ids puts the prompt's ids (vLLM's places): in each choice (completions, one
+    # prompt each) or once beside the choices (chat); streamed, with the first chunk.
+    prompt_ids_in_choice = True
 
     def __init__(self, model: str, return_token_ids: bool = False) -> None:
         self.model = model
@@ -60,6 +63,8 @@ class CompletionFormat:
         final = self.choice_delta(choice, choice.text, choice.logprobs)
         assert final is not None
         self.with_token_ids(final, list(choice.token_ids))
+        if self.return_token_ids:
+            final["prompt_token_ids"] = choice.prompt_ids
         if choice.prompt_logprobs is not None:
             final["prompt_logprobs"] = prompt_logprobs(choice)
         return final
@@ -67,6 +72,7 @@ class CompletionFormat:
 
 class ChatFormat(CompletionFormat):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+    prompt_ids_in_choice = False
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
                      first: bool = False) -> dict[str, Any] | None:
@@ -142,8 +148,8 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(choices: list) -> str:
-        body = _envelope(gen, fmt, fmt.chunk_object, choices)
+    def chunk(choices: list, **extra: Any) -> str:
+        body = {**_envelope(gen, fmt, fmt.chunk_object, choices), **extra}
         if include_usage:
             body["usage"] = None
         return _sse(body)
@@ -153,11 +159,14 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
         entry = fmt.choice_delta(choice, delta, logprobs, first=choice.index not in started)
         if entry is None:  # a tool-call format holding text back until the call is whole
             continue
+        extra: dict[str, Any] = {}
         if choice.index not in started:
             started.add(choice.index)
             if choice.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = prompt_logprobs(choice)
-        yield chunk([entry])
+            if fmt.return_token_ids:
+                (entry if fmt.prompt_ids_in_choice else extra)["prompt_token_ids"] = choice.prompt_ids
+        yield chunk([entry], **extra)
     if gen.error is not None:
         yield _sse(failure(gen).body())
     elif include_usage:
@@ -214,5 +223,7 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
     if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
+    if not fmt.prompt_ids_in_choice and fmt.return_token_ids and gen.choices:
+        body["prompt_token_ids"] = gen.choices[0].prompt_ids
     body["usage"] = usage(gen)
     return JSONResponse(body)

@@ -349,3 +349,28 @@ def test_request_id_names_the_response_and_cannot_be_in_flight_twice(http):
     for bad in ("", "has space", 7):
         reply = http.post("/v1/completions", json={**body, "request_id": bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "request_id", reply.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompts_ids_too(http, offline_tokenizer, stream):
+    """vLLM's places: each completion choice holds prompt_token_ids, a chat answer holds them once
+    beside its choices; streamed, with the first chunk."""
+    def answer(path: str, body: dict) -> list[dict]:
+        reply = http.post(path, json={"model": MODEL, "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+                                      "stream": stream, **body})
+        assert reply.status_code == 200, reply.text
+        if not stream:
+            return [reply.json()]
+        return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    completions = answer("/v1/completions", {"prompt": prompts})
+    for index, prompt in enumerate(prompts):
+        mine = [c for body in completions for c in body["choices"] if c["index"] == index]
+        given = [c["prompt_token_ids"] for c in mine if "prompt_token_ids" in c]
+        assert given == [offline_tokenizer.encode(prompt)]
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = offline_tokenizer.encode_chat(offline_tokenizer.apply_chat_template(messages))
+    chat = answer("/v1/chat/completions", {"messages": messages})
+    assert [b["prompt_token_ids"] for b in chat if "prompt_token_ids" in b] == [rendered]
+    assert not any("prompt_token_ids" in c for b in chat for c in b["choices"])
