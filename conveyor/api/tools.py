@@ -174,7 +174,7 @@ class ToolCallFormat(ChatFormat):
             message["tool_calls"] = [{k: v for k, v in c.as_dict(0).items() if k != "index"} for c in calls]
         lp = _chat_logprobs(choice.logprobs) if choice.num_logprobs is not None else None
         return {"index": choice.index, "message": message, "logprobs": lp,
-                "finish_reason": self._finish_reason(choice, calls)}
+                "finish_reason": self._finish_reason(choice, calls), "stop_reason": choice.stop_reason}
 
     def choice_delta(self, choice: Choice, delta: str, logprobs: list[TokenLogprob] | None,
                      first: bool = False) -> dict[str, Any] | None:
@@ -213,7 +213,8 @@ class ToolCallFormat(ChatFormat):
                     self._sent[choice.index] = safe
         if not out and finish is None and not lp:
             return None
-        return {"index": choice.index, "delta": out, "logprobs": lp, "finish_reason": finish}
+        return {"index": choice.index, "delta": out, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": choice.stop_reason if finish is not None else None}
 
 
 def _safe_content_end(text: str) -> int:

@@ -56,8 +56,9 @@ def test_auto_stream_holds_back_a_possible_call_and_sends_it_whole():
     choice.finish_reason = "stop"
     last = fmt.choice_delta(choice, "", None)
     assert [s["delta"].get("content") for s in sent if s] == ["Sure", ". "]
-    assert last["finish_reason"] == "tool_calls"
+    assert last["finish_reason"] == "tool_calls" and "stop_reason" in last  # as every other choice has it
     (call,) = last["delta"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     final = fmt.choice_final(choice)
     assert final["message"]["content"] == "Sure." and final["message"]["tool_calls"][0]["type"] == "function"
+    assert final["finish_reason"] == "tool_calls" and final["stop_reason"] is None
