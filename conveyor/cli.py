@@ -3,8 +3,10 @@ prompts through the offline engine; `conveyor export-hf` writes the model as an 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -46,8 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     inputs: list[str] | list[list[int]] = prompts
     if args.chat:
-        tokenizer = llm.tokenizer
-        inputs = [tokenizer.encode_chat(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+        inputs = [llm.tokenizer.encode_messages([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(inputs, params)
     elapsed = time.perf_counter() - start
@@ -112,9 +113,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           f"(default {DEFAULT_MAX_REQUEST_BYTES})")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
-    srv.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
-                     help="origins whose browser pages may call the API (CORS; default any, as vLLM); "
-                          "none given: no cross-origin calls")
+    srv.add_argument("--allowed-origins", type=_origins, default=["*"], metavar="ORIGINS",
+                     help="origins whose browser pages may call the API (CORS): comma-separated "
+                          "(http://a.example,https://b.example) or vLLM's JSON list; default any ('*', as vLLM); "
+                          "'' allows none")
     srv.add_argument("--served-model-name", action="append", default=None,
                      help="model name(s) clients use (repeatable; default: the model argument)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -174,6 +176,26 @@ def _check_address(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {host}:{port} (--host / --port): {exc.strerror}") from None
+
+
+_ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s,]+", re.IGNORECASE)
+
+
+def _origins(text: str) -> list[str]:
+    """--allowed-origins: "a,b" or '["a", "b"]' (vLLM's spelling); each "*" or scheme://host[:port]."""
+    if text.lstrip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings")
+    else:
+        origins = [o.strip() for o in text.split(",") if o.strip()]
+    for origin in origins:
+        if not _ORIGIN.fullmatch(origin):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin: '*' or scheme://host[:port], no path")
+    return origins
 
 
 def _port(text: str) -> int:

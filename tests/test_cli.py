@@ -58,12 +58,22 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["simulate", "fit", "--batch-sizes", "-1"], "--batch-sizes: must be at least 1"),
     (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests: must be at least 1"),
     (["serve", "--max-request-bytes", "5"], "--max-request-bytes: must be at least 1024"),
+    (["serve", "--allowed-origins", "models/x.gguf"], "'models/x.gguf' is not an origin"),
+    (["serve", "--allowed-origins", "http://a.example/path"], "no path"),
+    (["serve", "--allowed-origins", '["*"'], "not a JSON list"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_allowed_origins_take_a_list_in_one_argument_as_vllm_does() -> None:
+    from conveyor.cli import _origins
+
+    assert _origins("http://a.example, https://b.example:8443") == ["http://a.example", "https://b.example:8443"]
+    assert _origins('["*"]') == ["*"] and _origins("") == [] and _origins("[]") == []
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,7 +103,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.allowed_origins:  # added last, so outermost: errors and preflights get its headers too
         # No credentials (cookies): a client authenticates with its bearer key, a header allowed here.
         app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["Retry-After"])
 
     async def check_key(request: Request) -> None:  # async: a sync dependency costs a thread-pool hop
         if state.api_key is None:

@@ -4,6 +4,7 @@ and a prompt that cannot fit the model is refused in time that does not grow wit
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -47,13 +48,24 @@ def decode_json(raw: bytes) -> Any:
     converts (4,300 digits), or nesting too deep to decode (the decoder hits Python's recursion
     limit) with the field it is under as `param`."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit are all ValueErrors
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         pass
     nesting_error(raw)
     raise bad_request("the JSON nests too deeply", code="too_deeply_nested")
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not a JSON number (Python's decoder reads it; JSON has no such value)")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if math.isinf(value):
+        raise ValueError(f"the number {number[:40]} is beyond a 64-bit float's range")
+    return value
 
 
 def nesting_error(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> None:

@@ -53,8 +53,7 @@ def _mentions(annotation: Any, kind: Any) -> bool:
 
 
 class _Strict(BaseModel):
-    # NaN and Infinity (Python's JSON reads them) are no number a field means: "a finite number".
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid")
     # Fields of OpenAI's or vLLM's API that this server does not implement: name -> the values
     # that mean "off" (accepted, as they ask for nothing). Anything else is a 400 naming the field.
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}

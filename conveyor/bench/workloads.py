@@ -234,8 +234,7 @@ def _edit_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
         snippet, name = _edit_snippet(module, len_in, count)
         ask = (f"Rename `{name}` to `{name}_renamed` in this Python code. Reply with the whole code, changed in "
                f"that one place only, in a ```python block.\n\n```python\n{snippet}```")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
-        prompt = tokenizer.encode_chat(text)
+        prompt = tokenizer.encode_messages([{"role": "user", "content": ask}])
         output_len = count(snippet) + 16  # the code back, with its fences
         requests.append(BenchRequest(prompt, min(output_len, cfg.output_len) if cfg.output_len else output_len))
     return requests

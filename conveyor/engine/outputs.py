@@ -17,9 +17,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort", as OpenAI/vLLM name them
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
-    # The last of new_token_ids is the EOS or stop_token_ids entry that ended it: a token of the
-    # output, whose text is left out of it unless include_stop_str_in_output (vLLM).
-    ended_on_stop_token: bool = False
     text: str | None = None  # the output text, set by LLM.generate once finished (the engine makes none)
     times: RequestTimes | None = None
     num_preemptions: int = 0
@@ -33,3 +30,6 @@ class RequestOutput:
     # (NoAllowedTokenError); the others in the batch went on.
     error: ConveyorError | None = None
 
+    # The last of new_token_ids is the EOS or stop_token_ids entry that ended it: a token of the
+    # output, whose text is left out of it unless include_stop_str_in_output (vLLM).
+    ended_on_stop_token: bool = False

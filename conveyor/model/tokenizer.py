@@ -143,6 +143,10 @@ class Tokenizer:
             add_special_tokens = not (bos and text.startswith(bos))
         return self.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A conversation's prompt ids: rendered for the assistant's reply, then `encode_chat`."""
+        return self.encode_chat(self.apply_chat_template(messages, add_generation_prompt=True))
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
