@@ -70,5 +70,9 @@ class LLM:
         """Applies the model's chat template to each conversation, then generates."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [cast(list[dict[str, str]], conversations)]
-        prompts = [self.tokenizer.encode_messages(c) for c in conversations]
-        return self.generate(cast(list[Prompt], prompts), sampling_params)
+        rendered = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = [self.tokenizer.encode_chat(text) for text in rendered]
+        outputs = self.generate(cast(list[Prompt], prompts), sampling_params)
+        for output, text in zip(outputs, rendered):
+            output.prompt = text  # generated from its ids (one BOS), but named by its text, as vLLM's
+        return outputs

@@ -174,3 +174,13 @@ def test_an_engine_that_admits_no_request_says_so_at_warm_up(make_engine) -> Non
     with pytest.raises(ConfigError, match="admits no request"):
         engine.warm_up()
     assert not engine.has_unfinished_requests and engine.scheduler.kv.usage().used_blocks == 0
+
+
+def test_chat_renders_the_template_and_names_the_prompt_by_its_text(make_engine):
+    engine = make_engine()
+    llm, greedy = LLM.from_engine(engine), SamplingParams(max_tokens=6, temperature=0.0)
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(conversation, greedy)
+    rendered = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    assert out.prompt == rendered and out.prompt_token_ids == engine.tokenizer.encode_chat(rendered)
+    assert out.text == llm.generate(rendered, greedy)[0].text  # SmolLM2 adds no BOS: the same prompt
