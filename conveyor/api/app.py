@@ -356,6 +356,11 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
                               "does not: start the server with --chat-template FILE (e.g. examples/"
                               "tool_chat_template_hermes.jinja), or send tool_choice 'required' or a named function",
                               param="tool_choice")
+        if tools is not None and tools.mode == "none" and tools.tools and text == render():
+            # The tools would reach the model only through the template: dropped without a word.
+            raise bad_request("tools with tool_choice 'none' reach the model only through a chat template that renders "
+                              "the tools, and this model's does not: leave tools out, or start the server with "
+                              "--chat-template FILE", param="tools")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
     return tokenizer.encode_chat(text, add_special_tokens)

@@ -168,7 +168,7 @@ class ServedLimits:
     max_num_seqs: int | None = None  # n (samples of one request) may not exceed it
     priority_scheduling: bool | None = None  # False: a nonzero priority is refused
     template_variables: frozenset[str] | None = None  # what chat_template_kwargs may name
-    renders_tools: bool | None = None  # False: tool_choice "auto" is refused
+    renders_tools: bool | None = None  # False: tool_choice "auto", and tools beside "none", are refused
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -317,8 +317,8 @@ def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         props["tool_choice"]["anyOf"] = [{"enum": modes}, named, {"type": "null"}]
         _describe(props, "tool_choice", "anything but 'none' needs tools, and a named function must be one of "
                                         "them; with tools and no tool_choice the choice is 'auto'"
-                                        + (", which this model's chat template cannot render"
-                                           if limits.renders_tools is False else ""))
+                                        + (", which this model's chat template cannot render (nor tools beside "
+                                           "'none')" if limits.renders_tools is False else ""))
     if limits.template_variables:
         _set(props, "chat_template_kwargs", propertyNames={"enum": sorted(limits.template_variables)})
     elif limits.template_variables is not None:

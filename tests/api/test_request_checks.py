@@ -391,3 +391,16 @@ def test_a_browser_page_may_call_the_api_from_the_origins_allowed():
             assert (served.status_code, refused.status_code, unauthorized.status_code) == (200, 400, 401)
             for response in (served, refused, unauthorized):
                 assert response.headers.get("access-control-allow-origin") == allowed
+
+
+def test_tools_the_template_cannot_show_are_refused_with_tool_choice_none(http):
+    """SmolLM2's template renders no tools: sent beside tool_choice 'none' they would be dropped."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = chat([{"role": "user", "content": "Hi"}], tools=tools, tool_choice="none")
+    assert error_of(http.post(CHAT, json=body))["param"] == "tools"
+    assert http.post(CHAT, json={**body, "tools": []}).status_code == 200
+    shows_tools = _tokenizer()
+    shows_tools.set_chat_template("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}"
+                                  "{{ m.content }}{% endfor %}")
+    for client in _client(shows_tools):
+        assert client.post(CHAT, json=body).status_code == 200
