@@ -1,15 +1,21 @@
-"""Offline batch generation: LLM(model, **config).generate(prompts, sampling_params)."""
+"""Offline batch generation: LLM(model, **config).generate(prompts, sampling_params), in the
+shapes vLLM's offline API takes and gives (prompts as text, token ids or vLLM's dict prompts; one
+output per prompt, its n samples in `.outputs`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence, cast
 
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
+# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}.
+PromptInput = Prompt | Mapping[str, Any]
+Message = Mapping[str, Any]
 
 
 class LLM:
@@ -27,52 +33,148 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
         return self.engine.tokenizer
 
+    def get_tokenizer(self):  # noqa: ANN201 - vLLM's name for it
+        return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine."""
+        return self.engine
+
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; results come back in the order of `prompts`, with their
-        text, made incrementally as tokens arrive (a stop string ends its sample at once)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [cast(Prompt, prompts)]  # one prompt: a string or a list of token ids
-        prompts = cast(Sequence[Prompt], prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        params_of = dict(zip(ids, sampling_params))
+        """Runs every prompt to completion; one output per prompt, in the order of `prompts`: its
+        fields are sample 0's, and `.outputs` holds all n samples (vLLM's shape). Text is made
+        incrementally as tokens arrive (a stop string ends its sample at once). If a prompt is
+        refused, or the run is interrupted, the prompts already queued are withdrawn."""
+        if lora_request is not None:
+            raise TypeError("lora_request: LoRA adapters are not supported")
+        one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(cast(Sequence, prompts)[0], int))
+        given = [cast(PromptInput, prompts)] if one else cast(Sequence[PromptInput], prompts)
+        items = [_prompt(p, i) for i, p in enumerate(given)]
+        params = _params(sampling_params, len(items))
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(items, params)):
+                try:
+                    ids.append(self.engine.add_request(prompt, p))
+                except Exception as exc:
+                    exc.add_note(f"prompts[{i}] was refused; the {i} queued before it were withdrawn")
+                    raise
+            return self._run(ids, dict(zip(ids, params)), use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def _run(self, ids: list[str], params_of: dict[str, SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         texts: dict[tuple[str, int], IncrementalDetokenizer] = {}
-        results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests:
-            for output in self.engine.step():
-                key = (output.request_id, output.index)
-                if key not in texts:
-                    p = params_of[output.request_id]
-                    texts[key] = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
-                                                        p.skip_special_tokens, p.min_tokens)
-                detok = texts[key]
-                detok.add(output.new_token_ids, ends_on_stop_token=output.ended_on_stop_token)
-                if detok.stopped:  # the text reached a stop string: end the sample here, whatever else
-                    if not output.finished:
-                        output = self.engine.stop_sample(output.request_id, output.index, detok.stop_reason) or output
-                    output.finish_reason, output.stop_reason = "stop", detok.stop_reason
-                if output.finished:
-                    detok.finish()
-                    output.text = detok.output_text
-                    results[output.request_id] = output
-        return [results[i] for i in ids]
+        logprobs: dict[tuple[str, int], list[dict[int, float]]] = {}
+        prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+        done: dict[str, dict[int, RequestOutput]] = {request_id: {} for request_id in ids}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
+        try:
+            while self.engine.has_unfinished_requests:
+                for output in self.engine.step():
+                    p = params_of.get(output.request_id)
+                    if p is None:  # a request someone queued on the engine directly
+                        continue
+                    key = (output.request_id, output.index)
+                    if key not in texts:
+                        texts[key] = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
+                                                            p.skip_special_tokens, p.min_tokens)
+                    detok = texts[key]
+                    detok.add(output.new_token_ids, ends_on_stop_token=output.ended_on_stop_token)
+                    logprobs.setdefault(key, []).extend(output.logprobs or [])
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs.setdefault(output.request_id, output.prompt_logprobs)
+                    if detok.stopped:  # the text reached a stop string: end the sample here, whatever else
+                        if not output.finished:
+                            output = self.engine.stop_sample(output.request_id, output.index,
+                                                             detok.stop_reason) or output
+                        output.finish_reason, output.stop_reason = "stop", detok.stop_reason
+                    if output.finished:
+                        detok.finish()
+                        output.text = detok.output_text
+                        output.logprobs = logprobs[key] if p.logprobs is not None else None
+                        done[output.request_id][output.index] = output
+                        if bar is not None and len(done[output.request_id]) == p.n:
+                            bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
+        results = []
+        for request_id in ids:
+            samples = [done[request_id][i] for i in range(params_of[request_id].n)]
+            first = samples[0]
+            first.prompt_logprobs = prompt_logprobs.get(request_id)
+            first.outputs = [CompletionOutput(s.index, s.text or "", list(s.token_ids), _cumulative(s), s.logprobs,
+                                              s.finish_reason, s.stop_reason) for s in samples]
+            results.append(first)
+        return results
 
     def chat(
-        self, conversations: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [cast(list[dict[str, str]], conversations)]
-        rendered = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        """Renders each conversation with the chat template (the model's, or `chat_template`),
+        then generates (vLLM's LLM.chat): one conversation or a list of them."""
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = cast(Sequence[Sequence[Message]], [messages] if one else messages)
+        render: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                                  "continue_final_message": continue_final_message, "chat_template": chat_template}
+        if tools is not None:
+            render["tools"] = tools
+        rendered = [self.tokenizer.apply_chat_template([dict(m) for m in c], **render, **(chat_template_kwargs or {}))
+                    for c in conversations]
         prompts = [self.tokenizer.encode_chat(text) for text in rendered]
-        outputs = self.generate(cast(list[Prompt], prompts), sampling_params)
+        outputs = self.generate(cast(list[PromptInput], prompts), sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, rendered):
             output.prompt = text  # generated from its ids (one BOS), but named by its text, as vLLM's
         return outputs
+
+
+def _prompt(prompt: PromptInput, index: int) -> Prompt:
+    if not isinstance(prompt, Mapping):
+        return prompt
+    if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
+        raise TypeError(f"prompts[{index}]: a dict prompt is {{'prompt': text}} or {{'prompt_token_ids': ids}} "
+                        f"(vLLM's); got the keys {sorted(prompt)}")
+    return cast(Prompt, prompt.get("prompt", prompt.get("prompt_token_ids")))
+
+
+def _params(given: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if given is None or isinstance(given, SamplingParams):
+        return [given or SamplingParams()] * count
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence) \
+            or not all(isinstance(p, SamplingParams) for p in given):
+        raise TypeError(f"sampling_params takes a SamplingParams or a list of them, got {type(given).__name__}")
+    if len(given) != count:
+        raise ValueError(f"give one SamplingParams, or one per prompt ({count}), not {len(given)}")
+    return list(given)
+
+
+def _cumulative(output: RequestOutput) -> float | None:
+    """The sum of the chosen tokens' logprobs, where they were asked for (vLLM's cumulative_logprob)."""
+    if output.logprobs is None:
+        return None
+    return sum(step[token] for step, token in zip(output.logprobs, output.token_ids) if token in step)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="prompts", unit="prompt")

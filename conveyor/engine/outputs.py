@@ -1,10 +1,23 @@
 """What the engine hands back each step: per-request progress."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor.errors import ConveyorError
 from conveyor.request import RequestTimes
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt as LLM.generate ends it (vLLM's shape: `RequestOutput.outputs[i]`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sum of its tokens' logprobs, with logprobs asked for
+    logprobs: list[dict[int, float]] | None  # per token: the chosen one's and the top alternatives'
+    finish_reason: str | None
+    stop_reason: int | str | None
 
 
 @dataclass
@@ -33,3 +46,6 @@ class RequestOutput:
     # The last of new_token_ids is the EOS or stop_token_ids entry that ended it: a token of the
     # output, whose text is left out of it unless include_stop_str_in_output (vLLM).
     ended_on_stop_token: bool = False
+    # Set by LLM.generate on the output it returns for a prompt: all n of its samples (this
+    # output's own fields are sample 0's). The engine's step outputs leave it empty.
+    outputs: list[CompletionOutput] = field(default_factory=list)

@@ -176,21 +176,31 @@ class Tokenizer:
         if self._variables is None:
             self._template()
             assert self.chat_template is not None
-            env = _template_env()
-            used = jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
-            own = {"messages", "add_generation_prompt", "tools", "documents", *self._template_vars, *env.globals}
-            self._variables = frozenset(used - own)
+            self._variables = _variables_read(self.chat_template, self._template_vars)
         return self._variables
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any
+        continue_final_message: bool = False, chat_template: str | None = None, **kwargs: Any
     ) -> str:
-        """Render like transformers' `apply_chat_template(..., tokenize=False)`. With
-        `continue_final_message` the text ends where the last message's content does (no end of
-        turn after it), so the model goes on with that message: a reply's opening given by the
-        caller. Extra keyword arguments become template variables (tools=[...] for tool calls)."""
-        template = self._template()
+        """Render like transformers' `apply_chat_template(..., tokenize=False)`, with the model's
+        template or `chat_template` for this call. With `continue_final_message` the text ends where
+        the last message's content does (no end of turn after it), so the model goes on with that
+        message: a reply's opening given by the caller. Extra keyword arguments become template
+        variables (tools=[...] for tool calls); one the template never reads is refused, not
+        ignored. A message's content may be OpenAI's text parts, or None beside tool calls."""
+        if chat_template is None:
+            template, reads = self._template(), self.template_variables()
+        else:
+            try:
+                template, reads = _compile_template(chat_template), _variables_read(chat_template, self._template_vars)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"chat_template does not compile: {e}") from e
+        unknown = sorted(set(kwargs) - reads - {"tools", "documents"} - set(self._template_vars))
+        if unknown:
+            hint = " (apply_chat_template returns text; encode_messages gives token ids)" if "tokenize" in unknown else ""
+            raise InvalidRequestError(f"the chat template does not read {unknown[:5]}{hint}", param="chat_template_kwargs")
+        messages = [_template_message(m) for m in messages]
         variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}
         if continue_final_message:
             add_generation_prompt = False
@@ -377,6 +387,25 @@ class _GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _variables_read(source: str, own_variables: Iterable[str]) -> frozenset[str]:
+    """What a template reads from whoever renders it, beyond what the renderer always sets."""
+    env = _template_env()
+    used = jinja2.meta.find_undeclared_variables(env.parse(source))
+    return frozenset(used - {"messages", "add_generation_prompt", "tools", "documents", *own_variables, *env.globals})
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as templates read it: OpenAI's text parts joined, no content as ""."""
+    content = message.get("content")
+    if isinstance(content, list):
+        kinds = [part.get("type") if isinstance(part, Mapping) else None for part in content]
+        if any(kind != "text" for kind in kinds):
+            raise InvalidRequestError(f"only text content is supported (got content parts of types {kinds})",
+                                      param="messages")
+        content = "".join(str(part.get("text", "")) for part in content)
+    return {**message, "content": "" if content is None else content}
 
 
 def _compile_template(source: str) -> jinja2.Template:

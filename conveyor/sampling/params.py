@@ -84,8 +84,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = list(self.stop or [])  # None is none, as vLLM takes it
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self._check_types()
@@ -175,6 +175,7 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) for s in self.stop)),
             ("stop_token_ids", all(is_int(t) for t in self.stop_token_ids)),
             ("ignore_eos", isinstance(self.ignore_eos, bool)),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool)),
             ("n", is_int(self.n)),
             ("logprobs", self.logprobs is None or is_int(self.logprobs)),
             ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs)),

@@ -1,0 +1,89 @@
+"""LLM's offline API in the shapes vLLM's takes and gives, on the real default model: one output
+per prompt with its n samples, logprobs over the whole output, dict prompts, a refused prompt
+withdrawing the batch, chat's options."""
+from __future__ import annotations
+
+import pytest
+
+from conveyor.engine.llm import LLM
+from conveyor.errors import InvalidRequestError
+from conveyor.sampling import SamplingParams
+
+
+@pytest.fixture()
+def llm(make_engine) -> LLM:
+    return LLM.from_engine(make_engine())
+
+
+def test_n_samples_come_back_together_in_outputs(llm: LLM) -> None:
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    first, second = llm.generate(["Once upon a time", "The capital of France is"], params)
+    for out in (first, second):
+        assert [o.index for o in out.outputs] == [0, 1, 2] and out.index == 0
+        assert out.text == out.outputs[0].text and out.token_ids == out.outputs[0].token_ids
+        assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in out.outputs)
+        assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # independent samples
+    assert first.outputs[1].text == llm.tokenizer.decode(first.outputs[1].token_ids)
+
+
+def test_logprobs_cover_every_token_and_the_prompt(llm: LLM) -> None:
+    ids = llm.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": ids}, params)
+    assert len(out.logprobs) == len(out.token_ids) == 5
+    assert all(token in step and len(step) <= 3 for step, token in zip(out.logprobs, out.token_ids))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(s[t] for s, t in zip(out.logprobs, out.token_ids)))
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    (plain,) = llm.generate(ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert plain.token_ids == out.token_ids and plain.outputs[0].cumulative_logprob is None
+
+
+def test_vllms_dict_prompts_and_argument_types(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    text = llm.generate("Hello", greedy)[0].text
+    ids = llm.tokenizer.encode("Hello")
+    assert [o.text for o in llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], greedy)] == [text, text]
+    assert llm.generate({"prompt": "Hello"}, greedy, use_tqdm=True)[0].text == text
+    with pytest.raises(TypeError, match="a dict prompt is"):
+        llm.generate({"prompt": "Hello", "multi_modal_data": {}}, greedy)
+    with pytest.raises(TypeError, match="sampling_params takes a SamplingParams"):
+        llm.generate("Hello", {"max_tokens": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LoRA"):
+        llm.generate("Hello", greedy, lora_request=object())  # type: ignore[arg-type]
+    assert llm.get_tokenizer() is llm.tokenizer and llm.llm_engine is llm.engine
+
+
+def test_a_refused_prompt_withdraws_the_batch_and_leaves_the_llm_usable(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.generate(["Hello", [10**9], "World"], greedy)
+    assert "prompts[1] was refused" in "".join(getattr(refused.value, "__notes__", []))
+    engine = llm.engine
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
+    assert llm.generate(["Hello", "World"], greedy)[1].text == llm.generate("World", greedy)[0].text
+
+
+def test_sampling_params_take_none_for_empty_lists_and_check_flags() -> None:
+    params = SamplingParams(stop=None, stop_token_ids=None)  # type: ignore[arg-type]
+    assert params.stop == [] and params.stop_token_ids == []
+    with pytest.raises(InvalidRequestError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]
+
+
+def test_chat_takes_vllms_options(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=5, temperature=0.0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
+    joined = [{"role": "user", "content": "What is 2+2?"}]
+    assert llm.chat(messages=parts, sampling_params=greedy)[0].text == llm.chat(joined, greedy)[0].text
+    template = "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    (custom,) = llm.chat(joined, greedy, chat_template=template)
+    assert custom.prompt == "Q: What is 2+2?\nA:"
+    (opened,) = llm.chat([*joined, {"role": "assistant", "content": "The answer"}], greedy,
+                         add_generation_prompt=False, continue_final_message=True)
+    assert opened.prompt.endswith("The answer")
+    with pytest.raises(InvalidRequestError, match="does not read"):
+        llm.chat(joined, greedy, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(InvalidRequestError, match="encode_messages gives token ids"):
+        llm.tokenizer.apply_chat_template(joined, tokenize=True)
+    with pytest.raises(InvalidRequestError, match="only text content"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
