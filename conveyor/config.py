@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 
 from conveyor.errors import ConfigError
@@ -178,10 +179,46 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
-        """Flat keyword arguments (as `LLM(...)` and the CLI take them) split into the two dataclasses."""
+        """Flat keyword arguments (as `LLM(...)` and the CLI take them) split into the two dataclasses,
+        each checked against its field's type first. vLLM's spellings of "the default" are taken
+        (dtype "auto", seed None); its GPU options are refused with what to use instead."""
+        if kwargs.get("dtype") == "auto":
+            kwargs["dtype"] = cls.dtype
+        if "seed" in kwargs and kwargs["seed"] is None:
+            kwargs["seed"] = cls.seed
         sched_fields = SchedulerConfig.__dataclass_fields__
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
-        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ConfigError(f"unknown engine options: {sorted(unknown)}")
+            hints = [f"{name}: {_INSTEAD[name]}" for name in unknown if name in _INSTEAD]
+            raise ConfigError(f"unknown engine options: {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
+        _check_field_types(SchedulerConfig, sched)
+        _check_field_types(cls, kwargs)
         return cls(scheduler=SchedulerConfig(**sched), **kwargs)  # type: ignore[arg-type]
+
+
+# vLLM's engine options that mean nothing here, and what does their work.
+_INSTEAD = {
+    "gpu_memory_utilization": "size the KV pool with kv_cache_memory (e.g. '2GiB') or num_kv_blocks",
+    "tensor_parallel_size": "one engine uses num_threads cores; replicas scale out (conveyor serve --replicas)",
+    "enforce_eager": "there are no graphs to capture on a CPU",
+    "trust_remote_code": "the model code is conveyor's own: no checkpoint code runs",
+    "tokenizer": "the tokenizer comes from the model's own files",
+}
+
+
+def _check_field_types(config: type, values: dict[str, object]) -> None:
+    """A value of the wrong kind for a plain field (bool, int, float, str, or one of them or None)
+    is a ConfigError naming it: "8" for an int, "no" for a bool, 0.5 blocks."""
+    hints = typing.get_type_hints(config)
+    for name, value in values.items():
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        if not all(kind in (bool, int, float, str, type(None)) for kind in allowed):
+            continue  # unions with richer types (a memory size, a speculative config) check themselves
+        if value is None and type(None) in allowed:
+            continue
+        ok = any(isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+                 for kind in allowed if kind is not type(None)) or (float in allowed and type(value) is int)
+        if not ok:
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in allowed)
+            raise ConfigError(f"{name} must be {names}, got {value!r}")

@@ -87,3 +87,25 @@ def test_chat_takes_vllms_options(llm: LLM) -> None:
         llm.tokenizer.apply_chat_template(joined, tokenize=True)
     with pytest.raises(InvalidRequestError, match="only text content"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_num_seqs": "8"}, "max_num_seqs must be int, got '8'"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be bool"),
+    ({"block_size": 0.5}, "block_size must be int"),
+    ({"gpu_memory_utilization": 0.9}, "size the KV pool with kv_cache_memory"),
+    ({"dtype": "half"}, "dtype must be"),
+])
+def test_engine_options_of_the_wrong_kind_are_refused_by_name(options: dict, message: str) -> None:
+    from conveyor.config import EngineConfig
+    from conveyor.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_kwargs(**options)
+
+
+def test_vllms_spellings_of_the_default_are_taken() -> None:
+    from conveyor.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(dtype="auto", seed=None)
+    assert (config.dtype, config.seed) == (EngineConfig.dtype, EngineConfig.seed)
