@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import numbers
+import os
 import re
 import typing
 from dataclasses import dataclass, field
+from typing import cast
 
 from conveyor.errors import ConfigError
 
@@ -186,14 +189,17 @@ class EngineConfig:
             kwargs["dtype"] = cls.dtype
         if "seed" in kwargs and kwargs["seed"] is None:
             kwargs["seed"] = cls.seed
+        if kwargs.get("tensor_parallel_size") == 1:  # one engine on this machine: what it is anyway
+            del kwargs["tensor_parallel_size"]
+        if isinstance(kwargs.get("model"), os.PathLike):
+            kwargs["model"] = os.fspath(cast(os.PathLike, kwargs["model"]))
         sched_fields = SchedulerConfig.__dataclass_fields__
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
         unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
             hints = [f"{name}: {_INSTEAD[name]}" for name in unknown if name in _INSTEAD]
             raise ConfigError(f"unknown engine options: {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
-        _check_field_types(SchedulerConfig, sched)
-        _check_field_types(cls, kwargs)
+        sched, kwargs = _checked_field_types(SchedulerConfig, sched), _checked_field_types(cls, kwargs)
         return cls(scheduler=SchedulerConfig(**sched), **kwargs)  # type: ignore[arg-type]
 
 
@@ -204,21 +210,30 @@ _INSTEAD = {
     "enforce_eager": "there are no graphs to capture on a CPU",
     "trust_remote_code": "the model code is conveyor's own: no checkpoint code runs",
     "tokenizer": "the tokenizer comes from the model's own files",
+    "enable_chunked_prefill": "conveyor's is chunked_prefill (on by default)",
 }
 
 
-def _check_field_types(config: type, values: dict[str, object]) -> None:
-    """A value of the wrong kind for a plain field (bool, int, float, str, or one of them or None)
-    is a ConfigError naming it: "8" for an int, "no" for a bool, 0.5 blocks."""
-    hints = typing.get_type_hints(config)
+def _checked_field_types(config: type, values: dict[str, object]) -> dict[str, object]:
+    """`values` with each plain field's value (bool, int, float, str, or one of them or None) of
+    its kind: "8" for an int, "no" for a bool, 0.5 blocks are a ConfigError naming the field; a
+    numpy integer or float is taken as the Python number."""
+    hints, checked = typing.get_type_hints(config), dict(values)
     for name, value in values.items():
         allowed = typing.get_args(hints[name]) or (hints[name],)
         if not all(kind in (bool, int, float, str, type(None)) for kind in allowed):
             continue  # unions with richer types (a memory size, a speculative config) check themselves
         if value is None and type(None) in allowed:
             continue
-        ok = any(isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-                 for kind in allowed if kind is not type(None)) or (float in allowed and type(value) is int)
+        if isinstance(value, bool):
+            ok = bool in allowed
+        elif isinstance(value, numbers.Integral) and (int in allowed or float in allowed):
+            ok, checked[name] = True, int(value)
+        elif isinstance(value, numbers.Real) and float in allowed:
+            ok, checked[name] = True, float(value)
+        else:
+            ok = str in allowed and isinstance(value, str)
         if not ok:
             names = " or ".join("None" if k is type(None) else k.__name__ for k in allowed)
             raise ConfigError(f"{name} must be {names}, got {value!r}")
+    return checked

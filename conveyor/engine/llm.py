@@ -3,6 +3,7 @@ shapes vLLM's offline API takes and gives (prompts as text, token ids or vLLM's 
 output per prompt, its n samples in `.outputs`)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Sequence, cast
 
@@ -82,7 +83,7 @@ class LLM:
             while self.engine.has_unfinished_requests:
                 for output in self.engine.step():
                     p = params_of.get(output.request_id)
-                    if p is None:  # a request someone queued on the engine directly
+                    if p is None:  # queued on the engine directly, not by this call: run, but not returned
                         continue
                     key = (output.request_id, output.index)
                     if key not in texts:
@@ -102,8 +103,12 @@ class LLM:
                         detok.finish()
                         output.text = detok.output_text
                         output.logprobs = logprobs[key] if p.logprobs is not None else None
-                        done[output.request_id][output.index] = output
-                        if bar is not None and len(done[output.request_id]) == p.n:
+                        ended = done[output.request_id]
+                        ended[output.index] = output
+                        if output.error is not None:  # the engine failed the request: every sample ends so
+                            for index in range(p.n):
+                                ended.setdefault(index, dataclasses.replace(output, index=index, text=""))
+                        if bar is not None and len(ended) == p.n:
                             bar.update()
         finally:
             if bar is not None:
@@ -138,8 +143,8 @@ class LLM:
                                   "continue_final_message": continue_final_message, "chat_template": chat_template}
         if tools is not None:
             render["tools"] = tools
-        rendered = [self.tokenizer.apply_chat_template([dict(m) for m in c], **render, **(chat_template_kwargs or {}))
-                    for c in conversations]
+        render.update(chat_template_kwargs or {})  # vLLM lets them override the options above
+        rendered = [self.tokenizer.apply_chat_template([dict(m) for m in c], **render) for c in conversations]
         prompts = [self.tokenizer.encode_chat(text) for text in rendered]
         outputs = self.generate(cast(list[PromptInput], prompts), sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, rendered):

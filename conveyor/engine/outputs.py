@@ -35,7 +35,8 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's n samples this is
-    logprobs: list[dict[int, float]] | None = None  # per token of new_token_ids, when asked for
+    # Per token of new_token_ids, when asked for (on the output LLM.generate returns: every token's).
+    logprobs: list[dict[int, float]] | None = None
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Set on the last output of a request the engine ended with an error (finish_reason "error"): a

@@ -181,25 +181,29 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False, chat_template: str | None = None, **kwargs: Any
+        continue_final_message: bool = False, chat_template: str | None = None, tokenize: bool = False,
+        **kwargs: Any
     ) -> str:
         """Render like transformers' `apply_chat_template(..., tokenize=False)`, with the model's
         template or `chat_template` for this call. With `continue_final_message` the text ends where
         the last message's content does (no end of turn after it), so the model goes on with that
         message: a reply's opening given by the caller. Extra keyword arguments become template
         variables (tools=[...] for tool calls); one the template never reads is refused, not
-        ignored. A message's content may be OpenAI's text parts, or None beside tool calls."""
+        ignored. A message's content may be OpenAI's text parts, or None beside tool calls.
+        `tokenize` is transformers' (and vLLM's tokenizer's): only False, the text, is offered here."""
+        if tokenize:
+            raise InvalidRequestError("apply_chat_template returns the text; encode_messages(messages) gives its "
+                                      "token ids", param="tokenize")
         if chat_template is None:
             template, reads = self._template(), self.template_variables()
         else:
             try:
-                template, reads = _compile_template(chat_template), _variables_read(chat_template, self._template_vars)
+                template, reads = _compiled_with_reads(chat_template, tuple(self._template_vars))
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"chat_template does not compile: {e}") from e
         unknown = sorted(set(kwargs) - reads - {"tools", "documents"} - set(self._template_vars))
         if unknown:
-            hint = " (apply_chat_template returns text; encode_messages gives token ids)" if "tokenize" in unknown else ""
-            raise InvalidRequestError(f"the chat template does not read {unknown[:5]}{hint}", param="chat_template_kwargs")
+            raise InvalidRequestError(f"the chat template does not read {unknown[:5]}", param="chat_template_kwargs")
         messages = [_template_message(m) for m in messages]
         variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}
         if continue_final_message:
@@ -394,6 +398,12 @@ def _variables_read(source: str, own_variables: Iterable[str]) -> frozenset[str]
     env = _template_env()
     used = jinja2.meta.find_undeclared_variables(env.parse(source))
     return frozenset(used - {"messages", "add_generation_prompt", "tools", "documents", *own_variables, *env.globals})
+
+
+@lru_cache(maxsize=8)
+def _compiled_with_reads(source: str, own_variables: tuple[str, ...]) -> tuple[jinja2.Template, frozenset[str]]:
+    """A per-call chat template (LLM.chat's chat_template), compiled once per source."""
+    return _compile_template(source), _variables_read(source, own_variables)
 
 
 def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:

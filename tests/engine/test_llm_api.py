@@ -83,8 +83,12 @@ def test_chat_takes_vllms_options(llm: LLM) -> None:
     assert opened.prompt.endswith("The answer")
     with pytest.raises(InvalidRequestError, match="does not read"):
         llm.chat(joined, greedy, chat_template_kwargs={"enable_thinking": False})
-    with pytest.raises(InvalidRequestError, match="encode_messages gives token ids"):
+    with pytest.raises(InvalidRequestError, match="encode_messages"):
         llm.tokenizer.apply_chat_template(joined, tokenize=True)
+    assert llm.get_tokenizer().apply_chat_template(joined, tokenize=False) == llm.chat(joined, greedy)[0].prompt
+    # chat_template_kwargs override chat's own options, as vLLM's do
+    (kwarg,) = llm.chat(joined, greedy, chat_template=template, chat_template_kwargs={"add_generation_prompt": False})
+    assert kwarg.prompt == "Q: What is 2+2?\n"
     with pytest.raises(InvalidRequestError, match="only text content"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 
@@ -109,3 +113,32 @@ def test_vllms_spellings_of_the_default_are_taken() -> None:
 
     config = EngineConfig.from_kwargs(dtype="auto", seed=None)
     assert (config.dtype, config.seed) == (EngineConfig.dtype, EngineConfig.seed)
+
+
+def test_a_request_the_engine_fails_ends_all_its_samples_and_spares_the_batch(make_engine, monkeypatch) -> None:
+    from conveyor.errors import RequestFailedError
+    from tests.engine.test_failure_isolation import _poison_after
+
+    engine = make_engine()
+    llm = LLM.from_engine(engine)
+    poison = engine.tokenizer.encode("Zebra")[0]
+    _poison_after(monkeypatch, engine.runner.sampler, "_uniforms",
+                  lambda requests: any(r.prompt_token_ids[0] == poison for r in requests))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    sampled = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1)
+    good, failed = llm.generate(["Hello", "Zebra crossings are"], [greedy, sampled])
+    assert good.finish_reason == "length" and good.text == llm.generate("Hello", greedy)[0].text
+    assert [o.index for o in failed.outputs] == [0, 1, 2]
+    assert all(o.finish_reason == "error" for o in failed.outputs) and isinstance(failed.error, RequestFailedError)
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
+
+
+def test_numpy_numbers_and_paths_are_taken_as_what_they_hold(tmp_path) -> None:
+    import numpy as np
+
+    from conveyor.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(model=tmp_path / "m.gguf", max_num_seqs=np.int64(8), seed=np.int64(3),
+                                      tensor_parallel_size=1)
+    assert (config.model, config.scheduler.max_num_seqs, config.seed) == (str(tmp_path / "m.gguf"), 8, 3)
+    assert type(config.seed) is int
