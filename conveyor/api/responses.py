@@ -164,8 +164,10 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
             started.add(choice.index)
             if choice.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = prompt_logprobs(choice)
-            if fmt.return_token_ids:
-                (entry if fmt.prompt_ids_in_choice else extra)["prompt_token_ids"] = choice.prompt_ids
+            if fmt.return_token_ids and fmt.prompt_ids_in_choice:
+                entry["prompt_token_ids"] = choice.prompt_ids
+            elif fmt.return_token_ids and len(started) == 1:  # chat: once, with the stream's first chunk
+                extra["prompt_token_ids"] = choice.prompt_ids
         yield chunk([entry], **extra)
     if gen.error is not None:
         yield _sse(failure(gen).body())

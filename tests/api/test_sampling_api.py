@@ -371,6 +371,6 @@ def test_return_token_ids_gives_the_prompts_ids_too(http, offline_tokenizer, str
         assert given == [offline_tokenizer.encode(prompt)]
     messages = [{"role": "user", "content": "Hi"}]
     rendered = offline_tokenizer.encode_chat(offline_tokenizer.apply_chat_template(messages))
-    chat = answer("/v1/chat/completions", {"messages": messages})
+    chat = answer("/v1/chat/completions", {"messages": messages, "n": 2, "seed": 1, "temperature": 1.0})
     assert [b["prompt_token_ids"] for b in chat if "prompt_token_ids" in b] == [rendered]
     assert not any("prompt_token_ids" in c for b in chat for c in b["choices"])
