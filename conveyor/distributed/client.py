@@ -124,8 +124,6 @@ class RayEngineClient:
             raise EngineStoppedError("the engine is not running")
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if params.prompt_logprobs is not None:  # the workers' output messages do not carry them
-            raise InvalidRequestError("prompt_logprobs (and echo with logprobs) are not supported with Ray workers")
         bound = self.max_waiting_requests
         if bound is not None and sum(1 for t in self._tracked.values() if not t.streamed) - self._free_seats() >= bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")

@@ -39,6 +39,8 @@ class TokenEvent:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV the worker's prefix cache held
     ended_on_stop_token: bool = False  # RequestOutput's
+    # With prompt_logprobs, on a request's first event (from the prefill worker under P/D).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class TrackedRequest:
             new_token_ids=list(event.new_token_ids), finished=event.finished, finish_reason=event.finish_reason,
             stop_reason=event.stop_reason, text=event.text, times=times, num_preemptions=event.num_preemptions,
             index=event.index, logprobs=event.logprobs, num_cached_tokens=self.num_cached_tokens,
-            ended_on_stop_token=event.ended_on_stop_token,
+            ended_on_stop_token=event.ended_on_stop_token, prompt_logprobs=event.prompt_logprobs,
         )
         self.sink.put_nowait(out)
         return out

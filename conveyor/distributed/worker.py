@@ -276,7 +276,7 @@ class EngineWorker(EngineLoop[_Command]):
                 continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions,
-                                     out.num_cached_tokens, out.ended_on_stop_token))
+                                     out.num_cached_tokens, out.ended_on_stop_token, out.prompt_logprobs))
             if out.finished and out.request_id in self._live:
                 self._live[out.request_id] -= 1
                 if not self._live[out.request_id]:

@@ -70,6 +70,7 @@ class Outcome:
     error: BaseException | None = None
     aborted: bool = False
     cached_tokens: int = 0  # prompt tokens the worker's prefix cache held
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: as the first event brought them
 
 
 async def collect(sink: asyncio.Queue, n: int) -> Outcome:
@@ -85,6 +86,8 @@ async def collect(sink: asyncio.Queue, n: int) -> Outcome:
             return outcome
         outcome.streamed.append(list(event.new_token_ids))
         outcome.cached_tokens = event.num_cached_tokens
+        if outcome.prompt_logprobs is None:
+            outcome.prompt_logprobs = event.prompt_logprobs
         outcome.tokens[event.index] = list(event.token_ids)
         left -= event.finished
     return outcome

@@ -86,6 +86,7 @@ def test_prefill_decode_workers_match_one_engine_token_for_token(disaggregated, 
     params[4] = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)  # seeded: draws move along
     params[5] = SamplingParams(max_tokens=1, temperature=0)  # ends on the prefill worker: nothing to hand over
     params[6] = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)  # n > 1 runs whole on decode
+    params[7] = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True)  # scored on prefill
     expected = reference_outputs(config, prompts, params)
 
     async def main():
@@ -96,6 +97,9 @@ def test_prefill_decode_workers_match_one_engine_token_for_token(disaggregated, 
 
     outcomes, cluster = asyncio.run(main())
     assert {rid: o.tokens for rid, o in outcomes.items()} == expected
+    scored = outcomes["r7"].prompt_logprobs
+    assert scored is not None and len(scored) == len(prompts[7]) and scored[0] is None
+    assert all(prompts[7][i] in scored[i] for i in range(1, len(scored)))
     assert cluster.kv_transfers == 7  # all but the one-token request and the n=2 one
     assert cluster.kv_transfer_bytes > 0
 

@@ -517,3 +517,36 @@ def test_an_import_with_a_broken_sampler_state_is_refused_and_leaves_nothing(tin
         import_request(decode, dataclasses.replace(payload, kv=payload.kv.astype("float64")))
     import_request(decode, payload)  # the same request, whole, still goes in
     assert len(_drain(decode)["r0"][0]) == 4
+
+
+def test_prompt_logprobs_travel_with_a_workers_first_event_to_the_front_end(tiny_model) -> None:
+    # They were refused under Ray: the workers' events did not carry them.
+    config = tiny_config(tiny_model)
+    prompt = make_prompts(3)[2]
+    scored = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
+    local = LLMEngine.from_config(config)
+    local.add_request(prompt, scored, "local")
+    expected = None
+    while expected is None and local.has_unfinished_requests:  # on the request's first output
+        expected = next((o.prompt_logprobs for o in local.step() if o.prompt_logprobs is not None), None)
+    worker = EngineWorker("w", "replica", config)
+
+    async def main() -> list:
+        await worker.start()
+        await worker.add("scored", prompt, scored, False)
+        events, seen = [], 0
+        while not any(isinstance(e, TokenEvent) and e.finished for e in events):
+            result = await worker.poll(seen, 1.0)
+            seen, events = result.last_seq, events + result.events
+        await worker.stop()
+        return events
+
+    events = pickle.loads(pickle.dumps(asyncio.run(asyncio.wait_for(main(), 60.0))))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert tokens[0].prompt_logprobs == expected and len(expected) == len(prompt) and expected[0] is None
+    assert all(e.prompt_logprobs is None for e in tokens[1:])
+    replica = WorkerHandle("replica-0", "replica", _FakeActor())
+    client = RayEngineClient([replica], tokenizer=None)
+    t = client._tracked["scored"] = _tracked("scored", replica, "replica")
+    client._handle(replica, PollResult([tokens[0]], WorkerLoadReport(), 1), 0)
+    assert t.sink.get_nowait().prompt_logprobs == expected
