@@ -316,7 +316,7 @@ class ChatMessage(_Strict):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.tool_calls is not None:
+        if self.tool_calls:  # [] is no calls (some clients send it so), as vLLM takes it
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
