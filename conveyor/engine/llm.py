@@ -11,6 +11,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -35,7 +36,7 @@ class LLM:
         return self.engine.tokenizer
 
     def get_tokenizer(self):  # noqa: ANN201 - vLLM's name for it
-        return self.engine.tokenizer
+        return self.tokenizer
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -91,7 +92,8 @@ class LLM:
                                                             p.skip_special_tokens, p.min_tokens)
                     detok = texts[key]
                     detok.add(output.new_token_ids, ends_on_stop_token=output.ended_on_stop_token)
-                    logprobs.setdefault(key, []).extend(output.logprobs or [])
+                    if p.logprobs is not None:
+                        logprobs.setdefault(key, []).extend(output.logprobs or [])
                     if output.prompt_logprobs is not None:
                         prompt_logprobs.setdefault(output.request_id, output.prompt_logprobs)
                     if detok.stopped:  # the text reached a stop string: end the sample here, whatever else
@@ -102,7 +104,7 @@ class LLM:
                     if output.finished:
                         detok.finish()
                         output.text = detok.output_text
-                        output.logprobs = logprobs[key] if p.logprobs is not None else None
+                        output.logprobs = logprobs.get(key, []) if p.logprobs is not None else None
                         ended = done[output.request_id]
                         ended[output.index] = output
                         if output.error is not None:  # the engine failed the request: every sample ends so
@@ -145,6 +147,10 @@ class LLM:
             render["tools"] = tools
         render.update(chat_template_kwargs or {})  # vLLM lets them override the options above
         rendered = [self.tokenizer.apply_chat_template([dict(m) for m in c], **render) for c in conversations]
+        if tools and conversations and rendered[0] == self.tokenizer.apply_chat_template(
+                [dict(m) for m in conversations[0]], **{**render, "tools": None}):
+            raise InvalidRequestError("tools reach the model only through a chat template that renders them, and "
+                                      "this one does not: pass chat_template= one that does", param="tools")
         prompts = [self.tokenizer.encode_chat(text) for text in rendered]
         outputs = self.generate(cast(list[PromptInput], prompts), sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, rendered):

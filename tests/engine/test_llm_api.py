@@ -89,6 +89,11 @@ def test_chat_takes_vllms_options(llm: LLM) -> None:
     # chat_template_kwargs override chat's own options, as vLLM's do
     (kwarg,) = llm.chat(joined, greedy, chat_template=template, chat_template_kwargs={"add_generation_prompt": False})
     assert kwarg.prompt == "Q: What is 2+2?\n"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(InvalidRequestError, match="renders them"):  # SmolLM2's template shows no tools
+        llm.chat(joined, greedy, tools=tools)
+    shows_tools = "{{ tools | tojson }}" + template
+    assert llm.chat(joined, greedy, chat_template=shows_tools, tools=tools)[0].prompt.startswith('[{"type"')
     with pytest.raises(InvalidRequestError, match="only text content"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 
