@@ -29,6 +29,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in config_kwargs(args, EngineConfig, SchedulerConfig).items() if k != "model"}
 
 
+# `conveyor generate`'s sampling where neither its flags nor the model's recommendation say: greedy.
+GENERATE_SAMPLING: dict[str, float | int] = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                             "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from conveyor import LLM, SamplingParams
 
@@ -36,15 +41,11 @@ def _generate(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("conveyor").setLevel(logging.INFO)
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sample_seed,
-        stop=args.stop or [],
-        ignore_eos=args.ignore_eos,
-    )
+    # A flag given, else what the model recommends (--generation-config), else this command's own.
+    sampling = {**GENERATE_SAMPLING, **llm.sampling_defaults}
+    sampling.update({name: getattr(args, name) for name in GENERATE_SAMPLING if getattr(args, name) is not None})
+    params = SamplingParams(**sampling, seed=args.sample_seed, stop=args.stop or [],  # type: ignore[arg-type]
+                            ignore_eos=args.ignore_eos)
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     inputs: list[str] | list[list[int]] = prompts
     if args.chat:
@@ -212,10 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="run prompts offline and print the completions")
     add_engine_args(gen)
     gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    own = "default: what the model recommends (--generation-config), else {}"
+    gen.add_argument("--max-tokens", type=int, help=own.format(GENERATE_SAMPLING["max_tokens"]))
+    gen.add_argument("--temperature", type=float, help=own.format("0: greedy"))
+    gen.add_argument("--top-p", type=float, help=own.format("1: off"))
+    gen.add_argument("--top-k", type=int, help=own.format("0: off"))
+    gen.add_argument("--min-p", type=float, help=own.format("0: off"))
+    gen.add_argument("--repetition-penalty", type=float, help=own.format("1: off"))
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from conveyor.errors import ConfigError
+from conveyor.model.generation_defaults import GENERATION_CONFIG
 
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
@@ -18,6 +19,7 @@ ACTIVATION_DTYPES = ("int8", "float32")
 # "auto": float16 for an fp32 model (half the bytes a token's KV takes, as llama.cpp's default
 # cache), the model's own dtype for a bf16 one.
 KV_CACHE_DTYPES = ("auto", "float16", "float32")
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder (EngineConfig.generation_config)
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -158,6 +160,11 @@ class EngineConfig:
     num_threads: int | None = None
     # Speculative decoding (None: off), e.g. {"method": "ngram", "num_speculative_tokens": 5}
     speculative_config: SpeculativeConfig | None = None
+    # What a request that leaves a sampling field out gets (vLLM's --generation-config): "auto" the
+    # model's own recommendation (generation_config.json, a GGUF's general.sampling.* keys), "vllm"
+    # OpenAI's and vLLM's defaults, or a folder whose generation_config.json says it
+    # (conveyor.model.generation_defaults)
+    generation_config: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -179,6 +186,10 @@ class EngineConfig:
         parse_memory(self.kv_cache_memory)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.generation_config not in GENERATION_CONFIG_CHOICES \
+                and not os.path.isfile(os.path.join(self.generation_config, GENERATION_CONFIG)):
+            raise ConfigError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES} or a folder holding "
+                              f"{GENERATION_CONFIG}, got {self.generation_config!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

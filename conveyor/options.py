@@ -25,6 +25,10 @@ HELP = {
     "speculative_config": 'speculative decoding, as a JSON object: {"method": "ngram", '
                           '"num_speculative_tokens": 24, "prompt_lookup_max": 12, "prompt_lookup_min": 3, '
                           '"adaptive": true} (fields optional; off by default)',
+    "generation_config": "what a request that leaves a sampling field out (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty, max_tokens) gets: auto, the model's recommendation "
+                         "(generation_config.json, a GGUF's general.sampling.* keys), where it has one; vllm, "
+                         "OpenAI's and vLLM's defaults; or a folder holding a generation_config.json",
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",

@@ -7,7 +7,9 @@ import dataclasses
 import functools
 import hmac
 import logging
+import sys
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
@@ -67,6 +69,8 @@ class ServerState:
     # The engine's configuration, where the front end knows it: stated in /openapi.json.
     max_num_seqs: int | None = None
     priority_scheduling: bool | None = None
+    # What requests that leave a sampling field out get (--generation-config; SamplingParams' names).
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Any:
@@ -142,7 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
         grammar = await _grammar(state, requested_grammar(body))
         echo_only = body.max_tokens == 0  # the engine makes one token, which the answer leaves out (vLLM's way)
         params = body.sampling_params(_max_tokens(state, 1 if echo_only else body.max_tokens, prompts, chat=False),
-                                      body.logprobs, grammar)
+                                      body.logprobs, grammar, state.sampling_defaults)
         if body.num_prompt_logprobs != body.prompt_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
@@ -169,7 +173,8 @@ def build_app(state: ServerState) -> FastAPI:
                                          tools, bool(body.continue_final_message), body.chat_template_kwargs)
         prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
         requested = body.max_completion_tokens or body.max_tokens
-        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar)
+        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar,
+                                      state.sampling_defaults)
         gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl",
                          bool(body.return_tokens_as_token_ids), body.request_id)
         name = _name(state, body.model)
@@ -407,16 +412,17 @@ def _echo_texts(state: ServerState, prompt: str | list, token_ids: list[list[int
 
 def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[int]], chat: bool) -> int:
     """The request's max_tokens; by default 16 for completions (OpenAI), and for chat whatever room
-    the prompt leaves in the context (vLLM)."""
+    the prompt leaves in the context (vLLM); either at most the max_tokens the model recommends (vLLM)."""
     if requested is not None:
         return requested
+    recommended = int(state.sampling_defaults.get("max_tokens", sys.maxsize))
     if not chat:
-        return DEFAULT_COMPLETION_MAX_TOKENS
+        return min(DEFAULT_COMPLETION_MAX_TOKENS, recommended)
     longest = max(len(p) for p in prompts)
     if longest >= state.capacity:
         raise bad_request(f"the prompt ({longest} tokens) leaves no room to generate within the "
                           f"maximum of {state.capacity} tokens", param="messages")
-    return state.capacity - longest
+    return min(state.capacity - longest, recommended)
 
 
 async def _serve(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],

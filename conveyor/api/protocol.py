@@ -10,6 +10,7 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -198,15 +199,23 @@ class _Sampling(_Strict):
             bias[int(key)] = value
         return bias
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured: GrammarSpec | None = None) -> SamplingParams:
-        """Raises InvalidRequestError (a 400) for what the engine refuses."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, structured: GrammarSpec | None = None,
+                        defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """Raises InvalidRequestError (a 400) for what the engine refuses. `defaults`: what the
+        model recommends (ServerState.sampling_defaults) for the fields the request left out."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        model = defaults or {}
+
+        def given(name: str) -> Any:
+            value = getattr(self, name)
+            return model.get(name) if value is None else value
+
+        top_k = given("top_k")
         kwargs: dict[str, Any] = dict(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=1.0 if (temperature := given("temperature")) is None else temperature,
+            top_p=1.0 if (top_p := given("top_p")) is None else top_p,
+            top_k=top_k or 0,
             seed=self.seed,
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
@@ -215,7 +224,7 @@ class _Sampling(_Strict):
         optional: dict[str, tuple[Any, Any]] = dict(
             n=(self.n, 1), logprobs=(logprobs, None), prompt_logprobs=(self.prompt_logprobs, None),
             presence_penalty=(self.presence_penalty, None), frequency_penalty=(self.frequency_penalty, None),
-            repetition_penalty=(self.repetition_penalty, None), min_p=(self.min_p, None),
+            repetition_penalty=(given("repetition_penalty"), None), min_p=(given("min_p"), None),
             min_tokens=(self.min_tokens, None), stop_token_ids=(self.stop_token_ids, None),
             include_stop_str_in_output=(self.include_stop_str_in_output, False),
             skip_special_tokens=(self.skip_special_tokens, True), logit_bias=(self.logit_bias_ids(), {}),

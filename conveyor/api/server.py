@@ -20,6 +20,7 @@ from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, EngineConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.sampling.params import model_defaults
 
 if TYPE_CHECKING:
     from conveyor.distributed.deploy import DeploymentConfig
@@ -105,7 +106,9 @@ def run_server(
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key,
                         allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
                         max_num_seqs=config.scheduler.max_num_seqs,
-                        priority_scheduling=config.scheduler.scheduling_policy == "priority")
+                        priority_scheduling=config.scheduler.scheduling_policy == "priority",
+                        sampling_defaults=model_defaults(config.generation_config,
+                                                         engine_client.tokenizer.recommended_sampling))
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5

@@ -4,15 +4,16 @@ output per prompt, its n samples in `.outputs`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.errors import InvalidRequestError
-from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.params import SamplingParams, model_defaults
 
 Prompt = str | Sequence[int]
 # vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}.
@@ -38,6 +39,17 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 - vLLM's name for it
         return self.tokenizer
 
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling fields the model recommends (EngineConfig.generation_config:
+        generation_config.json, a GGUF's general.sampling.* keys), as SamplingParams' names."""
+        return model_defaults(self.engine.config.generation_config, self.tokenizer.recommended_sampling)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params (vLLM's): SamplingParams' defaults but
+        for the fields the model recommends (sampling_defaults)."""
+        return SamplingParams(**self.sampling_defaults)  # type: ignore[arg-type]
+
     @property
     def llm_engine(self) -> LLMEngine:
         """vLLM's name for the engine."""
@@ -59,7 +71,7 @@ class LLM:
         one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(cast(Sequence, prompts)[0], int))
         given = [cast(PromptInput, prompts)] if one else cast(Sequence[PromptInput], prompts)
         items = [_prompt(p, i) for i, p in enumerate(given)]
-        params = _params(sampling_params, len(items))
+        params = _params(sampling_params, len(items), self.get_default_sampling_params)
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(items, params)):
@@ -167,9 +179,10 @@ def _prompt(prompt: PromptInput, index: int) -> Prompt:
     return cast(Prompt, prompt.get("prompt", prompt.get("prompt_token_ids")))
 
 
-def _params(given: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _params(given: SamplingParams | Sequence[SamplingParams] | None, count: int,
+            default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if given is None or isinstance(given, SamplingParams):
-        return [given or SamplingParams()] * count
+        return [given or default()] * count
     if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence) \
             or not all(isinstance(p, SamplingParams) for p in given):
         raise TypeError(f"sampling_params takes a SamplingParams or a list of them, got {type(given).__name__}")

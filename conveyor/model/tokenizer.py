@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from conveyor.errors import ConveyorError, InvalidRequestError, ModelLoadError, UnsupportedModelError
+from conveyor.model import generation_defaults
 
 # Chat models end a turn with one of these rather than with the checkpoint's eos; stop on them too.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
@@ -98,8 +99,12 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         special_tokens: Mapping[str, str | None] | None = None,
+        recommended_sampling: Mapping[str, float | int] | None = None,
     ) -> None:
         self._tok = backend
+        # What the model's files recommend for sampling (conveyor.model.generation_defaults): read
+        # here because the files are, and every front end (a Ray one too) holds the tokenizer.
+        self.recommended_sampling: dict[str, float | int] = dict(recommended_sampling or {})
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -269,6 +274,7 @@ class Tokenizer:
                 "unk_token": tokens[u] if (u := tid("unknown_token_id")) is not None else None,
                 "pad_token": tokens[p] if (p := tid("padding_token_id")) is not None else None,
             },
+            recommended_sampling=generation_defaults.from_gguf_metadata(meta),
         )
 
     @classmethod
@@ -290,8 +296,9 @@ class Tokenizer:
         bos = backend.token_to_id(bos_str) if bos_str else None
         eos = backend.token_to_id(eos_str) if eos_str else None
         extra: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            ids = _read_json(folder / name).get("eos_token_id")
+        generation = _read_json(folder / generation_defaults.GENERATION_CONFIG)
+        for data in (generation, _read_json(folder / "config.json")):
+            ids = data.get("eos_token_id")
             extra += ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
         if eos is None and extra:
             eos = extra[0]
@@ -307,6 +314,7 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=bool(add_bos),
             special_tokens=specials,
+            recommended_sampling=generation_defaults.from_generation_config(generation),
         )
 
 

@@ -1,11 +1,14 @@
 """Per-request sampling parameters, validated at construction (pure Python: the scheduler imports it)."""
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from conveyor.errors import InvalidRequestError
+from conveyor.model.generation_defaults import recommended_sampling
 from conveyor.structured.spec import GrammarSpec
 
 # A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by it
@@ -24,6 +27,7 @@ _MAX_BAD_WORDS_TOKENS = 1024
 # request waits on it: bound that work before it gets there.
 _MAX_BAD_WORDS_CHARS = 64 * _MAX_BAD_WORDS_TOKENS
 _MAX_ALLOWED_TOKEN_IDS = 2**18  # the largest vocabulary served (Gemma 3's 262,144)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -233,3 +237,24 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Uses a penalty that needs the tokens seen so far."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def model_defaults(generation_config: str, recommended: Mapping[str, float | int]) -> dict[str, float | int]:
+    """What a request that leaves a sampling field out gets, by EngineConfig.generation_config
+    ("auto": `recommended`, the model's own, Tokenizer.recommended_sampling; "vllm": nothing; or a
+    folder's generation_config.json), as SamplingParams fields. A value a request could not take is
+    left out with a warning (a model file's bad value must not fail every request); what applies is
+    logged, as vLLM logs it."""
+    source = "the model" if generation_config == "auto" else generation_config
+    checked: dict[str, float | int] = {}
+    for name, value in recommended_sampling(generation_config, recommended).items():
+        try:
+            SamplingParams(**{name: value})  # type: ignore[arg-type]
+        except InvalidRequestError as exc:
+            log.warning("%s recommends %s = %r, which a request cannot take (%s): not applied", source, name, value, exc)
+            continue
+        checked[name] = value
+    if checked:
+        log.info("sampling fields a request leaves out take what %s recommends: %s (--generation-config vllm "
+                 "turns this off)", source, ", ".join(f"{k} {v}" for k, v in checked.items()))
+    return checked

@@ -374,3 +374,31 @@ def test_return_token_ids_gives_the_prompts_ids_too(http, offline_tokenizer, str
     chat = answer("/v1/chat/completions", {"messages": messages, "n": 2, "seed": 1, "temperature": 1.0})
     assert [b["prompt_token_ids"] for b in chat if "prompt_token_ids" in b] == [rendered]
     assert not any("prompt_token_ids" in c for b in chat for c in b["choices"])
+
+
+def test_fields_a_request_leaves_out_take_the_model_recommendation(tmp_path):
+    from tests.api.conftest import httpx, start_server
+
+    # vLLM's --generation-config FOLDER (a model's own generation_config.json is read the same way)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 4}))
+    srv = start_server("--generation-config", str(tmp_path))
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as http:
+            def completion(**fields) -> dict:
+                reply = http.post("/v1/completions", json={"prompt": PROMPT, **fields})
+                assert reply.status_code == 200, reply.text
+                return reply.json()
+
+            recommended = completion()
+            assert recommended["usage"]["completion_tokens"] == 4  # min(OpenAI's 16, the recommended 4)
+            assert recommended["choices"][0]["text"] == completion(
+                temperature=0, repetition_penalty=1.3, max_tokens=4)["choices"][0]["text"]
+            # what a request sends wins: here no penalty, and more tokens
+            unpenalized = completion(repetition_penalty=1.0, max_tokens=8)
+            assert unpenalized["usage"]["completion_tokens"] == 8
+            assert not unpenalized["choices"][0]["text"].startswith(recommended["choices"][0]["text"])
+            chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+            assert chat["usage"]["completion_tokens"] <= 4  # the room left in the context, at most the recommended
+    finally:
+        srv.stop()

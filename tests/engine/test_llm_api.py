@@ -147,3 +147,24 @@ def test_numpy_numbers_and_paths_are_taken_as_what_they_hold(tmp_path) -> None:
                                       tensor_parallel_size=1)
     assert (config.model, config.scheduler.max_num_seqs, config.seed) == (str(tmp_path / "m.gguf"), 8, 3)
     assert type(config.seed) is int
+
+
+def test_without_sampling_params_the_model_recommendation_applies(make_engine, tmp_path) -> None:
+    # vLLM's --generation-config: a folder's generation_config.json (here: greedy, 5 tokens, a penalty)
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": false, "temperature": 0.0, "max_new_tokens": 5, "repetition_penalty": 1.3, "top_k": 50}')
+    llm = LLM.from_engine(make_engine(generation_config=str(tmp_path)))
+    defaults = llm.get_default_sampling_params()
+    # top_k 50 is transformers' own default, not a recommendation (vLLM leaves it out too)
+    assert (defaults.temperature, defaults.max_tokens, defaults.repetition_penalty, defaults.top_k) == (0.0, 5, 1.3, 0)
+    prompt = "The capital of France is"
+    (recommended,) = llm.generate(prompt)
+    (explicit,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3))
+    (plain,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))
+    assert recommended.token_ids == explicit.token_ids and len(recommended.token_ids) == 5
+    assert plain.token_ids != explicit.token_ids  # the penalty changes this output: it was applied
+    (chat,) = llm.chat([{"role": "user", "content": "Hi"}])
+    assert len(chat.token_ids) <= 5
+    # "vllm": SamplingParams' own defaults (the shipped GGUF recommends nothing either way)
+    assert LLM.from_engine(make_engine(generation_config="vllm")).get_default_sampling_params() == SamplingParams()
+    assert LLM.from_engine(make_engine()).get_default_sampling_params() == SamplingParams()
