@@ -3,6 +3,7 @@ prompts through the offline engine; `conveyor export-hf` writes the model as an 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -10,23 +11,28 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from conveyor.distributed.deploy import DeploymentConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs, named as vLLM names them: one option per config field (conveyor/options.py)."""
     from conveyor.config import EngineConfig, SchedulerConfig
-    from conveyor.options import add_config_args
+    from conveyor.options import add_config_args, add_vllm_engine_args
 
     add_config_args(parser, EngineConfig)
     add_config_args(parser, SchedulerConfig)
+    add_vllm_engine_args(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from conveyor.config import EngineConfig, SchedulerConfig
-    from conveyor.options import config_kwargs
+    from conveyor.options import config_kwargs, vllm_engine_kwargs
 
-    return {k: v for k, v in config_kwargs(args, EngineConfig, SchedulerConfig).items() if k != "model"}
+    given = {k: v for k, v in config_kwargs(args, EngineConfig, SchedulerConfig).items() if k != "model"}
+    return {**given, **vllm_engine_kwargs(args)}
 
 
 # `conveyor generate`'s sampling where neither its flags nor the model's recommendation say: greedy.
@@ -40,13 +46,19 @@ def _generate(args: argparse.Namespace) -> int:
     # What the engine says while it starts (e.g. "building C++ kernels, first start only").
     logging.basicConfig(format="%(message)s")
     logging.getLogger("conveyor").setLevel(logging.INFO)
+    from conveyor.errors import ConfigError
+
+    given = {name: getattr(args, name) for name in GENERATE_SAMPLING if getattr(args, name) is not None}
+    fixed = dict(seed=args.sample_seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    SamplingParams(**{**GENERATE_SAMPLING, **given}, **fixed)  # refused before a load
+    if not args.prompts and sys.stdin.isatty():
+        print("reading prompts from stdin, one a line (end with Ctrl-D)", file=sys.stderr)
+    prompts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompts: give them as arguments, or one a line on stdin")
     llm = LLM(args.model, **engine_kwargs(args))
     # A flag given, else what the model recommends (--generation-config), else this command's own.
-    sampling = {**GENERATE_SAMPLING, **llm.sampling_defaults}
-    sampling.update({name: getattr(args, name) for name in GENERATE_SAMPLING if getattr(args, name) is not None})
-    params = SamplingParams(**sampling, seed=args.sample_seed, stop=args.stop or [],  # type: ignore[arg-type]
-                            ignore_eos=args.ignore_eos)
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    params = SamplingParams(**{**GENERATE_SAMPLING, **llm.sampling_defaults, **given}, **fixed)
     inputs: list[str] | list[list[int]] = prompts
     if args.chat:
         inputs = [llm.tokenizer.encode_messages([{"role": "user", "content": p}]) for p in prompts]
@@ -63,7 +75,6 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from conveyor.api.server import run_server
     from conveyor.config import EngineConfig
-    from conveyor.distributed.deploy import DeploymentConfig
     from conveyor.errors import ConfigError
 
     if args.model_path and args.model and args.model_path != args.model:
@@ -75,10 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [model or "smollm2-135m"]
     if not all(name.strip() for name in names):
         raise ConfigError("--served-model-name is empty")
-    try:
-        chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    except OSError as exc:
-        raise SystemExit(f"conveyor serve: cannot read --chat-template: {exc}") from None
+    chat_template = _chat_template(args.chat_template) if args.chat_template is not None else None
     _check_address(args.host, args.port)
     return run_server(
         config,
@@ -91,10 +99,27 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        uvicorn_log_level=args.uvicorn_log_level,
         chat_template=chat_template,
-        deployment=DeploymentConfig(args.replicas, args.prefill_workers, args.decode_workers, args.ray_address,
-                                    args.worker_cpus, args.routing),
+        deployment=_deployment(args),
     )
+
+
+def _deployment(args: argparse.Namespace) -> "DeploymentConfig":
+    """The Ray deployment the flags ask for; its worker options are refused without one."""
+    from conveyor.distributed.deploy import DeploymentConfig
+    from conveyor.errors import ConfigError
+
+    deployment = DeploymentConfig(args.replicas, args.prefill_workers, args.decode_workers, args.ray_address)
+    ray_only = {"--worker-cpus": args.worker_cpus, "--routing": args.routing}
+    given = [flag for flag, value in ray_only.items() if value is not None]
+    if given and not deployment.distributed:
+        verb = "apply" if len(given) > 1 else "applies"
+        raise ConfigError(f"{' and '.join(given)} {verb} to Ray workers: serve with --replicas N (N > 1), "
+                          "--prefill-workers / --decode-workers or --ray-address")
+    return dataclasses.replace(deployment, **{name: value for name, value in (
+        ("worker_num_cpus", args.worker_cpus), ("routing", args.routing)) if value is not None})
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -106,7 +131,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=_port, default=8000)
+    srv.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     srv.add_argument("--max-waiting-requests", type=int_at_least(1), default=256,
                      help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=int_at_least(1024), default=DEFAULT_MAX_REQUEST_BYTES,
@@ -120,21 +145,35 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           "'' allows none")
     srv.add_argument("--served-model-name", action="append", default=None,
                      help="model name(s) clients use (repeatable; default: the model argument)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish after SIGTERM")
+    srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--chat-template", default=None, metavar="FILE",
-                     help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
+                     help="a Jinja chat template to use instead of the model's (e.g. one that renders tools): "
+                          "a file, or the template itself")
+    vllm = srv.add_argument_group("vLLM's serving flags, taken as its command lines write them")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool calls are always found when a request sends tools (tool_choice auto)")
+    vllm.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                      help="the format tool calls are parsed in: hermes (<tool_call>{...}</tool_call>, Qwen's), "
+                           "the only one, always on")
+    vllm.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    vllm.add_argument("--uvicorn-log-level", default=None,
+                      choices=["critical", "error", "warning", "info", "debug", "trace"],
+                      help="the HTTP server's own log level (default: --log-level)")
+    vllm.add_argument("--disable-log-requests", action="store_true",
+                      help="requests' contents are never logged here: nothing to turn off")
     ray = srv.add_argument_group("scale-out on Ray (see docs/SERVING.md: Scaling out on Ray)")
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas as Ray actors behind this front end")
     ray.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (disaggregated serving)")
     ray.add_argument("--decode-workers", type=int, default=0, help="decode workers (disaggregated serving)")
     ray.add_argument("--ray-address", default=None,
                      help="join an existing Ray cluster ('auto' or host:port) instead of starting a local one")
-    ray.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs Ray reserves per worker")
-    ray.add_argument("--routing", choices=ROUTING_POLICIES, default=ROUTING_POLICIES[0],
+    ray.add_argument("--worker-cpus", type=float, default=None, help="CPUs Ray reserves per worker (default: 1)")
+    ray.add_argument("--routing", choices=ROUTING_POLICIES, default=None,
                      help="how requests are placed: where their prefix is cached, balanced against load "
-                          "(cache-aware; least-load when prefix caching is off), or least outstanding tokens")
+                          "(cache-aware; least-load when prefix caching is off), or least outstanding tokens "
+                          f"(default: {ROUTING_POLICIES[0]})")
     srv.set_defaults(func=_serve)
 
 
@@ -154,11 +193,36 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _add_export_parser(commands: argparse._SubParsersAction) -> None:
+    from conveyor.options import HELP
+
     exp = commands.add_parser("export-hf", help="write the model (e.g. the dequantised GGUF) as an HF folder")
     exp.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; files in it are overwritten)")
-    exp.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder")
+    exp.add_argument("--model", default=None, help=HELP["model"])
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     exp.set_defaults(func=_export_hf)
+
+
+def _chat_template(given: str) -> str:
+    """--chat-template: a file's text, or the template itself written inline (as vLLM takes it),
+    checked before the model loads."""
+    from conveyor.errors import ConfigError
+    from conveyor.model.tokenizer import ChatTemplateError, compile_chat_template
+
+    path = Path(given)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --chat-template {given}: {exc}") from None
+    elif "{{" in given or "{%" in given:
+        text = given
+    else:
+        raise ConfigError(f"--chat-template {given!r} is neither a file nor a Jinja template")
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as exc:
+        raise ConfigError(f"--chat-template: {exc}") from None
+    return text
 
 
 def _check_address(host: str, port: int) -> None:
@@ -200,10 +264,21 @@ def _origins(text: str) -> list[str]:
 
 
 def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
-    return port
+    number = int(text)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {number}")
+    return number
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, got {text}")
+    return value
+
+
+# argparse names a type in its errors ("invalid port value: 'abc'").
+_port.__name__, _seconds.__name__ = "port", "seconds"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,13 +310,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_simulate_parser(commands)
 
     args = parser.parse_args(argv)
-    from conveyor.errors import ConveyorError
+    from conveyor.errors import ConfigError, ConveyorError
+    from conveyor.options import as_flags
 
     try:
         return args.func(args)
     except (ConveyorError, OSError) as exc:  # OSError: a path given that cannot be read or written
-        print(f"conveyor: error: {exc}", file=sys.stderr)
+        print(f"conveyor: error: {as_flags(str(exc)) if isinstance(exc, ConfigError) else exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads or prompts run: the work is on a thread inside torch's C++ code,
+        # and an interpreter finalizing around it aborts the process ("terminate called ..."), so
+        # leave without finalizing, as a shell expects of an interrupted command.
+        print("conveyor: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

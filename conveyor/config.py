@@ -195,34 +195,45 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) split into the two dataclasses,
         each checked against its field's type first. vLLM's spellings of "the default" are taken
-        (dtype "auto", seed None); its GPU options are refused with what to use instead."""
+        (dtype "auto", seed None), and its options at the values that say what conveyor does anyway
+        (one engine, no graphs, no checkpoint code); its GPU options are refused with what to use
+        instead; its `enable_chunked_prefill` is chunked_prefill."""
         if kwargs.get("dtype") == "auto":
             kwargs["dtype"] = cls.dtype
         if "seed" in kwargs and kwargs["seed"] is None:
             kwargs["seed"] = cls.seed
-        if kwargs.get("tensor_parallel_size") == 1:  # one engine on this machine: what it is anyway
-            del kwargs["tensor_parallel_size"]
+        if kwargs.get("tensor_parallel_size") == 1 and not isinstance(kwargs["tensor_parallel_size"], bool):
+            del kwargs["tensor_parallel_size"]  # one engine on this machine
+        if kwargs.get("enforce_eager") is True:  # no graphs on a CPU: every step runs eagerly
+            del kwargs["enforce_eager"]
+        if isinstance(kwargs.get("trust_remote_code"), bool):  # no checkpoint code runs either way
+            del kwargs["trust_remote_code"]
+        if "enable_chunked_prefill" in kwargs:
+            chunked = kwargs.pop("enable_chunked_prefill")
+            if kwargs.setdefault("chunked_prefill", chunked) != chunked:
+                raise ConfigError("enable_chunked_prefill (vLLM's name) and chunked_prefill disagree")
         if isinstance(kwargs.get("model"), os.PathLike):
             kwargs["model"] = os.fspath(cast(os.PathLike, kwargs["model"]))
         sched_fields = SchedulerConfig.__dataclass_fields__
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
         unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
-            hints = [f"{name}: {_INSTEAD[name]}" for name in unknown if name in _INSTEAD]
-            raise ConfigError(f"unknown engine options: {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
+            hints = [f"{name}: {VLLM_INSTEAD[name]}" for name in unknown if name in VLLM_INSTEAD]
+            raise ConfigError(f"options conveyor does not have: {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
         sched, kwargs = _checked_field_types(SchedulerConfig, sched), _checked_field_types(cls, kwargs)
         return cls(scheduler=SchedulerConfig(**sched), **kwargs)  # type: ignore[arg-type]
 
 
-# vLLM's engine options that mean nothing here, and what does their work.
-_INSTEAD = {
+# vLLM's engine options that mean nothing here, and what does their work (the CLI takes them as
+# flags too, to say so: conveyor.options.add_vllm_engine_args).
+VLLM_INSTEAD = {
     "gpu_memory_utilization": "size the KV pool with kv_cache_memory (e.g. '2GiB') or num_kv_blocks",
     "tensor_parallel_size": "one engine uses num_threads cores; replicas scale out (conveyor serve --replicas)",
-    "enforce_eager": "there are no graphs to capture on a CPU",
-    "trust_remote_code": "the model code is conveyor's own: no checkpoint code runs",
+    "enforce_eager": "there are no graphs to capture on a CPU: every step runs eagerly (true is taken)",
     "tokenizer": "the tokenizer comes from the model's own files",
-    "enable_chunked_prefill": "conveyor's is chunked_prefill (on by default)",
 }
+# vLLM's options taken at any value or at the one that says what conveyor does (from_kwargs).
+VLLM_TAKEN = ("trust_remote_code", "enable_chunked_prefill")
 
 
 def _checked_field_types(config: type, values: dict[str, object]) -> dict[str, object]:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Callable, Iterable
 
-from conveyor.config import ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES
+from conveyor.config import (ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES, VLLM_INSTEAD,
+                             VLLM_TAKEN,                              EngineConfig, SchedulerConfig)
 
 HELP = {
-    "model": "smollm2-135m (default), gemma3-270m, a .gguf file or an HF folder",
+    "model": "smollm2-135m (default), gemma3-270m, qwen2.5-coder-0.5b, a .gguf file or an HF folder",
     "dequantize_weights": "dense fp32 weights even where the GGUF has blocks the matmul kernel reads (same results, slower)",
     "activation_dtype": "int8 (default): products on GGUF blocks quantize activations to int8 and multiply in "
                         "integers, as llama.cpp does, and on a CPU with AVX512-BF16 products on 16-bit float "
@@ -44,7 +46,8 @@ HELP = {
                    "under --max-num-seqs / --max-num-batched-tokens as load requires",
     "slo_ttft_ms": "TTFT target: misses are counted in /metrics (conveyor:slo_ttft_misses_total)",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
+# "auto" is vLLM's spelling of the default dtype (EngineConfig.from_kwargs takes it).
+CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": ("auto", *DTYPES), "scheduling_policy": SCHEDULING_POLICIES,
                                        "activation_dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
@@ -76,7 +79,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         default = (defaults or {}).get(f.name, f.default)
         kind = _scalar_type(hints[f.name])
         help_text = (helps or {}).get(f.name) or HELP.get(f.name) or ""
-        if default is not None:
+        if default is not None and "default" not in help_text:  # where the text says it, in words
             help_text += f" (default: {default})" if help_text else f"default: {default}"
         flag = "--" + f.name.replace("_", "-")
         if dataclasses.is_dataclass(kind):  # a nested config given as a JSON object, as vLLM's
@@ -117,3 +120,48 @@ def config_kwargs(args: argparse.Namespace, *config_classes: type) -> dict[str, 
     """The parsed values of every field of `config_classes` the parser has."""
     return {f.name: getattr(args, f.name)
             for cls in config_classes for f in config_fields(cls) if hasattr(args, f.name)}
+
+
+_VLLM_PREFIX = "vllm_"
+
+
+def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags, so that a vLLM command line is served where they say what conveyor does
+    anyway (`--tensor-parallel-size 1`, `--trust-remote-code`, `--enforce-eager`,
+    `--enable-chunked-prefill`) and told what does their work here where not (config.VLLM_INSTEAD),
+    instead of argparse's bare "unrecognized arguments". Left out of --help."""
+    kinds: dict[str, Callable[[str], Any]] = {"gpu_memory_utilization": float, "tensor_parallel_size": int,
+                                               "tokenizer": str}
+    for name in (*VLLM_INSTEAD, *VLLM_TAKEN):
+        flag, dest = "--" + name.replace("_", "-"), _VLLM_PREFIX + name
+        if name in kinds:
+            parser.add_argument(flag, dest=dest, type=kinds[name], default=None, help=argparse.SUPPRESS)
+        else:  # vLLM's on/off flags
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=argparse.SUPPRESS)
+
+
+def vllm_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM flags given (add_vllm_engine_args), as EngineConfig.from_kwargs takes them; its
+    `--[no-]enable-chunked-prefill` is conveyor's `--[no-]chunked-prefill`, whose default the
+    parser always fills in."""
+    given = {name.removeprefix(_VLLM_PREFIX): value for name, value in vars(args).items()
+             if name.startswith(_VLLM_PREFIX) and value is not None}
+    if "enable_chunked_prefill" in given:
+        given["chunked_prefill"] = given.pop("enable_chunked_prefill")
+    return given
+
+
+def as_flags(text: str) -> str:
+    """A config message for the command line: the config fields it names spelled as their flags."""
+    fields = {f.name for cls in (EngineConfig, SchedulerConfig) for f in dataclasses.fields(cls)}
+    fields |= {*VLLM_INSTEAD, *VLLM_TAKEN}
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(0)
+        return "--" + name.replace("_", "-") if name in fields else name
+
+    # Names with an underscore anywhere; a one-word name ("tokenizer") only quoted or as a hint's
+    # head ("tokenizer: ..."), where the word can only be the option's name.
+    text = re.sub(r"(?<=')[a-z]+(?=')|(?<![\w-])[a-z]+(?=: )", flag, text)
+    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b(?!\.\w)", flag, text)

@@ -18,12 +18,12 @@ from conveyor.cli import main
     (["simulate", "--num-prompts", "2", "--sweep", "rate", "--slo", "ttft:abc"], "SLOs are KEY:MS"),
     (["simulate", "--num-prompts", "2", "--metric-percentiles", "50,150"], "percentiles are numbers from 0 to 100"),
     (["simulate", "--num-prompts", "2", "--output-dir", __file__], "File exists"),
-    (["generate", "--num-threads", "0", "x"], "num_threads must be positive"),
-    (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be positive"),
+    (["generate", "--num-threads", "0", "x"], "--num-threads must be positive"),
+    (["generate", "--num-kv-blocks", "0", "x"], "--num-kv-blocks must be positive"),
     (["generate", "--seed", str(2**70), "x"], "seed must be in [0, 2**64)"),
     (["bench", "serve", "--model", "m", "--base-url", "notaurl", "--num-prompts", "1"], "base_url must be an http"),
     (["bench", "serve", "--model", "m", "--max-concurrency", "0", "--num-prompts", "1"], "max_concurrency must be at least 1"),
-    (["simulate", "--num-prompts", "2", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["simulate", "--num-prompts", "2", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["simulate", "--num-prompts", "2", "--tp", "3"], "tensor parallel size 3 does not divide"),
     (["simulate", "--num-prompts", "2", "--num-kv-blocks", "1000000000"], "more than the simulator tracks"),
     (["simulate", "--num-prompts", "2", "--max-model-len", "1000000"], "is over llama-3-8b's context length"),
@@ -42,6 +42,18 @@ from conveyor.cli import main
     (["simulate", "--num-prompts", "2", "--profile", "p.json"], "--profile is the profiled cost model's"),
     (["simulate", "--num-prompts", "2", "--hardware", "h100-sxm", "--roofline-json", "r.json"],
      "--roofline-json describes this machine"),
+    # vLLM's command lines: its GPU flags say what does their work here
+    (["generate", "--gpu-memory-utilization", "0.9", "x"], "--gpu-memory-utilization: size the KV pool with "
+                                                            "--kv-cache-memory"),
+    (["generate", "--tensor-parallel-size", "2", "x"], "--tensor-parallel-size: one engine uses --num-threads"),
+    (["generate", "--no-enforce-eager", "x"], "--enforce-eager: there are no graphs to capture on a CPU"),
+    (["generate", "--tokenizer", "t", "x"], "['--tokenizer'] (--tokenizer: the tokenizer comes from the model's"),
+    (["generate", "--generation-config", "/nonexistent", "x"], "--generation-config must be one of ('auto', 'vllm')"),
+    (["generate", "--top-p", "2", "x"], "top_p must be in (0, 1]"),  # before the model loads
+    (["serve", "--chat-template", "/nonexistent.jinja"], "is neither a file nor a Jinja template"),
+    (["serve", "--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
+    (["serve", "--worker-cpus", "2"], "--worker-cpus applies to Ray workers"),
+    (["serve", "--routing", "least-load", "--worker-cpus", "2"], "--worker-cpus and --routing apply to Ray"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
@@ -61,6 +73,9 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["serve", "--allowed-origins", "models/x.gguf"], "'models/x.gguf' is not an origin"),
     (["serve", "--allowed-origins", "http://a.example/path"], "no path"),
     (["serve", "--allowed-origins", '["*"'], "not a JSON list"),
+    (["serve", "--shutdown-timeout", "nan"], "a number of seconds, 0 or more"),
+    (["serve", "--port", "abc"], "invalid port value: 'abc'"),
+    (["serve", "--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,3 +101,74 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys: pyt
         taken.listen()
         assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
     assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_generate_without_prompts_says_so_before_loading(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    assert main(["generate"]) == 2
+    assert "no prompts: give them as arguments, or one a line on stdin" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\r\n"))  # a Windows line ending is not the prompt's
+    assert main(["generate", "--max-tokens", "1"]) == 0
+    assert "### 'Hi'" in capsys.readouterr().out
+
+
+def test_a_max_model_len_beyond_the_kv_cache_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--num-kv-blocks", "4", "--max-model-len", "100", "x"]) == 2
+    assert "--max-model-len 100 is more tokens than the KV cache holds (64)" in capsys.readouterr().err
+
+
+def test_a_truncated_gguf_is_called_truncated(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.model.loader import resolve_model_path
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(resolve_model_path(None).read_bytes()[:200_000])  # inside the vocabulary's metadata
+    assert main(["generate", "--model", str(cut), "x"]) == 2
+    assert "it ends inside its header, so it is truncated" in capsys.readouterr().err
+
+
+def test_a_vllm_command_line_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # The flags vLLM users write that say what conveyor does anyway
+    assert main(["generate", "--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code",
+                 "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+                 "--max-tokens", "2", "Hi"]) == 0
+    assert "1 requests, 2 tokens" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", "0"],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the load begins: the weights, the KV pool and the warm-up are still to come
+        lines.append(line)
+        if "loading model" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output
+    assert "conveyor: interrupted" in output and "Traceback" not in output and "terminate" not in output
+
+
+def test_vllm_serving_flags_are_taken(tmp_path) -> None:
+    from tests.api.conftest import httpx, start_server
+
+    srv = start_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
+                       "--disable-uvicorn-access-log", "--uvicorn-log-level", "info")
+    try:
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert "Uvicorn running on" in log  # uvicorn's own info lines, under the server's --log-level warning
+    assert "GET /health" not in log  # and no access log

@@ -82,6 +82,8 @@ def run_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
+    access_log: bool = True,
+    uvicorn_log_level: str | None = None,
     deployment: "DeploymentConfig | None" = None,
     chat_template: str | None = None,
 ) -> int:
@@ -111,8 +113,8 @@ def run_server(
                                                          engine_client.tokenizer.recommended_sampling))
     app = build_app(state)
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=5
-    )
+        app, host=host, port=port, log_level=uvicorn_log_level or log_level, access_log=access_log, timeout_graceful_shutdown=5,
+        timeout_keep_alive=5)
     server = _DrainingServer(uv_config, state, shutdown_grace_s)
     server.run()
     return 0

@@ -36,7 +36,7 @@ class DeploymentConfig:
         if self.disaggregated and self.replicas > 1:
             raise ConfigError("use either --replicas or --prefill-workers/--decode-workers, not both")
         if self.worker_num_cpus < 0:
-            raise ConfigError("worker_num_cpus must not be negative")
+            raise ConfigError("--worker-cpus (worker_num_cpus) must not be negative")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, not {self.routing!r}")
 

@@ -80,7 +80,10 @@ def read_gguf(path: str | Path, with_arrays: bool = True) -> GGUFFile:
     path = Path(path)
     try:
         return _parse(path, map_file(path), with_arrays)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError) as e:
+    except struct.error as e:  # a read past the end: the header says more than the file holds
+        raise ModelLoadError(f"cannot read GGUF file {path}: it ends inside its header, so it is truncated "
+                             f"(an interrupted download or copy?): {e}") from e
+    except (OSError, ValueError, UnicodeDecodeError, KeyError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 

@@ -232,11 +232,7 @@ class Tokenizer:
 
     def set_chat_template(self, template: str) -> None:
         """Replace the checkpoint's chat template (`conveyor serve --chat-template FILE`)."""
-        try:
-            compiled = _compile_template(template)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template does not compile: {e}") from e
-        self.chat_template, self._compiled, self._variables = template, compiled, None
+        self.chat_template, self._compiled, self._variables = template, compile_chat_template(template), None
 
     @classmethod
     def from_gguf(cls, source: Any) -> Tokenizer:
@@ -428,6 +424,14 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def _compile_template(source: str) -> jinja2.Template:
     return _template_env().from_string(source)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template given to replace the model's, compiled (ChatTemplateError if it does not)."""
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
 
 def _template_env() -> ImmutableSandboxedEnvironment:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.config import EngineConfig, parse_memory
+from conveyor.config import EngineConfig, SchedulerConfig, parse_memory
 from conveyor.errors import ConfigError, ConveyorError, ModelLoadError
 from conveyor.kv import NULL_BLOCK, SlidingWindow, split_kv_memory
 from conveyor.model.config import ModelConfig
@@ -42,6 +42,28 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers
     """A block's bytes in `layers` layers (None: all of them)."""
     per_layer = cfg.kv_bytes_per_token // cfg.num_layers
     return block_size * per_layer * (cfg.num_layers if layers is None else layers) * dtype.itemsize
+
+
+def fitted_max_model_len(max_model_len: int, given: bool, kv_tokens: int, sched: SchedulerConfig) -> int:
+    """The longest request the engine takes: at most what the KV cache holds (one request alone may
+    fill it), and without chunked prefill what one step computes (a prompt, or a request recomputed
+    after preemption, is one step's). A max_model_len given above that is refused, as vLLM refuses
+    it, rather than advertised and then refused in every long request; the model's own is lowered to
+    it, and the log says so."""
+    limits = [(kv_tokens, "the KV cache holds", "raise --kv-cache-memory (or --num-kv-blocks)")]
+    if not sched.chunked_prefill:
+        limits.append((sched.max_num_batched_tokens, "one step computes without chunked prefill",
+                       "raise --max-num-batched-tokens or turn chunked prefill on"))
+    for tokens, what, remedy in limits:
+        if max_model_len <= tokens:
+            continue
+        if given:
+            raise ConfigError(f"max_model_len {max_model_len} is more tokens than {what} ({tokens}): {remedy}, "
+                              "or lower --max-model-len")
+        logger.info("max_model_len %d: the tokens %s (the model's context is %d; %s for more)", tokens, what,
+                    max_model_len, remedy)
+        max_model_len = tokens
+    return max_model_len
 
 
 def window_layers(cfg: ModelConfig) -> int:
@@ -193,6 +215,8 @@ class ModelRunner:
         num_blocks, window = kv_pools(cfg, config, kv_dtype)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
+        max_model_len = fitted_max_model_len(max_model_len, config.max_model_len is not None,
+                                             num_blocks * config.block_size, config.scheduler)
         sliding = window_layers(cfg) if window is not None else 0
         main_bytes = num_blocks * kv_block_bytes(cfg, config.block_size, kv_dtype, cfg.num_layers - sliding)
         window_bytes = window.num_blocks * kv_block_bytes(cfg, config.block_size, kv_dtype, sliding) if window else 0

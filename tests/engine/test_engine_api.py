@@ -89,13 +89,15 @@ def test_eos_stops_unless_ignored(make_engine):
 
 
 def test_oversized_requests_are_rejected_and_others_keep_running(make_engine):
-    engine = make_engine(max_model_len=64, num_kv_blocks=3, block_size=16, max_num_seqs=4)
+    engine = make_engine(max_model_len=64, num_kv_blocks=4, block_size=16, max_num_seqs=4)
     good = engine.add_request("Hello there", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.step()
-    with pytest.raises(InvalidRequestError, match="maximum model length"):
-        engine.add_request(list(range(100, 160)), SamplingParams(max_tokens=8))
-    with pytest.raises(InvalidRequestError, match="KV cache"):
-        engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=16))
+    with pytest.raises(InvalidRequestError, match="maximum model length") as refused:
+        engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=8))
+    assert refused.value.param == "prompt"  # no room left for a token
+    with pytest.raises(InvalidRequestError, match="maximum model length") as refused:
+        engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=32))
+    assert refused.value.param == "max_tokens"
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("", SamplingParams())
     with pytest.raises(InvalidRequestError, match="vocabulary"):
@@ -105,6 +107,19 @@ def test_oversized_requests_are_rejected_and_others_keep_running(make_engine):
     results = finish_all(engine)
     assert set(results) == {good} and len(results[good].token_ids) == 8
     assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
+
+
+def test_max_model_len_fits_what_the_kv_cache_and_an_unchunked_step_hold(make_engine):
+    from conveyor.errors import ConfigError
+
+    # The model's context (8,192) is lowered to what a request alone can have, not advertised.
+    assert make_engine(num_kv_blocks=3, block_size=16).max_model_len == 48
+    assert make_engine(chunked_prefill=False, max_num_batched_tokens=100).max_model_len == 100
+    # One given above it is refused at start, as vLLM refuses it.
+    with pytest.raises(ConfigError, match="KV cache holds \\(48\\)"):
+        make_engine(max_model_len=64, num_kv_blocks=3, block_size=16)
+    with pytest.raises(ConfigError, match="without chunked prefill"):
+        make_engine(max_model_len=200, chunked_prefill=False, max_num_batched_tokens=100)
 
 
 def test_abort_frees_blocks_and_spares_the_others(make_engine):
