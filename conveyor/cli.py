@@ -62,8 +62,9 @@ def _generate(args: argparse.Namespace) -> int:
     inputs: list[str] | list[list[int]] = prompts
     if args.chat:
         inputs = [llm.tokenizer.encode_messages([{"role": "user", "content": p}]) for p in prompts]
+    each = [params if "max_tokens" in given else llm.within_context(p, params) for p in inputs]
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params)
+    outputs = llm.generate(inputs, each)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(args.prompts or prompts, outputs):
         print(f"### {prompt!r}\n{out.text}\n[finish: {out.finish_reason}, {len(out.token_ids)} tokens]\n")
@@ -208,16 +209,15 @@ def _chat_template(given: str) -> str:
     from conveyor.errors import ConfigError
     from conveyor.model.tokenizer import ChatTemplateError, compile_chat_template
 
-    path = Path(given)
-    if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read --chat-template {given}: {exc}") from None
-    elif "{{" in given or "{%" in given:
+    if "{{" in given or "{%" in given:  # before any file lookup: a template is no valid path (too long a name)
         text = given
     else:
-        raise ConfigError(f"--chat-template {given!r} is neither a file nor a Jinja template")
+        try:
+            text = Path(given).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"--chat-template {given!r} is neither a file nor a Jinja template") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --chat-template {given}: {exc}") from None
     try:
         compile_chat_template(text)
     except ChatTemplateError as exc:
@@ -318,15 +318,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConveyorError, OSError) as exc:  # OSError: a path given that cannot be read or written
         print(f"conveyor: error: {as_flags(str(exc)) if isinstance(exc, ConfigError) else exc}", file=sys.stderr)
         return 2
+
+
+def run() -> None:
+    """The `conveyor` command: main, and Ctrl-C as a shell expects of it (exit 130, no traceback)."""
+    try:
+        code = main()
     except KeyboardInterrupt:
-        # Ctrl-C while a model loads or prompts run: the work is on a thread inside torch's C++ code,
-        # and an interpreter finalizing around it aborts the process ("terminate called ..."), so
-        # leave without finalizing, as a shell expects of an interrupted command.
+        # While a model loads or prompts run, the work is on a thread inside torch's C++ code, and an
+        # interpreter finalizing around it aborts the process ("terminate called ..."): leave without
+        # finalizing. Only here, in the command's own process: main() called in-process re-raises.
         print("conveyor: interrupted", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from conveyor.errors import ConfigError
-from conveyor.model.generation_defaults import GENERATION_CONFIG
+from conveyor.model.generation_defaults import GENERATION_CONFIG, GENERATION_CONFIG_CHOICES
 
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
@@ -19,7 +19,6 @@ ACTIVATION_DTYPES = ("int8", "float32")
 # "auto": float16 for an fp32 model (half the bytes a token's KV takes, as llama.cpp's default
 # cache), the model's own dtype for a bf16 one.
 KV_CACHE_DTYPES = ("auto", "float16", "float32")
-GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder (EngineConfig.generation_config)
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -212,8 +211,9 @@ class EngineConfig:
             chunked = kwargs.pop("enable_chunked_prefill")
             if kwargs.setdefault("chunked_prefill", chunked) != chunked:
                 raise ConfigError("enable_chunked_prefill (vLLM's name) and chunked_prefill disagree")
-        if isinstance(kwargs.get("model"), os.PathLike):
-            kwargs["model"] = os.fspath(cast(os.PathLike, kwargs["model"]))
+        for name in ("model", "generation_config"):  # paths, as a str or a Path
+            if isinstance(kwargs.get(name), os.PathLike):
+                kwargs[name] = os.fspath(cast(os.PathLike, kwargs[name]))
         sched_fields = SchedulerConfig.__dataclass_fields__
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
         unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))

@@ -36,7 +36,8 @@ HELP = {
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
     "window_kv_pool": "sliding-window layers (Gemma 3's local ones) keep only the KV their window sees, in a "
                       "pool of their own, and the rest of the KV memory holds more context (default: on)",
-    "max_model_len": "longest request, prompt plus output (default: the model's context length)",
+    "max_model_len": "longest request, prompt plus output (default: the model's context length, at most what "
+                     "the KV cache holds)",
     "num_threads": "torch threads (default: one per core; 1 is faster when other processes share the cores)",
     "scheduling_policy": "order of the waiting queue and of preemption: fcfs, or priority (requests' "
                          "`priority`, lowest first, then arrival)",
@@ -79,7 +80,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         default = (defaults or {}).get(f.name, f.default)
         kind = _scalar_type(hints[f.name])
         help_text = (helps or {}).get(f.name) or HELP.get(f.name) or ""
-        if default is not None and "default" not in help_text:  # where the text says it, in words
+        if default is not None and "(default" not in help_text:  # where the text says it, in words
             help_text += f" (default: {default})" if help_text else f"default: {default}"
         flag = "--" + f.name.replace("_", "-")
         if dataclasses.is_dataclass(kind):  # a nested config given as a JSON object, as vLLM's
@@ -134,7 +135,10 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
                                                "tokenizer": str}
     for name in (*VLLM_INSTEAD, *VLLM_TAKEN):
         flag, dest = "--" + name.replace("_", "-"), _VLLM_PREFIX + name
-        if name in kinds:
+        if name == "enable_chunked_prefill":  # another spelling of --[no-]chunked-prefill: one value, last wins
+            parser.add_argument(flag, dest="chunked_prefill", action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        elif name in kinds:
             parser.add_argument(flag, dest=dest, type=kinds[name], default=None, help=argparse.SUPPRESS)
         else:  # vLLM's on/off flags
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
@@ -142,26 +146,23 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def vllm_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The vLLM flags given (add_vllm_engine_args), as EngineConfig.from_kwargs takes them; its
-    `--[no-]enable-chunked-prefill` is conveyor's `--[no-]chunked-prefill`, whose default the
-    parser always fills in."""
-    given = {name.removeprefix(_VLLM_PREFIX): value for name, value in vars(args).items()
-             if name.startswith(_VLLM_PREFIX) and value is not None}
-    if "enable_chunked_prefill" in given:
-        given["chunked_prefill"] = given.pop("enable_chunked_prefill")
-    return given
+    """The vLLM flags given (add_vllm_engine_args), as EngineConfig.from_kwargs takes them."""
+    return {name.removeprefix(_VLLM_PREFIX): value for name, value in vars(args).items()
+            if name.startswith(_VLLM_PREFIX) and value is not None}
 
 
 def as_flags(text: str) -> str:
     """A config message for the command line: the config fields it names spelled as their flags."""
     fields = {f.name for cls in (EngineConfig, SchedulerConfig) for f in dataclasses.fields(cls)}
     fields |= {*VLLM_INSTEAD, *VLLM_TAKEN}
+    one_word = {name for name in VLLM_INSTEAD if "_" not in name}  # "tokenizer": a word elsewhere too
 
     def flag(match: re.Match[str]) -> str:
         name = match.group(0)
         return "--" + name.replace("_", "-") if name in fields else name
 
-    # Names with an underscore anywhere; a one-word name ("tokenizer") only quoted or as a hint's
-    # head ("tokenizer: ..."), where the word can only be the option's name.
-    text = re.sub(r"(?<=')[a-z]+(?=')|(?<![\w-])[a-z]+(?=: )", flag, text)
-    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b(?!\.\w)", flag, text)
+    # A name with an underscore, not inside a path or a dotted name (speculative_config.model); a
+    # one-word vLLM option only quoted in a list or as a hint's head ("tokenizer: ...").
+    text = re.sub(r"(?<=')[a-z]+(?=')|(?<![\w./-])[a-z]+(?=: )",
+                  lambda m: flag(m) if m.group(0) in one_word else m.group(0), text)
+    return re.sub(r"(?<![\w./-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/]|\.\w)", flag, text)

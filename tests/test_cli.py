@@ -129,12 +129,24 @@ def test_a_truncated_gguf_is_called_truncated(tmp_path, capsys: pytest.CaptureFi
     assert "it ends inside its header, so it is truncated" in capsys.readouterr().err
 
 
-def test_a_vllm_command_line_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_vllm_command_line_runs(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
     # The flags vLLM users write that say what conveyor does anyway
-    assert main(["generate", "--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code",
-                 "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
-                 "--max-tokens", "2", "Hi"]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert main(["generate", "--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code",
+                     "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+                     "--max-tokens", "2", "Hi"]) == 0
     assert "1 requests, 2 tokens" in capsys.readouterr().out
+    assert "max_model_len 512: the tokens one step computes without chunked prefill" in caplog.text  # it took
+
+
+def test_an_inline_chat_template_of_real_length_is_taken() -> None:
+    from conveyor.cli import _chat_template
+
+    template = "{% for message in messages %}" + "{{ message['role'] }}: {{ message['content'] }}\n" * 12 + \
+        "{% endfor %}"
+    assert len(template) > 300 and _chat_template(template) == template  # no file name is that long
 
 
 def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from conveyor.config import EngineConfig
 from conveyor.distributed.client import RayEngineClient
 from conveyor.distributed.router import ROUTING_POLICIES, WorkerHandle
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, ConveyorError
 from conveyor.model.tokenizer import Tokenizer
 
 log = logging.getLogger("conveyor.distributed")
@@ -102,11 +102,14 @@ def start_deployment(config: EngineConfig, deployment: DeploymentConfig,
     ]
     try:
         infos = ray.get([w.actor.start.remote() for w in workers])
-    except BaseException:
+    except BaseException as exc:
         for w in workers:
             ray.kill(w.actor)
         if started_ray:
             ray.shutdown()
+        cause = getattr(exc, "cause", None)  # a worker's own error, under Ray's wrapping and remote traceback
+        if isinstance(cause, ConveyorError):
+            raise cause from None
         raise
     for worker, info in zip(workers, infos):
         worker.info = info

@@ -84,9 +84,16 @@ class EngineWorker(EngineLoop[_Command]):
     def __init__(self, name: str, role: str, config: EngineConfig) -> None:
         super().__init__(f"conveyor-{name}")
         self.name, self.role = name, role
-        # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
-        self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config).warm_up(), self.thread_name,
-                                                  lambda _: self._wait_then_run())
+        # A config or model this worker refuses is raised by start(): an error in __init__ reaches the
+        # front end as Ray's ActorDiedError, with the worker's traceback in its text and not the error.
+        self._refused: ConveyorError | None = None
+        try:
+            # Built on the thread that will step it, as AsyncEngine.build does: one libgomp team.
+            self.engine, thread = build_on_own_thread(lambda: LLMEngine.from_config(config).warm_up(),
+                                                      self.thread_name, lambda _: self._wait_then_run())
+        except ConveyorError as exc:
+            self._refused = exc
+            return
         self._park_on(thread)
         # Every layer's K and V of a block (block 0 is in every pool: the window pool's NULL_BLOCK).
         transfer = kv_transfer(self.engine.runner)
@@ -118,6 +125,8 @@ class EngineWorker(EngineLoop[_Command]):
 
     # --- actor methods (the actor's event loop) ----------------------------------------------------
     async def start(self) -> WorkerInfo:
+        if self._refused is not None:
+            raise self._refused
         self._loop = asyncio.get_running_loop()
         self._news = asyncio.Event()
         shorten_gil_switch_interval()  # the same two-thread shape as AsyncEngine

@@ -50,6 +50,14 @@ class LLM:
         for the fields the model recommends (sampling_defaults)."""
         return SamplingParams(**self.sampling_defaults)  # type: ignore[arg-type]
 
+    def within_context(self, prompt: Prompt, params: SamplingParams) -> SamplingParams:
+        """`params` with a max_tokens the model recommends (the caller never asked for it) at most
+        the room `prompt` leaves in the context, as the server's default is: a recommendation as
+        long as the context must not get every prompt refused."""
+        used = len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        room = self.engine.max_model_len - used
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room)) if room >= 1 else params
+
     @property
     def llm_engine(self) -> LLMEngine:
         """vLLM's name for the engine."""
@@ -72,6 +80,8 @@ class LLM:
         given = [cast(PromptInput, prompts)] if one else cast(Sequence[PromptInput], prompts)
         items = [_prompt(p, i) for i, p in enumerate(given)]
         params = _params(sampling_params, len(items), self.get_default_sampling_params)
+        if sampling_params is None and "max_tokens" in self.sampling_defaults:
+            params = [self.within_context(prompt, p) for prompt, p in zip(items, params)]
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(items, params)):

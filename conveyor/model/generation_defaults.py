@@ -22,6 +22,7 @@ from conveyor.errors import ConfigError
 log = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder (EngineConfig.generation_config)
 # generation_config.json field -> SamplingParams field (vLLM's list).
 _HF_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
               "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -94,8 +95,4 @@ def recommended_sampling(choice: str, model_recommends: Mapping[str, float | int
         return dict(model_recommends)
     if choice == "vllm":
         return {}
-    path = Path(choice) / GENERATION_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder holding {GENERATION_CONFIG}; "
-                          f"there is no {path}")
-    return read_generation_config(choice)
+    return read_generation_config(choice)  # a folder EngineConfig found holding one

@@ -60,8 +60,8 @@ def fitted_max_model_len(max_model_len: int, given: bool, kv_tokens: int, sched:
         if given:
             raise ConfigError(f"max_model_len {max_model_len} is more tokens than {what} ({tokens}): {remedy}, "
                               "or lower --max-model-len")
-        logger.info("max_model_len %d: the tokens %s (the model's context is %d; %s for more)", tokens, what,
-                    max_model_len, remedy)
+        logger.warning("max_model_len %d: the tokens %s (the model's context is %d; %s for more)", tokens, what,
+                       max_model_len, remedy)
         max_model_len = tokens
     return max_model_len
 

@@ -165,6 +165,18 @@ def test_without_sampling_params_the_model_recommendation_applies(make_engine, t
     assert plain.token_ids != explicit.token_ids  # the penalty changes this output: it was applied
     (chat,) = llm.chat([{"role": "user", "content": "Hi"}])
     assert len(chat.token_ids) <= 5
-    # "vllm": SamplingParams' own defaults (the shipped GGUF recommends nothing either way)
-    assert LLM.from_engine(make_engine(generation_config="vllm")).get_default_sampling_params() == SamplingParams()
-    assert LLM.from_engine(make_engine()).get_default_sampling_params() == SamplingParams()
+    # A recommended max_tokens is at most the room a prompt leaves (the caller never asked for it)
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 100000}')
+    (long,) = LLM.from_engine(make_engine(generation_config=tmp_path, max_model_len=40)).generate(
+        [1] * 30 + [2] * 5)
+    assert len(long.token_ids) <= 5 and long.finish_reason in ("length", "stop")
+
+
+def test_the_models_own_recommendation_and_vllm_turning_it_off(make_engine, monkeypatch) -> None:
+    engine = make_engine()
+    # as a GGUF's general.sampling.* keys or an HF folder's generation_config.json would have it
+    monkeypatch.setattr(engine.tokenizer, "recommended_sampling", {"temperature": 0.5, "top_p": 0.9})
+    auto = LLM.from_engine(engine).get_default_sampling_params()
+    assert (auto.temperature, auto.top_p, auto.max_tokens) == (0.5, 0.9, 16)
+    off = LLM.from_engine(make_engine(generation_config="vllm")).get_default_sampling_params()
+    assert off == SamplingParams()

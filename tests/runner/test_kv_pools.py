@@ -53,3 +53,21 @@ def test_tiny_memory_splits_evenly() -> None:
     assert blocks * kv_block_bytes(GEMMA, 16, F16) + kv_block_bytes(GEMMA, 16, F16, 15) <= 64 * 2**20
     blocks, window = kv_pools(GEMMA, EngineConfig.from_kwargs(kv_cache_memory=2**10), F16)
     assert blocks < 1 and window is None, "the caller refuses a pool without a block"
+
+
+def test_max_model_len_is_at_most_what_the_pool_and_an_unchunked_step_hold() -> None:
+    import pytest
+
+    from conveyor.config import SchedulerConfig
+    from conveyor.errors import ConfigError
+    from conveyor.runner.model_runner import fitted_max_model_len
+
+    chunked, unchunked = SchedulerConfig(), SchedulerConfig(chunked_prefill=False, max_num_batched_tokens=512)
+    assert fitted_max_model_len(8192, False, 1024, chunked) == 1024  # the model's context, lowered
+    assert fitted_max_model_len(8192, False, 100_000, chunked) == 8192
+    assert fitted_max_model_len(8192, False, 100_000, unchunked) == 512
+    assert fitted_max_model_len(1024, True, 1024, chunked) == 1024
+    with pytest.raises(ConfigError, match="KV cache holds"):
+        fitted_max_model_len(2048, True, 1024, chunked)
+    with pytest.raises(ConfigError, match="without chunked prefill"):
+        fitted_max_model_len(1024, True, 100_000, unchunked)
