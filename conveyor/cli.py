@@ -281,8 +281,19 @@ def _seconds(text: str) -> float:
 _port.__name__, _seconds.__name__ = "port", "seconds"
 
 
+def _dashed(arg: str) -> str:
+    """--max_model_len=8 as --max-model-len=8: vLLM's parser takes either spelling of a flag."""
+    if not arg.startswith("--"):
+        return arg
+    flag, equals, value = arg.partition("=")
+    return flag.replace("_", "-") + equals + value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from conveyor import __version__
+
     parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving with continuous batching")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="run prompts offline and print the completions")
@@ -309,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_simulate_parser(commands)
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args([_dashed(arg) for arg in (sys.argv[1:] if argv is None else argv)])
     from conveyor.errors import ConfigError, ConveyorError
     from conveyor.options import as_flags
 

@@ -184,3 +184,13 @@ def test_vllm_serving_flags_are_taken(tmp_path) -> None:
     log = srv.log()
     assert "Uvicorn running on" in log  # uvicorn's own info lines, under the server's --log-level warning
     assert "GET /health" not in log  # and no access log
+
+
+def test_vllm_spellings_of_flags_and_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"conveyor {__version__}"
+    assert main(["generate", "--max_tokens=2", "--num_kv_blocks", "64", "Hi"]) == 0  # underscores, as vLLM's
+    assert "1 requests, 2 tokens" in capsys.readouterr().out

@@ -35,6 +35,7 @@ class _DrainingServer(uvicorn.Server):
         self.grace_s = grace_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._hurried = False  # a second signal: no more grace
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -42,10 +43,16 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would stop accepting connections at once and re-raise the signal at exit.
-        if self.state.draining or self._loop is None:
+        if self._loop is None or self._hurried:
             self.should_exit = self.force_exit = True
-            if self.state.draining:
-                log.warning("second signal: exiting now")
+            if self._hurried:
+                log.warning("third signal: exiting now")
+            return
+        if self.state.draining:
+            # The grace period cut short: in-flight requests are aborted, so each client still gets its
+            # end (finish_reason "abort"), where exiting at once would cut streams mid-chunk.
+            self._hurried = True
+            log.warning("second signal: aborting %d in-flight requests now", self.state.inflight)
             return
         self.state.draining = True
         self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
@@ -58,7 +65,7 @@ class _DrainingServer(uvicorn.Server):
         log.info("%s: draining %d in-flight requests (grace %.0f s); new requests get 503",
                  name, self.state.inflight, self.grace_s)
         deadline = loop.time() + self.grace_s
-        while self.state.inflight and loop.time() < deadline:
+        while self.state.inflight and loop.time() < deadline and not self._hurried:
             await asyncio.sleep(0.05)
         if self.state.inflight:
             log.warning("grace period over: aborting %d requests", self.state.inflight)

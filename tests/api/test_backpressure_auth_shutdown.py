@@ -101,3 +101,32 @@ def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
         assert small_server.proc.wait(timeout=30) == 0, small_server.log()
     except subprocess.TimeoutExpired:
         pytest.fail(f"server did not exit after SIGTERM:\n{small_server.log()}")
+
+
+def test_a_second_ctrl_c_aborts_in_flight_streams_with_their_end():
+    server = start_server("--shutdown-timeout", "600")
+    chunks: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert first.wait(60)
+        server.proc.send_signal(signal.SIGINT)  # drains: the grace (600 s) would outlast the test
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGINT)  # no more grace: aborted, but each stream gets its end
+        reader.join(60)
+        assert server.proc.wait(timeout=30) == 0, server.log()
+    finally:
+        server.stop()
+    assert chunks[-1] == {"done": True} and chunks[-2]["choices"][0]["finish_reason"] == "abort", chunks[-3:]
+    assert "Traceback" not in server.log() and "second signal: aborting 1 in-flight requests now" in server.log()
