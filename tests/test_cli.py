@@ -22,6 +22,9 @@ from conveyor.cli import main
     (["generate", "--num-kv-blocks", "0", "x"], "--num-kv-blocks must be positive"),
     (["generate", "--seed", str(2**70), "x"], "seed must be in [0, 2**64)"),
     (["bench", "serve", "--model", "m", "--base-url", "notaurl", "--num-prompts", "1"], "base_url must be an http"),
+    # vLLM's bench spellings: the address from --host / --port, the random dataset's lengths
+    (["bench", "serve", "--model", "m", "--port", "1", "--random-input-len", "8", "--random-output-len", "4",
+      "--num-prompts", "1", "--ready-timeout", "0.5", "--disable-tqdm"], "http://127.0.0.1:1/v1/models did not answer"),
     (["bench", "serve", "--model", "m", "--max-concurrency", "0", "--num-prompts", "1"], "max_concurrency must be at least 1"),
     (["simulate", "--num-prompts", "2", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["simulate", "--num-prompts", "2", "--tp", "3"], "tensor parallel size 3 does not divide"),
@@ -53,6 +56,7 @@ from conveyor.cli import main
     (["serve", "--chat-template", "/nonexistent.jinja"], "is neither a file nor a Jinja template"),
     (["serve", "--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
     (["serve", "--worker-cpus", "2"], "--worker-cpus applies to Ray workers"),
+    (["serve", "--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at '127.0.0.1:1'"),  # not minutes
     (["serve", "--routing", "least-load", "--worker-cpus", "2"], "--worker-cpus and --routing apply to Ray"),
 ])
 def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,11 +15,13 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (see conveyor/bench/workloads.py for the distributions)")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=DATASETS)
     g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=None,
+    # vLLM's bench spells the random dataset's three --random-input-len, --random-output-len, --random-range-ratio.
+    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
                    help="prompt length (random/uniform/long-prompts) or its mean (chat/seed)")
-    g.add_argument("--output-len", type=int, default=None,
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
                    help="output length (random/uniform/long-prompts) or its mean (chat/seed)")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in L x [1-r, 1+r]")
+    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="random: lengths uniform in L x [1-r, 1+r]")
     g.add_argument("--long-prompt-len", type=int, default=1024, help="long-prompts: the long prompts' length")
     g.add_argument("--long-prompt-every", type=int, default=8, help="long-prompts: one long prompt every N requests")
     g.add_argument("--long-prompt-output-len", type=int, default=16)
@@ -75,7 +77,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     selected, percentiles = parse_selection(args.percentile_metrics, args.metric_percentiles)
     cfg = ServeConfig(
-        model=args.model, workload=_workload(args, args.vocab_size), base_url=args.base_url, endpoint=args.endpoint,
+        model=args.model, workload=_workload(args, args.vocab_size),
+        base_url=args.base_url or f"http://{args.host}:{args.port}", endpoint=args.endpoint,
         request_rate=args.request_rate, burstiness=args.burstiness, rate_schedule=args.rate_schedule,
         max_concurrency=args.max_concurrency,
         goodput=parse_goodput(args.goodput), selected_metrics=selected, percentiles=percentiles,
@@ -182,7 +185,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     srv = sub.add_parser("serve", help="load an OpenAI-compatible server and report vLLM's serving metrics")
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--base-url", default=None,
+                     help="the server's address (default: http://HOST:PORT, as vLLM's bench makes it)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--endpoint", default="/v1/completions")
     srv.add_argument("--model", required=True, help="the model name the server serves")
     srv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
@@ -191,7 +197,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--tokenizer", default=None, metavar="MODEL",
                      help="edit dataset: the served model (a conveyor model name or its .gguf / HF folder), "
                           "whose tokenizer and chat template make the prompts")
-    srv.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    srv.add_argument("--api-key", default=None,
+                     help="bearer token (default: $OPENAI_API_KEY, else the server's $CONVEYOR_API_KEY)")
     srv.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
     srv.add_argument("--label", default="conveyor-bench")
     srv.add_argument("--ready-timeout", type=float, default=60.0,

@@ -49,7 +49,8 @@ class ServeConfig:
     goodput: dict[str, float] = field(default_factory=dict)
     selected_metrics: list[str] = field(default_factory=lambda: list(METRICS))
     percentiles: list[float] = field(default_factory=lambda: [99.0])
-    api_key: str | None = field(default_factory=lambda: os.environ.get("OPENAI_API_KEY"))
+    api_key: str | None = field(
+        default_factory=lambda: os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY"))
     save_result: str | None = None
     disable_tqdm: bool = False
     ready_timeout_s: float = 60.0  # wait this long for GET /v1/models to answer; 0 skips the check

@@ -88,6 +88,7 @@ def start_deployment(config: EngineConfig, deployment: DeploymentConfig,
             needed = int(len(roles) * deployment.worker_num_cpus + 0.999)
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
         else:
+            _check_reachable(deployment.ray_address)
             try:
                 ray.init(address=deployment.ray_address)
             except ConnectionError as exc:
@@ -119,3 +120,17 @@ def start_deployment(config: EngineConfig, deployment: DeploymentConfig,
         log.info("routing %s: prefix caching is off on the workers", routing)
     return RayEngineClient(workers, load_tokenizer(config.model), max_waiting_requests,
                            on_stop=ray.shutdown if started_ray else None, routing=routing)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A host:port cluster address (or ray://host:port) must answer a TCP connection: ray.init retries
+    an unreachable one for minutes with only its own warnings. "auto" is Ray's to find."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address!r} (--ray-address): {exc}") from None
