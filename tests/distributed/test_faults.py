@@ -143,8 +143,9 @@ def test_request_sent_to_a_dead_replica_is_retried_on_the_live_one(replicas) -> 
 def test_a_worker_that_refuses_its_config_says_so_without_rays_wrapping(tiny_model):
     from conveyor.errors import ConfigError
 
-    with local_ray():  # two blocks hold 32 tokens: a max_model_len of 64 is refused where the worker builds
-        config = tiny_config(tiny_model, max_model_len=64, num_kv_blocks=2)
-        with pytest.raises(ConfigError, match="more tokens than the KV cache holds") as refused:
-            start_deployment(config, DeploymentConfig(replicas=2, worker_num_cpus=0))
+    # Two blocks hold 32 tokens: a max_model_len of 64 is refused where each worker builds its engine
+    # (on this module's Ray instance, or one start_deployment starts and stops).
+    config = tiny_config(tiny_model, max_model_len=64, num_kv_blocks=2)
+    with pytest.raises(ConfigError, match="more tokens than the KV cache holds") as refused:
+        start_deployment(config, DeploymentConfig(replicas=2, worker_num_cpus=0))
     assert type(refused.value) is ConfigError and "Traceback" not in str(refused.value)

@@ -303,9 +303,12 @@ def test_a_worker_builds_its_engine_on_the_thread_that_steps_it(tiny_model, monk
     assert threading.get_ident() not in threads["build"]
 
 
-def test_a_worker_whose_engine_cannot_be_built_raises_from_its_constructor(tmp_path) -> None:
+def test_a_worker_whose_engine_cannot_be_built_raises_from_start(tmp_path) -> None:
+    # start(), not the constructor: an actor's constructor error reaches the front end only as Ray's
+    # ActorDiedError text, a task's as the error itself (deploy.start_deployment re-raises it)
+    worker = EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="missing"):
-        EngineWorker("w", "replica", tiny_config(tmp_path / "missing"))
+        asyncio.run(worker.start())
 
 
 def _worker(name: str, num_kv_blocks: int = 64, block_size: int = 4) -> WorkerHandle:
