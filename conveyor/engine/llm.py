@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence, cast
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput, ranked_logprobs
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams, model_defaults
 
@@ -139,13 +139,23 @@ class LLM:
                 bar.close()
         results = []
         for request_id in ids:
-            samples = [done[request_id][i] for i in range(params_of[request_id].n)]
+            p = params_of[request_id]
+            samples = [done[request_id][i] for i in range(p.n)]
+            for sample in samples:  # vLLM's Logprob objects, which are the floats they were as well
+                if sample.logprobs is not None:
+                    sample.logprobs = [self._ranked(step, p.logprobs or 0) for step in sample.logprobs]
             first = samples[0]
-            first.prompt_logprobs = prompt_logprobs.get(request_id)
-            first.outputs = [CompletionOutput(s.index, s.text or "", list(s.token_ids), _cumulative(s), s.logprobs,
-                                              s.finish_reason, s.stop_reason) for s in samples]
+            first.prompt_logprobs = [None if step is None else self._ranked(step, p.prompt_logprobs or 0)
+                                     for step in prompt_logprobs[request_id]] if request_id in prompt_logprobs else None
+            first.outputs = [CompletionOutput(s.index, s.text or "", list(s.token_ids), _cumulative(s),
+                                              cast(list[dict[int, Logprob]] | None, s.logprobs), s.finish_reason,
+                                              s.stop_reason) for s in samples]
             results.append(first)
         return results
+
+    def _ranked(self, step: dict[int, float], top: int) -> dict[int, float]:
+        decode = self.tokenizer.decode
+        return dict(ranked_logprobs(step, top, lambda token: decode([token], skip_special_tokens=False)))
 
     def chat(
         self,

@@ -2,9 +2,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from conveyor.errors import ConveyorError
 from conveyor.request import RequestTimes
+
+
+class Logprob(float):
+    """A token's logprob as vLLM's offline API gives it (`.logprob`, `.rank`, `.decoded_token`) that
+    is also the plain float conveyor's API gave, so code written for either reads it. `rank`: 1 for
+    the likeliest token; known for the top alternatives asked for, None for a chosen token below
+    them (its place among the rest of the vocabulary is not computed)."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+def ranked_logprobs(step: dict[int, float], top: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One token's logprobs ({token id: logprob}: the chosen token's and the `top` likeliest) as
+    vLLM's Logprob objects. The `top` likeliest are ranked 1..top; a chosen token not among them
+    (the step holds top + 1 entries) has no rank here."""
+    order = sorted(step, key=lambda t: -step[t])
+    ranked = order if len(step) <= top else order[:top]
+    ranks = {token: i + 1 for i, token in enumerate(ranked)}
+    return {token: Logprob(lp, ranks.get(token), decode(token)) for token, lp in step.items()}
 
 
 @dataclass
@@ -15,7 +48,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # the sum of its tokens' logprobs, with logprobs asked for
-    logprobs: list[dict[int, float]] | None  # per token: the chosen one's and the top alternatives'
+    logprobs: list[dict[int, Logprob]] | None  # per token: the chosen one's and the top alternatives'
     finish_reason: str | None
     stop_reason: int | str | None
 

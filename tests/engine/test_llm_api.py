@@ -38,6 +38,36 @@ def test_logprobs_cover_every_token_and_the_prompt(llm: LLM) -> None:
     assert plain.token_ids == out.token_ids and plain.outputs[0].cumulative_logprob is None
 
 
+def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm: LLM) -> None:
+    import pickle
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    (out,) = llm.generate("The capital of France is", params)
+    for step, token in zip(out.outputs[0].logprobs, out.token_ids):
+        chosen = step[token]
+        assert chosen.logprob == float(chosen) and chosen + 0.0 == chosen.logprob  # vLLM's field, and a float
+        assert chosen.rank == 1  # greedy: the likeliest
+        assert chosen.decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+        by_rank = sorted(step.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in by_rank] == [1, 2, 3]
+        assert [lp.logprob for lp in by_rank] == sorted((lp.logprob for lp in by_rank), reverse=True)
+    assert out.logprobs == out.outputs[0].logprobs
+    first = out.prompt_logprobs[1]
+    assert first[out.prompt_token_ids[1]].decoded_token is not None and len(first) in (2, 3)
+    assert {lp.rank for lp in first.values()} - {None} == {1, 2}  # the prompt's own token may rank below them
+    copy = pickle.loads(pickle.dumps(out.outputs[0].logprobs))
+    assert copy[0][out.token_ids[0]].rank == 1 and copy == out.outputs[0].logprobs
+
+
+def test_a_sampled_token_below_the_top_alternatives_has_no_rank() -> None:
+    from conveyor.engine.outputs import ranked_logprobs
+
+    ranked = ranked_logprobs({7: -3.0, 1: -0.1, 2: -1.0}, 2, str)  # 7 was drawn, 1 and 2 are the top 2
+    assert (ranked[1].rank, ranked[2].rank, ranked[7].rank) == (1, 2, None)
+    assert ranked[7].decoded_token == "7" and ranked[7] == -3.0
+    assert ranked_logprobs({5: -0.2, 6: -2.0}, 2, str)[5].rank == 1  # drawn among them: ranked
+
+
 def test_vllms_dict_prompts_and_argument_types(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     text = llm.generate("Hello", greedy)[0].text
