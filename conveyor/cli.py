@@ -87,6 +87,10 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [model or "smollm2-135m"]
     if not all(name.strip() for name in names):
         raise ConfigError("--served-model-name is empty")
+    if model is None and len(names) > 1 and _looks_like_a_model(names[-1]):
+        # vLLM's form takes every word after the flag: a model given after it was taken for a name.
+        raise ConfigError(f"--served-model-name took {names[-1]!r}, which is a model: give the model first "
+                          "(conveyor serve MODEL --served-model-name NAME ...)")
     chat_template = _chat_template(args.chat_template) if args.chat_template is not None else None
     _check_address(args.host, args.port)
     return run_server(
@@ -144,8 +148,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                      help="origins whose browser pages may call the API (CORS): comma-separated "
                           "(http://a.example,https://b.example) or vLLM's JSON list; default any ('*', as vLLM); "
                           "'' allows none")
-    srv.add_argument("--served-model-name", action="append", default=None,
-                     help="model name(s) clients use (repeatable; default: the model argument)")
+    srv.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                     help="the name(s) clients use, as vLLM takes them (several after the flag, or the flag "
+                          "repeated); the first is the one responses name (default: the model argument)")
     srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -201,6 +206,12 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     exp.add_argument("--model", default=None, help=HELP["model"])
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     exp.set_defaults(func=_export_hf)
+
+
+def _looks_like_a_model(word: str) -> bool:
+    from conveyor.model.loader import is_model_name
+
+    return is_model_name(word) or Path(word).expanduser().exists()
 
 
 def _chat_template(given: str) -> str:

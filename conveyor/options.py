@@ -52,6 +52,20 @@ CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": ("auto", *DT
                                        "activation_dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
+def token_count(text: str) -> int:
+    """A number of tokens as vLLM's --max-model-len takes it: 4096, 4k (4,000) or 4K (4,096), m/M, g/G."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:])
+    try:
+        return int(text) if scale is None else int(float(text[:-1]) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of tokens (4096, 4k, 4K), got {text!r}") from None
+
+
+token_count.__name__ = "tokens"
+# Fields whose flag reads more than the field's type does.
+TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": token_count}
+
+
 def _scalar_type(annotation: Any) -> type:
     """int | None -> int; str | int (a memory size) -> str; bool stays bool."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -89,7 +103,8 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_text)
+            parser.add_argument(flag, type=TYPES.get(f.name, kind), default=default, choices=CHOICES.get(f.name),
+                                help=help_text)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

@@ -41,3 +41,10 @@ def test_a_command_may_override_a_default_for_itself_only() -> None:
     assert (args.max_num_seqs, args.block_size) == (CompareConfig.max_num_seqs, 8)
     assert CompareConfig.block_size == EngineConfig.block_size  # the benchmark restates no engine default
     assert {f.name for f in dataclasses.fields(CompareConfig)} >= {"kv_cache_memory", "dtype"}
+
+
+def test_a_number_of_tokens_as_vllm_writes_it() -> None:
+    from conveyor.options import token_count
+
+    assert [token_count(t) for t in ("4096", "4k", "4K", "1.5k", "32K", "1m")] == [4096, 4000, 4096, 1500, 32768,
+                                                                                    10**6]

@@ -133,6 +133,11 @@ def _qwen_coder_gguf() -> Path:
     return target
 
 
+def is_model_name(name: str) -> bool:
+    """One of the names resolve_model_path knows (not a path)."""
+    return name.strip().lower() in _SMOLLM_ALIASES | _GEMMA3_ALIASES | _QWEN_CODER_ALIASES
+
+
 def resolve_model_path(name: str | None) -> Path:
     """A .gguf file or an HF folder (with config.json) for `name`; None means the default model."""
     if name is None or name.strip().lower() in _SMOLLM_ALIASES:
