@@ -153,7 +153,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           "repeated); the first is the one responses name (default: the model argument)")
     srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--log-level", type=str.lower, default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the model's (e.g. one that renders tools): "
                           "a file, or the template itself")
@@ -164,7 +164,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                       help="the format tool calls are parsed in: hermes (<tool_call>{...}</tool_call>, Qwen's), "
                            "the only one, always on")
     vllm.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-    vllm.add_argument("--uvicorn-log-level", default=None,
+    vllm.add_argument("--uvicorn-log-level", type=str.lower, default=None,
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="the HTTP server's own log level (default: --log-level)")
     vllm.add_argument("--disable-log-requests", action="store_true",
