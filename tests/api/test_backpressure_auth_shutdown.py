@@ -68,21 +68,29 @@ def test_flood_gets_503_and_every_accepted_request_finishes(small_server: Server
     assert completion(small_server, 4).status_code == 200  # and it recovers
 
 
-def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
+def streamed(server: Server, max_tokens: int, headers: dict[str, str] | None = None,
+             **extra) -> tuple[list[dict], threading.Event, threading.Thread]:
+    """A streamed completion read on a thread: its events as they come ([DONE] as {"done": True}),
+    the event set at the first, and the thread."""
     chunks: list[dict] = []
     first = threading.Event()
 
-    def stream() -> None:
-        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{small_server.v1}/completions", json=body, headers=AUTH, timeout=60) as r:
+    def read() -> None:
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, **extra}
+        with httpx.stream("POST", f"{server.v1}/completions", json=body, headers=headers, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     chunks.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
                     first.set()
 
-    reader = threading.Thread(target=stream)
+    reader = threading.Thread(target=read)
     reader.start()
+    return chunks, first, reader
+
+
+def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
+    chunks, first, reader = streamed(small_server, 48, AUTH, stream_options={"include_usage": True})
     assert first.wait(60)
     small_server.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
@@ -105,20 +113,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
 
 def test_a_second_ctrl_c_aborts_in_flight_streams_with_their_end():
     server = start_server("--shutdown-timeout", "600")
-    chunks: list[dict] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
-                    first.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
+    chunks, first, reader = streamed(server, 4000)
     try:
         assert first.wait(60)
         server.proc.send_signal(signal.SIGINT)  # drains: the grace (600 s) would outlast the test
