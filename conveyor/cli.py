@@ -1,5 +1,6 @@
-"""Command line: `conveyor serve` starts the OpenAI-compatible server; `conveyor generate` runs
-prompts through the offline engine; `conveyor export-hf` writes the model as an HF folder."""
+"""Command line: `conveyor serve` starts the OpenAI-compatible server; `conveyor chat` talks to one
+in the terminal; `conveyor generate` runs prompts through the offline engine; `conveyor export-hf`
+writes the model as an HF folder."""
 from __future__ import annotations
 
 import argparse
@@ -183,6 +184,25 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.set_defaults(func=_serve)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from conveyor.chat import ChatConfig, run_chat
+
+    return run_chat(ChatConfig(args.url, args.model_name, args.system_prompt, args.api_key, args.quick))
+
+
+def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
+    from conveyor.chat import DEFAULT_URL
+
+    chat = commands.add_parser("chat", help="chat in the terminal with a running server (as vllm chat)")
+    chat.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI API (default: {DEFAULT_URL})")
+    chat.add_argument("--model-name", default=None, help="the model to ask (default: the first the server lists)")
+    chat.add_argument("--system-prompt", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--api-key", default=None, help="bearer key (default: $CONVEYOR_API_KEY, else $OPENAI_API_KEY)")
+    chat.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
+                      help="send this one message, print the answer and end")
+    chat.set_defaults(func=_chat)
+
+
 def _export_hf(args: argparse.Namespace) -> int:
     import torch
 
@@ -323,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.set_defaults(func=_generate)
     _add_serve_parser(commands)
+    _add_chat_parser(commands)
     _add_export_parser(commands)
     from conveyor.bench.cli import add_bench_parser
 
