@@ -197,7 +197,8 @@ def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
     chat.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI API (default: {DEFAULT_URL})")
     chat.add_argument("--model-name", default=None, help="the model to ask (default: the first the server lists)")
     chat.add_argument("--system-prompt", default=None, help="a system message to start the conversation with")
-    chat.add_argument("--api-key", default=None, help="bearer key (default: $CONVEYOR_API_KEY, else $OPENAI_API_KEY)")
+    chat.add_argument("--api-key", default=None,
+                      help="bearer key, sent to --url (default: $CONVEYOR_API_KEY, else $OPENAI_API_KEY)")
     chat.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
                       help="send this one message, print the answer and end")
     chat.set_defaults(func=_chat)
@@ -229,9 +230,13 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _looks_like_a_model(word: str) -> bool:
+    """A model's name or path as a user writes it after a flag: a known name, a .gguf file, an HF
+    folder, or a hub-style "org/name" (which conveyor never downloads: the error says so next)."""
     from conveyor.model.loader import is_model_name
 
-    return is_model_name(word) or Path(word).expanduser().exists()
+    path = Path(word).expanduser()
+    return (is_model_name(word) or word.lower().endswith(".gguf") or "/" in word
+            or (path / "config.json").is_file())
 
 
 def _chat_template(given: str) -> str:

@@ -23,6 +23,12 @@ KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
+def client_api_key() -> str | None:
+    """The key conveyor's own clients (`conveyor chat`, `conveyor bench serve`) send when not given
+    one: the server's $CONVEYOR_API_KEY, else the OpenAI client's $OPENAI_API_KEY."""
+    return os.environ.get("CONVEYOR_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

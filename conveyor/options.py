@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from decimal import Decimal
 import types
 import typing
 from typing import Any, Callable, Iterable
@@ -54,14 +55,15 @@ CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": ("auto", *DT
 
 def token_count(text: str) -> int:
     """A number of tokens as vLLM's --max-model-len takes it: 4096, 4k (4,000) or 4K (4,096), m/M, g/G."""
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:])
-    try:
-        return int(text) if scale is None else int(float(text[:-1]) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of tokens (4096, 4k, 4K), got {text!r}") from None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    value = Decimal(match.group(1)) * scale[match.group(2)] if match else None
+    if value is None or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"a whole number of tokens (4096, 4k, 4K), got {text!r}")
+    return int(value)
 
 
-token_count.__name__ = "tokens"
+token_count.__name__ = "tokens"  # argparse names a type in its errors ("invalid tokens value")
 # Fields whose flag reads more than the field's type does.
 TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": token_count}
 

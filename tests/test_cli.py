@@ -58,6 +58,8 @@ from conveyor.cli import main
     (["serve", "--worker-cpus", "2"], "--worker-cpus applies to Ray workers"),
     # vLLM's --served-model-name takes every word after it: a model given after them is caught
     (["serve", "--served-model-name", "a", "b", "qwen2.5-coder-0.5b"], "took 'qwen2.5-coder-0.5b', which is a model"),
+    (["serve", "--served-model-name", "a", "Qwen/Qwen2.5-0.5B-Instruct"], "took 'Qwen/Qwen2.5-0.5B-Instruct'"),
+    (["serve", "--served-model-name", "a", "typo.gguf"], "took 'typo.gguf', which is a model"),
     (["serve", "--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at '127.0.0.1:1'"),  # not minutes
     (["serve", "--routing", "least-load", "--worker-cpus", "2"], "--worker-cpus and --routing apply to Ray"),
 ])
@@ -81,7 +83,7 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["serve", "--allowed-origins", '["*"'], "not a JSON list"),
     (["serve", "--shutdown-timeout", "nan"], "a number of seconds, 0 or more"),
     (["serve", "--port", "abc"], "invalid port value: 'abc'"),
-    (["serve", "--max-model-len", "4q"], "a number of tokens (4096, 4k, 4K), got '4q'"),
+    (["serve", "--max-model-len", "4q"], "a whole number of tokens (4096, 4k, 4K), got '4q'"),
     (["serve", "--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,

@@ -46,5 +46,12 @@ def test_a_command_may_override_a_default_for_itself_only() -> None:
 def test_a_number_of_tokens_as_vllm_writes_it() -> None:
     from conveyor.options import token_count
 
-    assert [token_count(t) for t in ("4096", "4k", "4K", "1.5k", "32K", "1m")] == [4096, 4000, 4096, 1500, 32768,
-                                                                                    10**6]
+    import argparse
+
+    import pytest
+
+    assert [token_count(t) for t in ("4096", "4k", "4K", "1.5k", "32K", "1m", "1.001k")] == [
+        4096, 4000, 4096, 1500, 32768, 10**6, 1001]
+    for bad in ("infk", "1e400k", "1.0001k", "-4k", "4kb", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got '{bad}'"):
+            token_count(bad)

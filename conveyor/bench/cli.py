@@ -198,7 +198,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                      help="edit dataset: the served model (a conveyor model name or its .gguf / HF folder), "
                           "whose tokenizer and chat template make the prompts")
     srv.add_argument("--api-key", default=None,
-                     help="bearer token (default: $OPENAI_API_KEY, else the server's $CONVEYOR_API_KEY)")
+                     help="bearer token, sent to the server (default: $CONVEYOR_API_KEY, else $OPENAI_API_KEY)")
     srv.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
     srv.add_argument("--label", default="conveyor-bench")
     srv.add_argument("--ready-timeout", type=float, default=60.0,

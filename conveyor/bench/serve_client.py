@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from conveyor.config import client_api_key
 from conveyor.errors import ConfigError
 from conveyor.bench.metrics import (
     METRICS, BenchmarkMetrics, RequestRecord, compute_metrics, format_result, format_reuse, metrics_dict,
@@ -49,8 +49,7 @@ class ServeConfig:
     goodput: dict[str, float] = field(default_factory=dict)
     selected_metrics: list[str] = field(default_factory=lambda: list(METRICS))
     percentiles: list[float] = field(default_factory=lambda: [99.0])
-    api_key: str | None = field(
-        default_factory=lambda: os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY"))
+    api_key: str | None = field(default_factory=client_api_key)
     save_result: str | None = None
     disable_tqdm: bool = False
     ready_timeout_s: float = 60.0  # wait this long for GET /v1/models to answer; 0 skips the check

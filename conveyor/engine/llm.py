@@ -141,21 +141,23 @@ class LLM:
         for request_id in ids:
             p = params_of[request_id]
             samples = [done[request_id][i] for i in range(p.n)]
+            ranked: list[list[dict[int, Logprob]] | None] = []
             for sample in samples:  # vLLM's Logprob objects, which are the floats they were as well
-                if sample.logprobs is not None:
-                    sample.logprobs = [self._ranked(step, p.logprobs or 0) for step in sample.logprobs]
+                ranked.append(None if sample.logprobs is None else [
+                    self._ranked(step, token, p.logprobs or 0) for step, token in zip(sample.logprobs, sample.token_ids)])
+                sample.logprobs = cast(list[dict[int, float]] | None, ranked[-1])
             first = samples[0]
-            first.prompt_logprobs = [None if step is None else self._ranked(step, p.prompt_logprobs or 0)
-                                     for step in prompt_logprobs[request_id]] if request_id in prompt_logprobs else None
-            first.outputs = [CompletionOutput(s.index, s.text or "", list(s.token_ids), _cumulative(s),
-                                              cast(list[dict[int, Logprob]] | None, s.logprobs), s.finish_reason,
-                                              s.stop_reason) for s in samples]
+            if request_id in prompt_logprobs:
+                first.prompt_logprobs = [None if step is None else dict(self._ranked(step, token, p.prompt_logprobs or 0))
+                                         for step, token in zip(prompt_logprobs[request_id], first.prompt_token_ids)]
+            first.outputs = [CompletionOutput(s.index, s.text or "", list(s.token_ids), _cumulative(s), r,
+                                              s.finish_reason, s.stop_reason) for s, r in zip(samples, ranked)]
             results.append(first)
         return results
 
-    def _ranked(self, step: dict[int, float], top: int) -> dict[int, float]:
+    def _ranked(self, step: dict[int, float], chosen: int, top: int) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
-        return dict(ranked_logprobs(step, top, lambda token: decode([token], skip_special_tokens=False)))
+        return ranked_logprobs(step, chosen, top, lambda token: decode([token], skip_special_tokens=False))
 
     def chat(
         self,

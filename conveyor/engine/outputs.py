@@ -29,14 +29,16 @@ class Logprob(float):
     def __repr__(self) -> str:
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
+    __str__ = float.__repr__  # print(), f-strings and csv write the number, as they did for a float
 
-def ranked_logprobs(step: dict[int, float], top: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
-    """One token's logprobs ({token id: logprob}: the chosen token's and the `top` likeliest) as
-    vLLM's Logprob objects. The `top` likeliest are ranked 1..top; a chosen token not among them
-    (the step holds top + 1 entries) has no rank here."""
-    order = sorted(step, key=lambda t: -step[t])
-    ranked = order if len(step) <= top else order[:top]
-    ranks = {token: i + 1 for i, token in enumerate(ranked)}
+
+def ranked_logprobs(step: dict[int, float], chosen: int, top: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One token's logprobs ({token id: logprob}: the `chosen` token's and the `top` likeliest) as
+    vLLM's Logprob objects. The `top` likeliest are ranked 1..top; the chosen token has its rank
+    among them, or none where it is not one of them (the step then holds top + 1 entries; with top
+    0, always), even where it ties with the last of them."""
+    alternatives = [t for t in step if t != chosen] if len(step) > top else list(step)
+    ranks = {token: i + 1 for i, token in enumerate(sorted(alternatives, key=lambda t: -step[t])[:top])}
     return {token: Logprob(lp, ranks.get(token), decode(token)) for token, lp in step.items()}
 
 
@@ -68,7 +70,8 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's n samples this is
-    # Per token of new_token_ids, when asked for (on the output LLM.generate returns: every token's).
+    # Per token of new_token_ids, when asked for (on the output LLM.generate returns: every token's,
+    # as Logprob objects).
     logprobs: list[dict[int, float]] | None = None
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
     prompt_logprobs: list[dict[int, float] | None] | None = None

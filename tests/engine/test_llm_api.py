@@ -55,17 +55,23 @@ def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm: LLM) -> None:
     first = out.prompt_logprobs[1]
     assert first[out.prompt_token_ids[1]].decoded_token is not None and len(first) in (2, 3)
     assert {lp.rank for lp in first.values()} - {None} == {1, 2}  # the prompt's own token may rank below them
-    copy = pickle.loads(pickle.dumps(out.outputs[0].logprobs))
-    assert copy[0][out.token_ids[0]].rank == 1 and copy == out.outputs[0].logprobs
+    def fields(steps):  # == on a Logprob compares the number only
+        return [{t: (float(lp), lp.rank, lp.decoded_token) for t, lp in step.items()} for step in steps]
+
+    assert fields(pickle.loads(pickle.dumps(out.outputs[0].logprobs))) == fields(out.outputs[0].logprobs)
+    assert str(chosen) == repr(float(chosen)) and f"{chosen:.2f}" == f"{float(chosen):.2f}"  # prints as the number
 
 
 def test_a_sampled_token_below_the_top_alternatives_has_no_rank() -> None:
     from conveyor.engine.outputs import ranked_logprobs
 
-    ranked = ranked_logprobs({7: -3.0, 1: -0.1, 2: -1.0}, 2, str)  # 7 was drawn, 1 and 2 are the top 2
+    ranked = ranked_logprobs({7: -3.0, 1: -0.1, 2: -1.0}, 7, 2, str)  # 7 was drawn, 1 and 2 are the top 2
     assert (ranked[1].rank, ranked[2].rank, ranked[7].rank) == (1, 2, None)
     assert ranked[7].decoded_token == "7" and ranked[7] == -3.0
-    assert ranked_logprobs({5: -0.2, 6: -2.0}, 2, str)[5].rank == 1  # drawn among them: ranked
+    assert ranked_logprobs({5: -0.2, 6: -2.0}, 5, 2, str)[5].rank == 1  # drawn among them: ranked
+    tied = ranked_logprobs({7: -1.0, 1: -0.1, 2: -1.0}, 7, 2, str)  # drawn, tied with the 2nd alternative
+    assert (tied[1].rank, tied[2].rank, tied[7].rank) == (1, 2, None)
+    assert ranked_logprobs({4: -0.5}, 4, 0, str)[4].rank is None  # logprobs=0: no alternatives to rank among
 
 
 def test_vllms_dict_prompts_and_argument_types(llm: LLM) -> None:
