@@ -108,13 +108,20 @@ _EMPTY_BOOKS = {"used_blocks": 0, "owned_blocks": 0, "num_owners": 0, "parked": 
 
 
 def _run_and_audit(deployment, prompts, params, prefix: str):
-    """Runs the requests, detaches, and returns (outcomes, client, each worker's block books)."""
+    """Runs the requests, detaches, and returns (outcomes, client, each worker's block books) once
+    they are empty or 20 s have passed. A handover's release is told to the prefill worker without
+    waiting (RayEngineClient._handover), so its last request can still be parked there for a moment
+    after every output has arrived; what must hold is that nothing stays behind."""
 
     async def main():
         client = _client(deployment)
         outcomes = await run_requests(client, prompts, params, prefix=prefix)
         client.detach()
-        books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+        for _ in range(400):
+            books = await asyncio.gather(*(w.actor.accounting.remote() for w in client.workers))
+            if all(book == _EMPTY_BOOKS for book in books):
+                break
+            await asyncio.sleep(0.05)
         return outcomes, client, books
 
     return asyncio.run(main())
