@@ -23,6 +23,7 @@ KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
+
 def client_api_key() -> str | None:
     """The key conveyor's own clients (`conveyor chat`, `conveyor bench serve`) send when not given
     one: the server's $CONVEYOR_API_KEY, else the OpenAI client's $OPENAI_API_KEY."""

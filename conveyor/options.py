@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from decimal import Decimal
 import types
 import typing
+from decimal import Decimal
 from typing import Any, Callable, Iterable
 
 from conveyor.config import (ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES, VLLM_INSTEAD,
-                             VLLM_TAKEN,                              EngineConfig, SchedulerConfig)
+                             VLLM_TAKEN, EngineConfig, SchedulerConfig)
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, qwen2.5-coder-0.5b, a .gguf file or an HF folder",

@@ -7,7 +7,7 @@ transformers' own defaults (a file that writes `"top_k": 50` repeats transformer
 not recommend 50). A GGUF file says it in llama.cpp's `general.sampling.*` keys (written from the
 same generation_config.json by llama.cpp's converter). Values come back under SamplingParams'
 names; whether they are valid for a request is checked where they are applied
-(conveyor.sampling.params.checked_defaults).
+(conveyor.sampling.params.model_defaults).
 """
 from __future__ import annotations
 

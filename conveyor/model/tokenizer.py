@@ -202,10 +202,7 @@ class Tokenizer:
         if chat_template is None:
             template, reads = self._template(), self.template_variables()
         else:
-            try:
-                template, reads = _compiled_with_reads(chat_template, tuple(self._template_vars))
-            except jinja2.TemplateError as e:
-                raise ChatTemplateError(f"chat_template does not compile: {e}") from e
+            template, reads = _compiled_with_reads(chat_template, tuple(self._template_vars))
         unknown = sorted(set(kwargs) - reads - {"tools", "documents"} - set(self._template_vars))
         if unknown:
             raise InvalidRequestError(f"the chat template does not read {unknown[:5]}", param="chat_template_kwargs")
@@ -407,7 +404,7 @@ def _variables_read(source: str, own_variables: Iterable[str]) -> frozenset[str]
 @lru_cache(maxsize=8)
 def _compiled_with_reads(source: str, own_variables: tuple[str, ...]) -> tuple[jinja2.Template, frozenset[str]]:
     """A per-call chat template (LLM.chat's chat_template), compiled once per source."""
-    return _compile_template(source), _variables_read(source, own_variables)
+    return compile_chat_template(source), _variables_read(source, own_variables)
 
 
 def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
