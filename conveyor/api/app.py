@@ -141,12 +141,19 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(CompletionRequest, data)
         _check_model(state, body.model)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
-        prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
+        if body.suffix:
+            prompts = await asyncio.to_thread(_infill_prompts, state, body.prompt, body.suffix, add_special,
+                                              _truncation(state, data))
+        else:
+            prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
+            prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
         grammar = await _grammar(state, requested_grammar(body))
         echo_only = body.max_tokens == 0  # the engine makes one token, which the answer leaves out (vLLM's way)
         params = body.sampling_params(_max_tokens(state, 1 if echo_only else body.max_tokens, prompts, chat=False),
                                       body.logprobs, grammar, state.sampling_defaults)
+        if body.suffix:  # the middle also ends where the model pads it or starts another file
+            ends = [t for t in state.tokenizer.infill.ends if t not in params.stop_token_ids]
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *ends])
         if body.num_prompt_logprobs != body.prompt_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
@@ -296,12 +303,28 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
 
 
 
+def _infill_prompts(state: ServerState, prompt: str | list[str], suffix: str, add_special_tokens: bool,
+                   keep: int | None) -> list[list[int]]:
+    """Each text prompt as the prefix of a fill-in-the-middle prompt before `suffix`, cut to `keep`
+    tokens (truncate_prompt_tokens) from the prefix's start and the suffix's end."""
+    if getattr(state.tokenizer, "infill", None) is None:
+        raise bad_request("this model has no fill-in-the-middle tokens: suffix needs a code model trained to "
+                          "infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)", param="suffix")
+    try:
+        return [state.tokenizer.encode_infill(p, suffix, keep, add_special_tokens)
+                for p in ([prompt] if isinstance(prompt, str) else prompt)]
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="truncate_prompt_tokens") from exc
+
+
 def _check_prompt_sizes(state: ServerState, data: Any) -> None:
     """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
     validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
     than the most characters that many tokens can hold. Measured after truncate_prompt_tokens, as
     vLLM truncates first: a text is then not bounded here (the body limit bounds it)."""
     prompt = data.get("prompt") if isinstance(data, dict) else None
+    suffix = data.get("suffix") if isinstance(data, dict) else None
+    extra = len(suffix) if isinstance(suffix, str) else 0  # a middle's prompt holds its suffix too
     keep = _truncation(state, data)
     if isinstance(prompt, (str, list)):
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
@@ -312,7 +335,7 @@ def _check_prompt_sizes(state: ServerState, data: Any) -> None:
                 limit, unit = state.capacity - 1, "tokens"  # at least one token to generate
             else:
                 continue
-            size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item)
+            size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item) + extra
             if limit is not None and size > limit:
                 raise bad_request(f"the prompt ({size} {unit}) cannot fit the maximum model length of "
                                   f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")

@@ -246,8 +246,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False  # the prompt comes first in the text (and its logprobs, with logprobs)
     best_of: int | None = None
+    # Fill in the middle: the text is what comes between the prompt and this (a code model's
+    # infill tokens frame them: Tokenizer.encode_infill). "" is a plain completion, as before.
+    suffix: Text | None = None
 
-    unsupported = {**_UNSUPPORTED_VLLM, "suffix": (None, ""), "prompt_embeds": (None,)}
+    unsupported = {**_UNSUPPORTED_VLLM, "prompt_embeds": (None,)}
 
     @model_validator(mode="after")
     def _completion_only(self) -> "CompletionRequest":
@@ -260,6 +263,11 @@ class CompletionRequest(_Sampling):
                              "logprobs, its tokens' logprobs), else at least 1")
         if self.max_tokens == 0 and self.min_tokens:
             raise ValueError("min_tokens must be at most max_tokens")
+        if self.suffix and self.echo:
+            raise ValueError("echo cannot be combined with suffix: the text written goes between the prompt and "
+                             "the suffix, not after the prompt")
+        if self.suffix and (isinstance(self.prompt, list) and not all(isinstance(p, str) for p in self.prompt)):
+            raise ValueError("suffix needs a text prompt (the code before the middle), not token ids")
         return self
 
     @property

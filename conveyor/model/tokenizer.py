@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,46 @@ _QWEN2_PRES = {"qwen2", "deepseek-r1-qwen", "megrez"}
 # StarCoder-style vocabularies (SmolLM's included) were trained with every digit split off first.
 _DIGIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _CONTROL, _USER_DEFINED = 3, 4
+
+# Fill-in-the-middle. llama.cpp's GGUF keys (tokenizer.ggml.<key>_token_id; the older names second),
+# then, in a vocabulary without them, the spellings code models use (prefix, suffix, middle).
+_INFILL_KEYS = (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
+_INFILL_END_KEYS = ("fim_pad", "fim_rep", "fim_sep")
+_INFILL_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, SantaCoder
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),  # DeepSeek-Coder
+)
+# A middle ends at the model's EOS or at one of these (padding, or the next file of a repository),
+# which llama.cpp counts as end-of-generation tokens too.
+_INFILL_END_SPELLINGS = ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<fim_pad>", "<repo_name>", "<file_sep>")
+
+
+@dataclass(frozen=True)
+class InfillTokens:
+    """A code model's fill-in-the-middle tokens: the three that frame a prompt, and those besides
+    EOS that end the middle it writes."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    ends: tuple[int, ...]
+
+    @classmethod
+    def find(cls, backend: _HFTokenizer, from_metadata: Mapping[str, int] | None = None) -> InfillTokens | None:
+        """From ids the file names (`from_metadata`: "fim_pre", "fim_suf", "fim_mid" and any of
+        "fim_pad", "fim_rep", "fim_sep"), else by the special tokens' spellings; None without them."""
+        known = dict(from_metadata or {})
+        special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        frame: tuple[int, ...] = tuple(known[k] for k, _ in _INFILL_KEYS if k in known)
+        if len(frame) < 3:
+            frame = next((tuple(special[s] for s in spelled) for spelled in _INFILL_SPELLINGS
+                          if all(s in special for s in spelled)), ())
+        if len(frame) < 3:
+            return None
+        ends = [known[k] for k in _INFILL_END_KEYS if k in known] + [special[s] for s in _INFILL_END_SPELLINGS if s in special]
+        return cls(frame[0], frame[1], frame[2], tuple(dict.fromkeys(ends)))
 
 
 class ChatTemplateError(ConveyorError, ValueError):
@@ -100,8 +141,11 @@ class Tokenizer:
         add_bos_token: bool = False,
         special_tokens: Mapping[str, str | None] | None = None,
         recommended_sampling: Mapping[str, float | int] | None = None,
+        infill_ids: Mapping[str, int] | None = None,
     ) -> None:
         self._tok = backend
+        # None: the model was not trained to fill in the middle (no prefix / suffix / middle tokens).
+        self.infill: InfillTokens | None = InfillTokens.find(backend, infill_ids)
         # What the model's files recommend for sampling (conveyor.model.generation_defaults): read
         # here because the files are, and every front end (a Ray one too) holds the tokenizer.
         self.recommended_sampling: dict[str, float | int] = dict(recommended_sampling or {})
@@ -138,6 +182,29 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_infill(self, prefix: str, suffix: str, max_tokens: int | None = None,
+                      add_special_tokens: bool = True) -> list[int]:
+        """The prompt asking a code model for the text between `prefix` and `suffix`: its prefix,
+        suffix and middle tokens around them (the prefix-suffix-middle order, each part tokenized
+        alone, as llama.cpp's /infill lays out a file without repository context). `max_tokens`:
+        at most that many, the prefix losing its start and the suffix its end; the suffix keeps at
+        most a quarter of the room unless the prefix leaves it more (llama.cpp's 3:1)."""
+        fim = self.infill
+        if fim is None:
+            raise InvalidRequestError("this model has no fill-in-the-middle tokens: a suffix needs a code model "
+                                      "trained to infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)")
+        head = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
+        before, after = self.encode(prefix, False), self.encode(suffix, False)
+        if max_tokens is not None:
+            room = max_tokens - len(head) - 3
+            if room < 0:
+                raise InvalidRequestError(f"a fill-in-the-middle prompt takes at least {len(head) + 3} tokens, "
+                                          f"not {max_tokens}")
+            keep_after = min(len(after), max(room // 4, room - len(before)))
+            keep_before = min(len(before), room - keep_after)
+            before, after = before[len(before) - keep_before:], after[:keep_after]
+        return [*head, fim.prefix, *before, fim.suffix, *after, fim.middle]
 
     def encode_chat(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """A rendered chat's ids. By default (None) the model's BOS is added unless the template
@@ -253,6 +320,12 @@ class Tokenizer:
             v = meta.get(f"tokenizer.ggml.{key}")
             return int(v) if v is not None else None
 
+        infill_ids: dict[str, int] = {}
+        for key, older in (*_INFILL_KEYS, *((k, k) for k in _INFILL_END_KEYS)):
+            found = tid(f"{key}_token_id")
+            found = tid(f"{older}_token_id") if found is None else found
+            if found is not None:
+                infill_ids[key] = found
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
             add_bos = True if model == "llama" else pre in _LLAMA3_PRES
@@ -268,6 +341,7 @@ class Tokenizer:
                 "pad_token": tokens[p] if (p := tid("padding_token_id")) is not None else None,
             },
             recommended_sampling=generation_defaults.from_gguf_metadata(meta),
+            infill_ids=infill_ids,
         )
 
     @classmethod

@@ -61,7 +61,7 @@ CASES = [
     ("min_p above 1", CHAT, {**OK_CHAT, "min_p": 1.5}, 400, "min_p", ""),
     ("beam search", COMPLETIONS, {**OK_COMPLETION, "use_beam_search": True}, 400, "use_beam_search",
      "not supported"),
-    ("suffix", COMPLETIONS, {**OK_COMPLETION, "suffix": "end"}, 400, "suffix", "not supported"),
+    ("suffix", COMPLETIONS, {**OK_COMPLETION, "suffix": "end"}, 400, "suffix", "no fill-in-the-middle tokens"),
     ("spaces_between_special_tokens off", CHAT, {**OK_CHAT, "spaces_between_special_tokens": False}, 400,
      "spaces_between_special_tokens", "not supported"),
     ("chat echo", CHAT, {**OK_CHAT, "echo": True}, 400, "echo", "not supported"),

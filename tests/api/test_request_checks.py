@@ -404,3 +404,19 @@ def test_tools_the_template_cannot_show_are_refused_with_tool_choice_none(http):
                                   "{{ m.content }}{% endfor %}")
     for client in _client(shows_tools):
         assert client.post(CHAT, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "def f():", "suffix": "\nf()"}, "suffix"),  # SmolLM2 has no infill tokens
+    ({"prompt": [1, 2, 3], "suffix": "\nf()"}, "suffix"),  # the code before the middle must be text
+    ({"prompt": [[1, 2], [3]], "suffix": "\nf()"}, "suffix"),
+    ({"prompt": "def f():", "suffix": "\nf()", "echo": True}, "echo"),
+    ({"prompt": "x" * 100_000, "suffix": "y"}, "prompt"),  # refused untokenized, the suffix counted in
+])
+def test_a_suffix_the_model_or_the_request_cannot_take_is_a_400(http, fields, param):
+    assert error_of(http.post(COMPLETIONS, json={"max_tokens": 2, **fields}))["param"] == param
+
+
+def test_an_empty_suffix_is_a_plain_completion(http):
+    reply = http.post(COMPLETIONS, json={"prompt": "def f():", "suffix": "", "max_tokens": 2})
+    assert reply.status_code == 200, reply.text

@@ -5,6 +5,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor.errors import InvalidRequestError
 from conveyor.model.tokenizer import ChatTemplateError, Tokenizer
@@ -261,3 +263,72 @@ def test_a_chat_starts_with_one_bos_whether_or_not_its_template_wrote_it() -> No
     assert tok.encode_chat(rendered, add_special_tokens=True) == [ids["<bos>"], ids["<bos>"], ids["ab"]]  # as asked
     assert tok.encode_chat(rendered, add_special_tokens=False) == [ids["<bos>"], ids["ab"]]
     assert tok.encode_chat("ab", add_special_tokens=False) == [ids["ab"]]
+
+
+# --- fill in the middle ---------------------------------------------------------------------------
+def _tiny_infill_vocabulary(spelled: bool) -> tuple[Tokenizer, dict[str, int]]:
+    """A vocabulary that adds BOS, with infill tokens found by their spelling or (with other
+    spellings) named by llama.cpp's GGUF keys."""
+    frame = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"] if spelled else ["<P>", "<S>", "<M>", "<E>"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *[f"<0x{b:02X}>" for b in range(256)], "a", "b", "ab", *frame]
+    ids = {t: i for i, t in enumerate(tokens)}
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 3, *[6] * 256, 1, 1, 1, 3, 3, 3, 3],
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3}
+    if not spelled:  # the current keys for two, the older names for the middle
+        meta |= {"tokenizer.ggml.fim_pre_token_id": ids["<P>"], "tokenizer.ggml.fim_suf_token_id": ids["<S>"],
+                 "tokenizer.ggml.middle_token_id": ids["<M>"], "tokenizer.ggml.fim_pad_token_id": ids["<E>"]}
+    return Tokenizer.from_gguf(meta), ids
+
+
+@pytest.mark.parametrize("spelled", [True, False])
+def test_infill_tokens_come_from_the_file_or_their_spelling(spelled: bool) -> None:
+    tok, ids = _tiny_infill_vocabulary(spelled)
+    names = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"] if spelled else ["<P>", "<S>", "<M>", "<E>"]
+    assert tok.infill is not None
+    assert (tok.infill.prefix, tok.infill.suffix, tok.infill.middle, tok.infill.ends) == (*[ids[n] for n in names[:3]],
+                                                                                         (ids[names[3]],))
+    pre, suf, mid = (ids[n] for n in names[:3])
+    assert tok.encode_infill("ab", "b") == [ids["<bos>"], pre, ids["ab"], suf, ids["b"], mid]
+    assert tok.encode_infill("ab", "b", add_special_tokens=False) == [pre, ids["ab"], suf, ids["b"], mid]
+
+
+def test_infill_tokens_of_the_real_models() -> None:
+    from conveyor.errors import ModelLoadError
+    from conveyor.model.loader import load_tokenizer
+
+    try:
+        qwen, smollm = load_tokenizer("qwen2.5-coder-0.5b"), load_tokenizer(None)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    fim = qwen.infill
+    assert fim is not None and [qwen.token_to_str(t) for t in (fim.prefix, fim.suffix, fim.middle, *fim.ends)] == [
+        "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    # Qwen adds no BOS; each part is tokenized alone, as llama.cpp's /infill does.
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    assert qwen.encode_infill(prefix, suffix) == [fim.prefix, *qwen.encode(prefix), fim.suffix, *qwen.encode(suffix),
+                                                  fim.middle]
+    # SmolLM2 has <repo_name> and <file_sep> but was not trained to infill.
+    assert smollm.infill is None
+    with pytest.raises(InvalidRequestError, match="fill-in-the-middle"):
+        smollm.encode_infill(prefix, suffix)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.integers(0, 40), after=st.integers(0, 40), budget=st.integers(4, 90))
+def test_an_infill_prompt_cut_to_size_keeps_the_code_nearest_the_middle(before: int, after: int, budget: int) -> None:
+    """The prefix loses its start, the suffix its end; the suffix keeps a quarter of the room
+    unless the prefix leaves it more; nothing is cut that fits."""
+    tok, ids = _tiny_infill_vocabulary(True)
+    prefix, suffix = "ab" * before, "b" * after
+    whole = tok.encode_infill(prefix, suffix)
+    cut = tok.encode_infill(prefix, suffix, max_tokens=budget)
+    assert len(cut) == min(len(whole), budget)
+    room = budget - 4  # BOS and the three frame tokens
+    kept_before, kept_after = cut[2:cut.index(ids["<|fim_suffix|>"])], cut[cut.index(ids["<|fim_suffix|>"]) + 1:-1]
+    assert kept_before == tok.encode(prefix, False)[before - len(kept_before):]
+    assert kept_after == tok.encode(suffix, False)[:len(kept_after)]
+    assert len(kept_after) >= min(after, room // 4) and len(kept_before) == min(before, room - len(kept_after))
+    with pytest.raises(InvalidRequestError, match="at least 4 tokens"):
+        tok.encode_infill(prefix, suffix, max_tokens=3)
