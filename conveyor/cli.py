@@ -92,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
         # vLLM's form takes every word after the flag: a model given after it was taken for a name.
         raise ConfigError(f"--served-model-name took {names[-1]!r}, which is a model: give the model first "
                           "(conveyor serve MODEL --served-model-name NAME ...)")
+    if args.max_log_len is not None and not args.enable_log_requests:
+        raise ConfigError("--max-log-len cuts the lines --enable-log-requests writes: give both")
     chat_template = _chat_template(args.chat_template) if args.chat_template is not None else None
     _check_address(args.host, args.port)
     return run_server(
@@ -109,6 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=chat_template,
         deployment=_deployment(args),
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
 
 
@@ -168,8 +172,15 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     vllm.add_argument("--uvicorn-log-level", type=str.lower, default=None,
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="the HTTP server's own log level (default: --log-level)")
-    vllm.add_argument("--disable-log-requests", action="store_true",
-                      help="requests' contents are never logged here: nothing to turn off")
+    logged = vllm.add_mutually_exclusive_group()
+    logged.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's prompts (text and token ids) and sampling parameters as it "
+                             "reaches the engine")
+    logged.add_argument("--disable-log-requests", action="store_true",
+                        help="requests are not logged (the default; vLLM's older spelling)")
+    vllm.add_argument("--max-log-len", type=_count, default=None, metavar="N",
+                      help="with --enable-log-requests: at most N tokens and N characters of each prompt "
+                           "(default: whole)")
     ray = srv.add_argument_group("scale-out on Ray (see docs/SERVING.md: Scaling out on Ray)")
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas as Ray actors behind this front end")
     ray.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (disaggregated serving)")
@@ -306,6 +317,13 @@ def _port(text: str) -> int:
     return number
 
 
+def _count(text: str) -> int:
+    number = int(text)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"a count, 0 or more, got {number}")
+    return number
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 <= value < float("inf"):
@@ -314,7 +332,7 @@ def _seconds(text: str) -> float:
 
 
 # argparse names a type in its errors ("invalid port value: 'abc'").
-_port.__name__, _seconds.__name__ = "port", "seconds"
+_port.__name__, _seconds.__name__, _count.__name__ = "port", "seconds", "count"
 
 
 def _dashed(arg: str) -> str:

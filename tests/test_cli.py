@@ -56,6 +56,7 @@ from conveyor.cli import main
     (["serve", "--chat-template", "/nonexistent.jinja"], "is neither a file nor a Jinja template"),
     (["serve", "--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
     (["serve", "--worker-cpus", "2"], "--worker-cpus applies to Ray workers"),
+    (["serve", "--max-log-len", "10"], "--max-log-len cuts the lines --enable-log-requests writes"),
     # vLLM's --served-model-name takes every word after it: a model given after them is caught
     (["serve", "--served-model-name", "a", "b", "qwen2.5-coder-0.5b"], "took 'qwen2.5-coder-0.5b', which is a model"),
     (["serve", "--served-model-name", "a", "Qwen/Qwen2.5-0.5B-Instruct"], "took 'Qwen/Qwen2.5-0.5B-Instruct'"),
@@ -85,6 +86,8 @@ def test_bad_input_is_one_line_naming_it(argv: list[str], message: str, capsys: 
     (["serve", "--port", "abc"], "invalid port value: 'abc'"),
     (["serve", "--max-model-len", "4q"], "a whole number of tokens (4096, 4k, 4K), got '4q'"),
     (["serve", "--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+    (["serve", "--enable-log-requests", "--disable-log-requests"], "not allowed with argument --enable-log-requests"),
+    (["serve", "--enable-log-requests", "--max-log-len", "-1"], "a count, 0 or more, got -1"),
 ])
 def test_a_flag_parsed_by_argparse_says_what_is_wrong_with_it(argv: list[str], message: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,15 +187,25 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback() -> None:
 def test_vllm_serving_flags_are_taken(tmp_path) -> None:
     from tests.api.conftest import httpx, start_server
 
-    srv = start_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
-                       "--disable-uvicorn-access-log", "--uvicorn-log-level", "info")
+    srv = start_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-log-requests",
+                       "--max-log-len", "3", "--disable-uvicorn-access-log", "--uvicorn-log-level", "info",
+                       "--log-level", "info")
+    body = {"prompt": "Once upon a time there was", "max_tokens": 2, "temperature": 0}
     try:
         assert httpx.get(f"{srv.base_url}/health").status_code == 200
+        reply = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60.0).json()
     finally:
         srv.stop()
     log = srv.log()
-    assert "Uvicorn running on" in log  # uvicorn's own info lines, under the server's --log-level warning
-    assert "GET /health" not in log  # and no access log
+    assert "Uvicorn running on" in log
+    assert "GET /health" not in log  # no access log
+    # Each prompt cut to 3 characters and 3 token ids, as vLLM's --max-log-len cuts them.
+    from conveyor.model.loader import load_tokenizer
+
+    ids = load_tokenizer(None).encode(body["prompt"])
+    line = next(line for line in log.splitlines() if "Received request" in line)
+    assert f"Received request {reply['id']}-0: prompt: 'Onc', params: SamplingParams(" in line, line
+    assert f"prompt_token_ids: {ids[:3]} ... ({len(ids)} in all)" in line and "temperature=0" in line, line
 
 
 def test_vllm_spellings_of_flags_and_the_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,6 +71,10 @@ class ServerState:
     priority_scheduling: bool | None = None
     # What requests that leave a sampling field out get (--generation-config; SamplingParams' names).
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    # vLLM's --enable-log-requests: each request's prompts and sampling parameters logged as it is
+    # handed to the engine, each prompt cut to max_log_len tokens and characters (None: whole).
+    log_requests: bool = False
+    max_log_len: int | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -303,6 +307,15 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
 
 
 
+def _log_request(state: ServerState, gen: Generation, prompts: list[list[int]]) -> None:
+    cut = state.max_log_len
+    for i, ids in enumerate(prompts):
+        shown = ids if cut is None else ids[:cut]
+        text = None if state.tokenizer is None else state.tokenizer.decode(shown, skip_special_tokens=False)[:cut]
+        log.info("Received request %s-%d: prompt: %r, params: %s, prompt_token_ids: %s%s", gen.id, i, text, gen.params,
+                 shown, "" if len(shown) == len(ids) else f" ... ({len(ids)} in all)")
+
+
 def _infill_prompts(state: ServerState, prompt: str | list[str], suffix: str, add_special_tokens: bool,
                    keep: int | None) -> list[list[int]]:
     """Each text prompt as the prefix of a fill-in-the-middle prompt before `suffix`, cut to `keep`
@@ -453,6 +466,8 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
     if state.draining:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
+    if state.log_requests:
+        _log_request(state, gen, prompts)
     try:
         await gen.submit(prompts, echo)
     except QueueFullError as exc:

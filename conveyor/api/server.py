@@ -93,6 +93,8 @@ def run_server(
     uvicorn_log_level: str | None = None,
     deployment: "DeploymentConfig | None" = None,
     chat_template: str | None = None,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("loading model %s", config.model or "smollm2-135m")
@@ -117,7 +119,8 @@ def run_server(
                         max_num_seqs=config.scheduler.max_num_seqs,
                         priority_scheduling=config.scheduler.scheduling_policy == "priority",
                         sampling_defaults=model_defaults(config.generation_config,
-                                                         engine_client.tokenizer.recommended_sampling))
+                                                         engine_client.tokenizer.recommended_sampling),
+                        log_requests=log_requests, max_log_len=max_log_len)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level or log_level, access_log=access_log, timeout_graceful_shutdown=5,
