@@ -147,7 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         if body.suffix:
             prompts = await asyncio.to_thread(_infill_prompts, state, body.prompt, body.suffix, add_special,
-                                              _truncation(state, data))
+                                              _kept(state, body.truncate_prompt_tokens))
         else:
             prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
             prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
@@ -155,7 +155,7 @@ def build_app(state: ServerState) -> FastAPI:
         echo_only = body.max_tokens == 0  # the engine makes one token, which the answer leaves out (vLLM's way)
         params = body.sampling_params(_max_tokens(state, 1 if echo_only else body.max_tokens, prompts, chat=False),
                                       body.logprobs, grammar, state.sampling_defaults)
-        if body.suffix:  # the middle also ends where the model pads it or starts another file
+        if body.suffix and not params.ignore_eos:  # the middle also ends where the model pads it or starts a file
             ends = [t for t in state.tokenizer.infill.ends if t not in params.stop_token_ids]
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *ends])
         if body.num_prompt_logprobs != body.prompt_logprobs:
@@ -267,8 +267,9 @@ def served_limits(state: ServerState) -> ServedLimits:
             renders_tools = tokenizer.apply_chat_template(probe, tools=[tool]) != tokenizer.apply_chat_template(probe)
         except (InvalidRequestError, ValueError):  # a template that refuses the probe: state nothing of it
             variables = renders_tools = None
+    infill = None if tokenizer is None else getattr(tokenizer, "infill", None) is not None
     return ServedLimits(tuple(state.model_names), state.capacity, vocab, state.max_prompt_chars,
-                        state.max_num_seqs, state.priority_scheduling, variables, renders_tools)
+                        state.max_num_seqs, state.priority_scheduling, variables, renders_tools, infill)
 
 
 async def _read_json(request: Request, state: ServerState) -> Any:
@@ -320,14 +321,13 @@ def _infill_prompts(state: ServerState, prompt: str | list[str], suffix: str, ad
                    keep: int | None) -> list[list[int]]:
     """Each text prompt as the prefix of a fill-in-the-middle prompt before `suffix`, cut to `keep`
     tokens (truncate_prompt_tokens) from the prefix's start and the suffix's end."""
-    if getattr(state.tokenizer, "infill", None) is None:
-        raise bad_request("this model has no fill-in-the-middle tokens: suffix needs a code model trained to "
-                          "infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)", param="suffix")
+    if state.tokenizer is None:
+        raise bad_request("suffix needs the model's tokenizer, which this server does not hold", param="suffix")
     try:
         return [state.tokenizer.encode_infill(p, suffix, keep, add_special_tokens)
                 for p in ([prompt] if isinstance(prompt, str) else prompt)]
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param="truncate_prompt_tokens") from exc
+        raise bad_request(str(exc), param=exc.param) from exc
 
 
 def _check_prompt_sizes(state: ServerState, data: Any) -> None:
@@ -350,16 +350,19 @@ def _check_prompt_sizes(state: ServerState, data: Any) -> None:
                 continue
             size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item) + extra
             if limit is not None and size > limit:
-                raise bad_request(f"the prompt ({size} {unit}) cannot fit the maximum model length of "
+                what = "the prompt and suffix" if extra and isinstance(item, str) else "the prompt"
+                raise bad_request(f"{what} ({size} {unit}) cannot fit the maximum model length of "
                                   f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")
 
 
 def _truncation(state: ServerState, data: Any) -> int | None:
     """The tokens a valid truncate_prompt_tokens keeps, from the undecoded body; else None."""
     keep = data.get("truncate_prompt_tokens") if isinstance(data, dict) else None
+    if type(keep) is float and keep.is_integer():  # JSON's 40.0 is the integer the body takes it as
+        keep = int(keep)
     if type(keep) is not int or not (keep == -1 or keep >= 1):
         return None
-    return state.engine.max_model_len if keep == -1 else keep
+    return _kept(state, keep)
 
 
 def _check_chat_size(state: ServerState, messages: list[dict[str, str]], truncating: bool = False) -> None:
@@ -429,12 +432,15 @@ def _check_fields_rendered(messages: list[dict[str, Any]], text: str, render: An
                               "--chat-template FILE to use it)", param=f"messages.{where[0]}.{key}")
 
 
+def _kept(state: ServerState, keep: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens as a count of tokens (-1: as many as the model takes)."""
+    return state.engine.max_model_len if keep == -1 else keep
+
+
 def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
     """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the model takes)."""
-    if keep is None:
-        return prompts
-    keep = state.engine.max_model_len if keep == -1 else keep
-    return [p[-keep:] for p in prompts]
+    count = _kept(state, keep)
+    return prompts if count is None else [p[-count:] for p in prompts]
 
 
 def _echo_texts(state: ServerState, prompt: str | list, token_ids: list[list[int]]) -> list[str]:

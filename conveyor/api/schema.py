@@ -169,6 +169,7 @@ class ServedLimits:
     priority_scheduling: bool | None = None  # False: a nonzero priority is refused
     template_variables: frozenset[str] | None = None  # what chat_template_kwargs may name
     renders_tools: bool | None = None  # False: tool_choice "auto", and tools beside "none", are refused
+    infill: bool | None = None  # False: no fill-in-the-middle tokens, a nonempty suffix is refused
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -288,6 +289,11 @@ def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
                        "title": "Prompt", "description": "a text, texts, token ids, or lists of token ids"}
     # best_of is accepted only as what it means here, n: stated for n = 1.
     _describe(props, "best_of", "accepted only equal to n")
+    if limits.infill is False:
+        _set(props, "suffix", maxLength=0)
+    _describe(props, "suffix", "fill in the middle: the text goes between the prompt and this; needs a model "
+                               "with infill tokens, text prompts, and no echo" if limits.infill is not False
+              else "this model has no fill-in-the-middle tokens: only empty (a plain completion)")
     # Described, not stated: one more rule tying fields together is past what generators expand here.
     _describe(props, "max_tokens", "0 only with echo: the prompt alone, scored")
     schema["dependentSchemas"] = {

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -49,7 +51,43 @@ _INFILL_SPELLINGS = (
 )
 # A middle ends at the model's EOS or at one of these (padding, or the next file of a repository),
 # which llama.cpp counts as end-of-generation tokens too.
-_INFILL_END_SPELLINGS = ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<fim_pad>", "<repo_name>", "<file_sep>")
+_INFILL_END_SPELLINGS = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>", "<|repo_name|>", "<|fim_repo|>", "<repo_name>",
+                         "<fim-repo>", "<|file_sep|>", "<file_sep>", "<fim-sep>", "<|file_separator|>")
+
+
+class _SharedBackend:
+    """Encodes share one backend, whose switch for reading special-token spellings in a text as
+    those tokens is its own state: an encode that turns it off holds the backend alone, the others
+    run side by side (the backend lets go of the GIL while it encodes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sharing = 0
+        self._alone = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone)
+            self._sharing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._sharing -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone and not self._sharing)
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -65,16 +103,19 @@ class InfillTokens:
     @classmethod
     def find(cls, backend: _HFTokenizer, from_metadata: Mapping[str, int] | None = None) -> InfillTokens | None:
         """From ids the file names (`from_metadata`: "fim_pre", "fim_suf", "fim_mid" and any of
-        "fim_pad", "fim_rep", "fim_sep"), else by the special tokens' spellings; None without them."""
+        "fim_pad", "fim_rep", "fim_sep"), else by their spellings anywhere in the vocabulary (some
+        models mark them special, others not); None without them."""
         known = dict(from_metadata or {})
-        special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         frame: tuple[int, ...] = tuple(known[k] for k, _ in _INFILL_KEYS if k in known)
-        if len(frame) < 3:
-            frame = next((tuple(special[s] for s in spelled) for spelled in _INFILL_SPELLINGS
-                          if all(s in special for s in spelled)), ())
+        for spelled in _INFILL_SPELLINGS if len(frame) < 3 else ():
+            found = [i for i in map(backend.token_to_id, spelled) if i is not None]
+            if len(found) == 3:
+                frame = tuple(found)
+                break
         if len(frame) < 3:
             return None
-        ends = [known[k] for k in _INFILL_END_KEYS if k in known] + [special[s] for s in _INFILL_END_SPELLINGS if s in special]
+        ends = [known[k] for k in _INFILL_END_KEYS if k in known]
+        ends += [i for i in map(backend.token_to_id, _INFILL_END_SPELLINGS) if i is not None]
         return cls(frame[0], frame[1], frame[2], tuple(dict.fromkeys(ends)))
 
 
@@ -155,6 +196,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = frozenset(special)
+        self._sharing = _SharedBackend()
         turn_ends = [i for i in map(backend.token_to_id, _END_OF_TURN) if i is not None and i in special]
         eos = [eos_token_id] if eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids, *turn_ends]))
@@ -176,9 +219,19 @@ class Tokenizer:
         """bos/eos/unk/pad token strings known for this checkpoint (the chat template's variables)."""
         return {k: v for k, v in self._template_vars.items() if isinstance(v, str)}
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """`parse_special` False: a special token's spelling in `text` is text, not that token
+        (llama.cpp's parse_special; a file a code model reads may spell them)."""
         # The backend's own post-processor is bypassed so BOS follows add_bos_token alone.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        with self._sharing.shared():
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        if not parse_special and not self._special_ids.isdisjoint(ids):
+            with self._sharing.alone():
+                self._tok.encode_special_tokens = True
+                try:
+                    ids = self._tok.encode(text, add_special_tokens=False).ids
+                finally:
+                    self._tok.encode_special_tokens = False
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -186,21 +239,24 @@ class Tokenizer:
     def encode_infill(self, prefix: str, suffix: str, max_tokens: int | None = None,
                       add_special_tokens: bool = True) -> list[int]:
         """The prompt asking a code model for the text between `prefix` and `suffix`: its prefix,
-        suffix and middle tokens around them (the prefix-suffix-middle order, each part tokenized
-        alone, as llama.cpp's /infill lays out a file without repository context). `max_tokens`:
-        at most that many, the prefix losing its start and the suffix its end; the suffix keeps at
-        most a quarter of the room unless the prefix leaves it more (llama.cpp's 3:1)."""
+        suffix and middle tokens around them, in the prefix-suffix-middle order of llama.cpp's
+        /infill without its repository header; each part is tokenized alone, special-token
+        spellings in it as text. `max_tokens`: at most that many, the prefix losing its start and
+        the suffix its end, the suffix keeping a quarter of the room (llama.cpp's 3:1) and more
+        where the prefix leaves it unused. Raises InvalidRequestError naming `suffix` for a model
+        without infill tokens, `truncate_prompt_tokens` for a `max_tokens` below the frame."""
         fim = self.infill
         if fim is None:
             raise InvalidRequestError("this model has no fill-in-the-middle tokens: a suffix needs a code model "
-                                      "trained to infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)")
+                                      "trained to infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)", param="suffix")
         head = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
-        before, after = self.encode(prefix, False), self.encode(suffix, False)
+        before = self.encode(prefix, False, parse_special=False)
+        after = self.encode(suffix, False, parse_special=False)
         if max_tokens is not None:
             room = max_tokens - len(head) - 3
             if room < 0:
                 raise InvalidRequestError(f"a fill-in-the-middle prompt takes at least {len(head) + 3} tokens, "
-                                          f"not {max_tokens}")
+                                          f"not {max_tokens}", param="truncate_prompt_tokens")
             keep_after = min(len(after), max(room // 4, room - len(before)))
             keep_before = min(len(before), room - keep_after)
             before, after = before[len(before) - keep_before:], after[:keep_after]

@@ -46,6 +46,7 @@ CONTENT_DEPENDENT = [
     (r"top_logprobs", r"requires logprobs"),  # described
     (r"max_completion_tokens", r"differ"),  # described: max_tokens, if sent too, the same
     (r"max_tokens", r"only with echo"),  # described: 0 only with echo
+    (r"suffix|echo", r"suffix"),  # described: a suffix takes text prompts and no echo
     (r"stream_options", r"only allowed when stream is true"),  # described on chat
     (r"tools|tool_choice(\.function\.name)?", r"needs tools|not in tools|renders the tools|duplicate"),  # described
 ]

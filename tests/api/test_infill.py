@@ -52,7 +52,7 @@ def test_the_middle_is_what_the_model_writes_between_prefix_and_suffix(http: Tes
     # It fills the body in and ends at the model's end of text, not at max_tokens.
     assert choice["text"].startswith("return ") and "radius" in choice["text"].splitlines()[0], choice
     assert choice["finish_reason"] == "stop"
-    # The same tokens as the prompt llama.cpp's /infill lays out, sent as ids with the same stops.
+    # The same as the prompt Tokenizer.encode_infill lays out, sent as ids with the same stops.
     ids = tokenizer.encode_infill(PREFIX, SUFFIX)
     assert infilled["usage"]["prompt_tokens"] == len(ids)
     by_ids = complete(http, prompt=ids, stop_token_ids=list(fim.ends))
@@ -75,5 +75,8 @@ def test_truncation_cuts_the_ends_farthest_from_the_middle(http: TestClient) -> 
     cut = complete(http, prompt="# " + "long preamble " * 100 + "\n" + PREFIX, suffix=SUFFIX * 20,
                    truncate_prompt_tokens=40, max_tokens=4)
     assert cut["usage"]["prompt_tokens"] == 40
+    as_float = complete(http, prompt="# " + "long preamble " * 100 + "\n" + PREFIX, suffix=SUFFIX * 20,
+                        truncate_prompt_tokens=40.0, max_tokens=4)  # JSON's 40.0 is 40
+    assert as_float["usage"]["prompt_tokens"] == 40
     refused = http.post(COMPLETIONS, json={"model": MODEL, "prompt": PREFIX, "suffix": SUFFIX, "truncate_prompt_tokens": 2})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens", refused.text

@@ -411,10 +411,21 @@ def test_tools_the_template_cannot_show_are_refused_with_tool_choice_none(http):
     ({"prompt": [1, 2, 3], "suffix": "\nf()"}, "suffix"),  # the code before the middle must be text
     ({"prompt": [[1, 2], [3]], "suffix": "\nf()"}, "suffix"),
     ({"prompt": "def f():", "suffix": "\nf()", "echo": True}, "echo"),
-    ({"prompt": "x" * 100_000, "suffix": "y"}, "prompt"),  # refused untokenized, the suffix counted in
 ])
 def test_a_suffix_the_model_or_the_request_cannot_take_is_a_400(http, fields, param):
     assert error_of(http.post(COMPLETIONS, json={"max_tokens": 2, **fields}))["param"] == param
+
+
+def test_a_prompt_that_fits_alone_is_refused_untokenized_with_its_suffix(http):
+    prompt = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    limit = prompt["anyOf"][0]["maxLength"]  # the most characters a text prompt may have
+    error = error_of(http.post(COMPLETIONS, json={"prompt": "x" * (limit - 1), "suffix": "yz", "max_tokens": 2}))
+    assert error["param"] == "prompt" and error["message"].startswith("the prompt and suffix"), error
+
+
+def test_the_schema_states_that_this_model_takes_no_suffix(http):
+    suffix = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["suffix"]
+    assert [alt.get("maxLength") for alt in suffix["anyOf"] if alt.get("type") == "string"] == [0], suffix
 
 
 def test_an_empty_suffix_is_a_plain_completion(http):

@@ -282,6 +282,46 @@ def _tiny_infill_vocabulary(spelled: bool) -> tuple[Tokenizer, dict[str, int]]:
     return Tokenizer.from_gguf(meta), ids
 
 
+def test_infill_tokens_spelled_as_plain_vocabulary_entries_are_found() -> None:
+    """DeepSeek-Coder's are not special, and CodeGemma ends a middle with <|file_separator|>."""
+    frame = ["<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>",
+             "<|file_separator|>"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *[f"<0x{b:02X}>" for b in range(256)], "a", "b", "ab", *frame]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3, 3, 3, *[6] * 256, 1, 1, 1, 4, 4, 4, 3],
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1}
+    tok = Tokenizer.from_gguf(meta)
+    ids = {t: i for i, t in enumerate(tokens)}
+    assert tok.infill is not None and (tok.infill.prefix, tok.infill.suffix, tok.infill.middle, tok.infill.ends) == (
+        ids[frame[0]], ids[frame[1]], ids[frame[2]], (ids["<|file_separator|>"],))
+
+
+def test_special_token_spellings_in_the_code_are_text() -> None:
+    """A file may spell the model's own tokens (this repository's tokenizer does): the frame is
+    the model's three tokens only, as llama.cpp tokenizes /infill's parts."""
+    tok, ids = _tiny_infill_vocabulary(True)
+    prompt = tok.encode_infill("a<|fim_middle|>", "<eos>b")
+    frame = {ids["<|fim_prefix|>"], ids["<|fim_suffix|>"], ids["<|fim_middle|>"], ids["<eos>"]}
+    assert [t for t in prompt if t in frame] == [ids["<|fim_prefix|>"], ids["<|fim_suffix|>"], ids["<|fim_middle|>"]]
+    assert tok.decode(prompt, skip_special_tokens=False) == "<bos><|fim_prefix|>a<|fim_middle|><|fim_suffix|><eos>b" \
+        "<|fim_middle|>"
+    # The plain encode still reads them as the tokens, on other threads at the same time too (with
+    # threads switching every microsecond, a dozen of 300 went wrong when the switch was not held).
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [(pool.submit(tok.encode, "a<|fim_middle|>" * 50, False),
+                     pool.submit(tok.encode_infill, "a<|fim_middle|>", "<eos>b")) for _ in range(300)]
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(plain.result() == [ids["a"], ids["<|fim_middle|>"]] * 50 and infill.result() == prompt
+               for plain, infill in jobs)
+
+
 @pytest.mark.parametrize("spelled", [True, False])
 def test_infill_tokens_come_from_the_file_or_their_spelling(spelled: bool) -> None:
     tok, ids = _tiny_infill_vocabulary(spelled)
@@ -329,6 +369,7 @@ def test_an_infill_prompt_cut_to_size_keeps_the_code_nearest_the_middle(before: 
     kept_before, kept_after = cut[2:cut.index(ids["<|fim_suffix|>"])], cut[cut.index(ids["<|fim_suffix|>"]) + 1:-1]
     assert kept_before == tok.encode(prefix, False)[before - len(kept_before):]
     assert kept_after == tok.encode(suffix, False)[:len(kept_after)]
-    assert len(kept_after) >= min(after, room // 4) and len(kept_before) == min(before, room - len(kept_after))
+    assert min(after, room // 4) <= len(kept_after) <= max(room // 4, room - before)
+    assert len(kept_before) == min(before, room - len(kept_after))
     with pytest.raises(InvalidRequestError, match="at least 4 tokens"):
         tok.encode_infill(prefix, suffix, max_tokens=3)
