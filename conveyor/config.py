@@ -34,14 +34,20 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+# vLLM's one-letter sizes (its --kv-cache-memory-bytes): lowercase decimal, uppercase binary.
+_LETTERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def parse_memory(value: str | int) -> int:
-    """'2GiB', '512MiB', '1.5GB' or a byte count -> bytes."""
+    """'2GiB', '512MiB', '1.5GB', vLLM's '2G' (2 GiB) / '2g' (2 GB), or a byte count -> bytes."""
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB', '1.5GB' or bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    unit = match.group(2) if match else ""
+    scale = _LETTERS.get(unit) or _UNITS.get(unit.upper())
+    if not match or scale is None:
+        raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB', '1.5GB', '2G' or bytes")
+    return int(float(match.group(1)) * scale)
 
 
 @dataclass
@@ -214,10 +220,11 @@ class EngineConfig:
             del kwargs["enforce_eager"]
         if isinstance(kwargs.get("trust_remote_code"), bool):  # no checkpoint code runs either way
             del kwargs["trust_remote_code"]
-        if "enable_chunked_prefill" in kwargs:
-            chunked = kwargs.pop("enable_chunked_prefill")
-            if kwargs.setdefault("chunked_prefill", chunked) != chunked:
-                raise ConfigError("enable_chunked_prefill (vLLM's name) and chunked_prefill disagree")
+        for theirs, ours in (("enable_chunked_prefill", "chunked_prefill"), ("kv_cache_memory_bytes", "kv_cache_memory")):
+            if theirs in kwargs:
+                value = kwargs.pop(theirs)
+                if kwargs.setdefault(ours, value) != value:
+                    raise ConfigError(f"{theirs} (vLLM's name) and {ours} disagree")
         for name in ("model", "generation_config"):  # paths, as a str or a Path
             if isinstance(kwargs.get(name), os.PathLike):
                 kwargs[name] = os.fspath(cast(os.PathLike, kwargs[name]))
@@ -240,7 +247,7 @@ VLLM_INSTEAD = {
     "tokenizer": "the tokenizer comes from the model's own files",
 }
 # vLLM's options taken at any value or at the one that says what conveyor does (from_kwargs).
-VLLM_TAKEN = ("trust_remote_code", "enable_chunked_prefill")
+VLLM_TAKEN = ("trust_remote_code", "enable_chunked_prefill", "kv_cache_memory_bytes")
 
 
 def _checked_field_types(config: type, values: dict[str, object]) -> dict[str, object]:

@@ -155,6 +155,8 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
         if name == "enable_chunked_prefill":  # another spelling of --[no-]chunked-prefill: one value, last wins
             parser.add_argument(flag, dest="chunked_prefill", action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        elif name == "kv_cache_memory_bytes":  # another spelling of --kv-cache-memory (2G, 2g, 2GiB, bytes)
+            parser.add_argument(flag, dest="kv_cache_memory", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         elif name in kinds:
             parser.add_argument(flag, dest=dest, type=kinds[name], default=None, help=argparse.SUPPRESS)
         else:  # vLLM's on/off flags

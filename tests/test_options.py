@@ -55,3 +55,22 @@ def test_a_number_of_tokens_as_vllm_writes_it() -> None:
     for bad in ("infk", "1e400k", "1.0001k", "-4k", "4kb", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"got '{bad}'"):
             token_count(bad)
+
+
+def test_a_kv_cache_size_as_vllm_and_conveyor_write_it() -> None:
+    """vLLM's --kv-cache-memory-bytes: one letter, lowercase decimal and uppercase binary; conveyor's
+    own units stay as they were (any case)."""
+    from conveyor.config import parse_memory
+    from conveyor.errors import ConfigError
+
+    assert [parse_memory(v) for v in ("2G", "2g", "512M", "1.5k", "2GiB", "2gib", "1.5GB", "4096", 7)] == [
+        2 * 2**30, 2 * 10**9, 512 * 2**20, 1500, 2 * 2**30, 2 * 2**30, 1.5e9, 4096, 7]
+    for bad in ("2x", "G", "2 Gigs", "-1G"):
+        with pytest.raises(ConfigError, match="cannot read memory size"):
+            parse_memory(bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)  # vLLM's flags with conveyor's
+    assert parser.parse_args(["--kv-cache-memory-bytes", "2G"]).kv_cache_memory == "2G"
+    assert EngineConfig.from_kwargs(kv_cache_memory_bytes=2**30).kv_cache_memory == 2**30  # LLM(...) takes it too
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes .vLLM's name. and kv_cache_memory disagree"):
+        EngineConfig.from_kwargs(kv_cache_memory_bytes="1G", kv_cache_memory="2G")
