@@ -118,9 +118,17 @@ class Request:
         return self.num_known_tokens - self.num_computed_tokens
 
     @property
+    def max_tokens(self) -> int:
+        """The most output tokens it may have: its max_tokens, which the engine sets at admission
+        where the caller left it None (until the context is full)."""
+        limit = self.sampling_params.max_tokens
+        assert limit is not None, "max_tokens is set when the engine admits a request"
+        return limit
+
+    @property
     def max_total_tokens(self) -> int:
         """Upper bound on tokens this request can ever hold in the KV cache."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def is_finished(self) -> bool:

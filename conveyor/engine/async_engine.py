@@ -137,8 +137,7 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
 
     @property
     def capacity(self) -> int:
-        kv = self.engine.scheduler.kv
-        return min(self.engine.max_model_len, kv.num_blocks * kv.block_size)
+        return self.engine.capacity
 
     # --- requests (event loop side) -------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,

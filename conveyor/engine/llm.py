@@ -56,7 +56,8 @@ class LLM:
         long as the context must not get every prompt refused."""
         used = len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
         room = self.engine.max_model_len - used
-        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room)) if room >= 1 else params
+        limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        return dataclasses.replace(params, max_tokens=limit) if room >= 1 else params
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -145,6 +145,12 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._unfinished_samples:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if params.max_tokens is None:  # until the context is full: what the prompt leaves (vLLM's)
+            room = self.capacity - len(token_ids)
+            if room < 1:
+                raise InvalidRequestError(f"the prompt ({len(token_ids)} tokens) leaves no room for output within "
+                                          f"the {self.capacity} tokens a request can hold", param="prompt")
+            params = dataclasses.replace(params, max_tokens=room)
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         self._check_token_ids(params)
@@ -211,14 +217,21 @@ class LLMEngine:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) holds back EOS and stop_token_ids, and "
                                       "allowed_token_ids allows nothing else", param="min_tokens")
 
+    @property
+    def capacity(self) -> int:
+        """Most tokens (prompt and output) one request can hold: the context or the whole KV cache."""
+        kv = self.scheduler.kv
+        return min(self.max_model_len, kv.num_blocks * kv.block_size)
+
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
-        total = num_prompt + params.max_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.capacity - num_prompt
+        total = num_prompt + max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
         kv = self.scheduler.kv
-        blamed = "max_tokens" if num_prompt < min(self.max_model_len, kv.num_blocks * kv.block_size) else "prompt"
+        blamed = "max_tokens" if num_prompt < self.capacity else "prompt"
         if total > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"maximum model length {self.max_model_len}", param=blamed
             )
         if blocks_for(total, kv.block_size) > kv.num_blocks:

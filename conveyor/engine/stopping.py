@@ -25,6 +25,6 @@ class StopChecker:
             if token in params.stop_token_ids:
                 request.stop_reason, request.ended_on_stop_token = token, True
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -54,7 +54,7 @@ class SamplingParams:
     neither min_tokens nor ignore_eos.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context is full (vLLM's; the engine sets it at admission)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -97,8 +97,9 @@ class SamplingParams:
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1 (or None: until the context is full), "
+                                      f"got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -147,7 +148,7 @@ class SamplingParams:
                 f"repetition_penalty must be in (0, {_MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         # A complete grammar allows nothing more, so neither could be honoured past its end.
@@ -171,7 +172,7 @@ class SamplingParams:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
         checks = [
-            ("max_tokens", is_int(self.max_tokens)),
+            ("max_tokens", self.max_tokens is None or is_int(self.max_tokens)),
             ("temperature", is_num(self.temperature)),
             ("top_k", is_int(self.top_k)),
             ("top_p", is_num(self.top_p)),

@@ -191,7 +191,7 @@ class Speculator:
             if not can_speculate(request):
                 continue
             # Never past max_tokens: the last token a request may have is its own, never a proposal.
-            room = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
+            room = request.max_tokens - len(request.output_token_ids) - 1
             depth = min(room, self.depth(request, rows, len(requests)))
             if depth > 0:
                 chosen.append(request)

@@ -65,3 +65,23 @@ def test_a_field_changed_after_construction_is_checked_again_at_add_request():
     rid = engine.add_request([1, 2, 3], params)
     assert engine.scheduler.requests[rid].sampling_params.top_k == 1000
     assert params.top_k == 10**30  # the caller's object is left alone
+
+
+def test_max_tokens_none_runs_until_the_context_is_full():
+    """vLLM's SamplingParams(max_tokens=None): the engine sets what the prompt leaves (of the
+    context, or of the KV cache where that is smaller), and the caller's object is left alone."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=8), FakeRunner(), num_kv_blocks=8, max_model_len=40,
+                       vocab_size=1000)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=5)
+    rid = engine.add_request([1, 2, 3], params)
+    assert engine.scheduler.requests[rid].sampling_params.max_tokens == 37 and params.max_tokens is None
+    result = finish_all(engine)[rid]
+    assert len(result.token_ids) == 37 and result.finish_reason == "length"
+    small_pool = LLMEngine(EngineConfig(num_kv_blocks=2), FakeRunner(), num_kv_blocks=2, max_model_len=40,
+                           vocab_size=1000)  # 2 blocks of 16 tokens hold less than the context
+    rid = small_pool.add_request([1, 2, 3], params)
+    assert small_pool.scheduler.requests[rid].sampling_params.max_tokens == 29
+    with pytest.raises(InvalidRequestError, match="prompt"):  # no room left: the prompt is at fault
+        engine.add_request(list(range(40)), params)
+    with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1 .or None"):
+        SamplingParams(max_tokens=0)
