@@ -6,13 +6,14 @@ from typing import Callable
 
 from conveyor.errors import ConveyorError
 from conveyor.request import RequestTimes
+from conveyor.sampling.outputs import TokenLogprobs
 
 
 class Logprob(float):
     """A token's logprob as vLLM's offline API gives it (`.logprob`, `.rank`, `.decoded_token`) that
     is also the plain float conveyor's API gave, so code written for either reads it. `rank`: 1 for
-    the likeliest token; known for the top alternatives asked for, None for a chosen token below
-    them (its place among the rest of the vocabulary is not computed)."""
+    the likeliest token; the top alternatives asked for are ranked by their order, the chosen token
+    by its place in the whole distribution (as vLLM ranks them)."""
 
     rank: int | None
     decoded_token: str | None
@@ -35,10 +36,12 @@ class Logprob(float):
 def ranked_logprobs(step: dict[int, float], chosen: int, top: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
     """One token's logprobs ({token id: logprob}: the `chosen` token's and the `top` likeliest) as
     vLLM's Logprob objects. The `top` likeliest are ranked 1..top; the chosen token has its rank
-    among them, or none where it is not one of them (the step then holds top + 1 entries; with top
-    0, always), even where it ties with the last of them."""
+    among them, or where it is not one of them (the step then holds top + 1 entries; with top 0,
+    always) its place in the whole distribution, which the sampler counted (TokenLogprobs.rank)."""
     alternatives = [t for t in step if t != chosen] if len(step) > top else list(step)
-    ranks = {token: i + 1 for i, token in enumerate(sorted(alternatives, key=lambda t: -step[t])[:top])}
+    ranks: dict[int, int | None] = {token: i + 1 for i, token in
+                                     enumerate(sorted(alternatives, key=lambda t: -step[t])[:top])}
+    ranks.setdefault(chosen, step.rank if isinstance(step, TokenLogprobs) else None)
     return {token: Logprob(lp, ranks.get(token), decode(token)) for token, lp in step.items()}
 
 

@@ -4,6 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class TokenLogprobs(dict[int, float]):
+    """{token id: logprob} at one position: its chosen (or, for a prompt, actual) token's and the
+    top alternatives asked for; `rank` is that token's place in the whole distribution (1: the
+    likeliest; tokens as likely as it count before it, as vLLM counts)."""
+
+    def __init__(self, entries: dict[int, float], rank: int) -> None:
+        super().__init__(entries)
+        self.rank = rank
+
+
 @dataclass
 class SamplerOutput:
     """What a runner returns for one step: a token per sampling request, in order."""

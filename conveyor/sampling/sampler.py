@@ -19,7 +19,7 @@ import torch
 
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
-from conveyor.sampling.outputs import SamplerOutput, verify_rows
+from conveyor.sampling.outputs import SamplerOutput, TokenLogprobs, verify_rows
 
 
 def _holds_back_stops(request: Request) -> bool:
@@ -295,15 +295,18 @@ class Sampler:
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
-        """{token: logprob} for each row's target token and its `top` best alternatives."""
+        """{token: logprob} for each row's target token and its `top` best alternatives, with the
+        target's rank (TokenLogprobs)."""
         logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)].tolist()
+        chosen = logp[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)]
+        ranks = (logp >= chosen[:, None]).sum(dim=-1).tolist()
         top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        result = []
-        for target, value, ids, values in zip(targets, chosen, top_ids.tolist(), top_values.tolist()):
+        result: list[dict[int, float]] = []
+        for target, value, rank, ids, values in zip(targets, chosen.tolist(), ranks, top_ids.tolist(),
+                                                     top_values.tolist()):
             entry = dict(zip(ids, values))
             entry[target] = value
-            result.append(entry)
+            result.append(TokenLogprobs(entry, rank))
         return result
 
     @staticmethod
@@ -314,12 +317,13 @@ class Sampler:
         top = max(wanted[i] for i in rows)  # type: ignore[type-var]
         top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
         chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
+        ranks = (logp >= chosen[:, None]).sum(dim=-1).tolist()
         result: list[dict[int, float] | None] = [None] * len(tokens)
         for j, i in enumerate(rows):
             k = wanted[i]
             entry = dict(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
             entry[tokens[i]] = float(chosen[j])
-            result[i] = entry
+            result[i] = TokenLogprobs(entry, ranks[j])
         return result
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:

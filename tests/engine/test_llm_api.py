@@ -53,8 +53,11 @@ def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm: LLM) -> None:
         assert [lp.logprob for lp in by_rank] == sorted((lp.logprob for lp in by_rank), reverse=True)
     assert out.logprobs == out.outputs[0].logprobs
     first = out.prompt_logprobs[1]
-    assert first[out.prompt_token_ids[1]].decoded_token is not None and len(first) in (2, 3)
-    assert {lp.rank for lp in first.values()} - {None} == {1, 2}  # the prompt's own token may rank below them
+    own = first[out.prompt_token_ids[1]]
+    assert own.decoded_token is not None and len(first) in (2, 3)
+    alternatives = {t: lp for t, lp in first.items() if t != out.prompt_token_ids[1] or len(first) == 2}
+    assert sorted(lp.rank for lp in alternatives.values()) == [1, 2]
+    assert own.rank is not None and (own.rank > 2) == (len(first) == 3)  # below them: its place in the vocabulary
     def fields(steps):  # == on a Logprob compares the number only
         return [{t: (float(lp), lp.rank, lp.decoded_token) for t, lp in step.items()} for step in steps]
 
@@ -62,16 +65,35 @@ def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm: LLM) -> None:
     assert str(chosen) == repr(float(chosen)) and f"{chosen:.2f}" == f"{float(chosen):.2f}"  # prints as the number
 
 
-def test_a_sampled_token_below_the_top_alternatives_has_no_rank() -> None:
+def test_a_sampled_token_below_the_top_alternatives_has_its_place_in_the_vocabulary() -> None:
     from conveyor.engine.outputs import ranked_logprobs
+    from conveyor.sampling.outputs import TokenLogprobs
 
-    ranked = ranked_logprobs({7: -3.0, 1: -0.1, 2: -1.0}, 7, 2, str)  # 7 was drawn, 1 and 2 are the top 2
-    assert (ranked[1].rank, ranked[2].rank, ranked[7].rank) == (1, 2, None)
+    ranked = ranked_logprobs(TokenLogprobs({7: -3.0, 1: -0.1, 2: -1.0}, 9), 7, 2, str)  # 7 drawn, 9th likeliest
+    assert (ranked[1].rank, ranked[2].rank, ranked[7].rank) == (1, 2, 9)
     assert ranked[7].decoded_token == "7" and ranked[7] == -3.0
-    assert ranked_logprobs({5: -0.2, 6: -2.0}, 5, 2, str)[5].rank == 1  # drawn among them: ranked
-    tied = ranked_logprobs({7: -1.0, 1: -0.1, 2: -1.0}, 7, 2, str)  # drawn, tied with the 2nd alternative
-    assert (tied[1].rank, tied[2].rank, tied[7].rank) == (1, 2, None)
-    assert ranked_logprobs({4: -0.5}, 4, 0, str)[4].rank is None  # logprobs=0: no alternatives to rank among
+    assert ranked_logprobs(TokenLogprobs({5: -0.2, 6: -2.0}, 1), 5, 2, str)[5].rank == 1  # drawn among them
+    tied = ranked_logprobs(TokenLogprobs({7: -1.0, 1: -0.1, 2: -1.0}, 3), 7, 2, str)  # tied with the 2nd
+    assert (tied[1].rank, tied[2].rank, tied[7].rank) == (1, 2, 3)
+    assert ranked_logprobs(TokenLogprobs({4: -0.5}, 12), 4, 0, str)[4].rank == 12  # logprobs=0: its place alone
+    assert ranked_logprobs({4: -0.5}, 4, 0, str)[4].rank is None  # a step without the sampler's count
+
+
+def test_the_rank_of_a_token_outside_the_top_alternatives_is_its_place_in_the_model_distribution(llm: LLM) -> None:
+    """Prompt tokens scored with 20 alternatives (ranked by order) and with none (ranked by the
+    sampler's count over the vocabulary) agree, inside the 20 and past them."""
+    ids = llm.tokenizer.encode("The capital of France is Paris, and the capital of Peru is a llama.")
+    (wide,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=20))
+    (alone,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ranks = [step[token].rank for step, token in zip(alone.prompt_logprobs[1:], ids[1:])]
+    within = [(rank, step[token].rank) for rank, step, token in zip(ranks, wide.prompt_logprobs[1:], ids[1:])
+              if len(step) == 20]  # the token is one of the 20
+    assert within and all(counted == ordered for counted, ordered in within)
+    past = [rank for rank, step in zip(ranks, wide.prompt_logprobs[1:]) if len(step) == 21]
+    assert past and all(rank > 20 for rank in past)
+    (drawn,) = llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=2.0, seed=3, logprobs=0))
+    assert all(step[token].rank >= 1 for step, token in zip(drawn.logprobs, drawn.token_ids))
+    assert any(step[token].rank > 1 for step, token in zip(drawn.logprobs, drawn.token_ids))  # hot: not all likeliest
 
 
 def test_vllms_dict_prompts_and_argument_types(llm: LLM) -> None:
