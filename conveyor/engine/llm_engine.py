@@ -219,9 +219,11 @@ class LLMEngine:
 
     @property
     def capacity(self) -> int:
-        """Most tokens (prompt and output) one request can hold: the context or the whole KV cache."""
-        kv = self.scheduler.kv
-        return min(self.max_model_len, kv.num_blocks * kv.block_size)
+        """Most tokens (prompt and output) one request can hold: the context or the whole KV cache,
+        and without chunked prefill what one step computes (a recomputed request is one prefill)."""
+        kv, sched = self.scheduler.kv, self.config.scheduler
+        room = min(self.max_model_len, kv.num_blocks * kv.block_size)
+        return room if sched.chunked_prefill else min(room, sched.max_num_batched_tokens)
 
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.capacity - num_prompt
@@ -320,10 +322,7 @@ class LLMEngine:
         first real request, not inside it. Call it on an idle engine; returns the engine. The
         requests shrink to what the engine's limits admit (a short --max-model-len, a small pool);
         an engine that admits no request at all is a ConfigError that says so."""
-        sched, kv = self.config.scheduler, self.scheduler.kv
-        room = min(self.max_model_len, kv.num_blocks * kv.block_size)
-        if not sched.chunked_prefill:  # a whole request then fits one step's budget
-            room = min(room, sched.max_num_batched_tokens)
+        room = self.capacity
         output_len = max(1, min(output_len, room // 4))
         prompt_len = max(1, min(prompt_len, room - output_len))
         half = self.vocab_size // 2  # ids in the upper half: clear of the special tokens at the start
