@@ -3,11 +3,16 @@ a few lines of a source file are cut out at the cursor and typed back a few char
 and at each keystroke the client asks for the middle (the text between the code before the cursor
 and the code after it), one request at a time, as an editor waiting for its suggestion does.
 conveyor is asked through OpenAI's `suffix` on /v1/completions, llama-server through its own
-/infill (its layout puts a short repository header first: the prompts differ by those tokens).
-Both reuse the KV of the prompt's unchanged start (prefix caching; llama.cpp's cache_prompt).
+/infill, run as llama.vim's preset for Qwen2.5-Coder runs it (-b 1024 -ub 1024 --cache-reuse
+256). The prompts differ: /infill puts a short repository header first and cuts the code to its
+batch (3/4 before the cursor, 1/4 after); conveyor takes the whole file unless --truncate gives it
+truncate_prompt_tokens (the same 3:1 split). Both reuse the KV of the prompt's unchanged start
+(prefix caching; llama.cpp's cache_prompt), and llama-server also moves cached KV that reappears at
+a shifted position (--cache-reuse).
 
     .venv/bin/python benchmarks/fim_session.py --rounds 2
-    .venv/bin/python benchmarks/fim_session.py --file conveyor/api/app.py --cursor-line 150
+    .venv/bin/python benchmarks/fim_session.py --rounds 2 --truncate 1024
+    .venv/bin/python benchmarks/fim_session.py --llama-batch 2048 --file conveyor/api/app.py --cursor-line 150
 
 Prints, per server and round, the latency of a suggestion (median, p90, max; the session's first
 request, on a cold cache, is left out), the prompt tokens computed per request (those not taken
@@ -50,10 +55,13 @@ def keystrokes(document: str, cursor_line: int, lines_cut: int, chars: int) -> l
     return [(before + cut[:typed], after) for typed in range(0, len(cut) + 1, chars)]
 
 
-def conveyor_request(port: int, prefix: str, suffix: str, max_tokens: int) -> tuple[str, int, int]:
+def conveyor_request(port: int, prefix: str, suffix: str, max_tokens: int,
+                     truncate: int | None = None) -> tuple[str, int, int]:
     """(the suggestion, prompt tokens computed, tokens generated)"""
-    reply = post(port, "/v1/completions", {"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens,
-                                           "temperature": 0, "stop": ["\n\n"]})
+    body = {"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0, "stop": ["\n\n"]}
+    if truncate is not None:
+        body["truncate_prompt_tokens"] = truncate
+    reply = post(port, "/v1/completions", body)
     usage = reply["usage"]
     return (reply["choices"][0]["text"], usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"],
             usage["completion_tokens"])
@@ -98,6 +106,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=4096, help="llama-server's -c (one slot)")
     p.add_argument("--cache-reuse", type=int, default=256, help="llama-server's --cache-reuse (0: off)")
+    p.add_argument("--llama-batch", type=int, default=1024, help="llama-server's -b and -ub (its default: 2048 / 512)")
+    p.add_argument("--truncate", type=int, default=None,
+                   help="conveyor's truncate_prompt_tokens (default: the whole file, as the client sends it)")
     p.add_argument("--out-dir", default="out/fim")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -107,19 +118,24 @@ def main() -> int:
     strokes = keystrokes((ROOT / args.file).read_text(), args.cursor_line, args.lines_cut, args.chars)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    def ask_conveyor(port: int, prefix: str, suffix: str, max_tokens: int) -> tuple[str, int, int]:
+        return conveyor_request(port, prefix, suffix, max_tokens, args.truncate)
+
     servers = [("conveyor", [str(CONVEYOR), "serve", str(path), "--port", "8141", "--log-level", "warning",
-                             "--num-threads", str(args.threads)], 8141, conveyor_request)]
+                             "--num-threads", str(args.threads)], 8141, ask_conveyor)]
     if LLAMA_SERVER.is_file():
-        # --cache-reuse: llama.vim's and llama.vscode's recommended setting, which moves the KV of a
-        # chunk the new prompt repeats at another position (the code after the cursor) instead of
-        # computing it again.
+        # llama.vim's preset for Qwen2.5-Coder (llama-server --fim-qwen-*-default): a 1,024-token batch,
+        # which also caps /infill's prompt (3/4 of it for the code before the cursor, 1/4 after),
+        # and --cache-reuse, which moves the KV of a chunk the new prompt repeats at another position.
         servers.append(("llama-server", [*llama_server_cmd(path, 8142, args.threads, 1, args.context),
+                                          "-b", str(args.llama_batch), "-ub", str(args.llama_batch),
                                           "--cache-reuse", str(args.cache_reuse)], 8142, llama_request))
     else:
         print("llama-server not built (benchmarks/peers/llama_cpp.sh --setup-only): conveyor alone")
     print(f"{path.name}: {args.file} lines {args.cursor_line}..{args.cursor_line + args.lines_cut - 1} typed back "
           f"{args.chars} characters a request, {len(strokes)} requests, max_tokens {args.max_tokens}, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; llama-server -b/-ub {args.llama_batch} --cache-reuse {args.cache_reuse}, "
+          f"conveyor truncate_prompt_tokens {args.truncate}")
     print(f"{'round':>5} {'server':<13} {'median ms':>9} {'p90 ms':>7} {'max ms':>7} {'cold ms':>8} "
           f"{'computed/req':>12} {'out/req':>7} {'agree':>6}")
     for round_ in range(1, args.rounds + 1):

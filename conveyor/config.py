@@ -50,6 +50,14 @@ def parse_memory(value: str | int) -> int:
     return int(float(match.group(1)) * scale)
 
 
+def _memory_or_as_is(value: object) -> object:
+    """A memory size in bytes where it reads as one (so '1GiB' and 2**30 agree), else the value."""
+    try:
+        return parse_memory(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    except ConfigError:
+        return value
+
+
 @dataclass
 class SchedulerConfig:
     policy: str = "continuous"  # "continuous" or "static"
@@ -220,10 +228,13 @@ class EngineConfig:
             del kwargs["enforce_eager"]
         if isinstance(kwargs.get("trust_remote_code"), bool):  # no checkpoint code runs either way
             del kwargs["trust_remote_code"]
-        for theirs, ours in (("enable_chunked_prefill", "chunked_prefill"), ("kv_cache_memory_bytes", "kv_cache_memory")):
+        if "kv_cache_memory_bytes" in kwargs and kwargs["kv_cache_memory_bytes"] is None:  # vLLM's default
+            del kwargs["kv_cache_memory_bytes"]
+        for theirs, ours, same in (("enable_chunked_prefill", "chunked_prefill", lambda v: v),
+                                   ("kv_cache_memory_bytes", "kv_cache_memory", _memory_or_as_is)):
             if theirs in kwargs:
                 value = kwargs.pop(theirs)
-                if kwargs.setdefault(ours, value) != value:
+                if same(kwargs.setdefault(ours, value)) != same(value):
                     raise ConfigError(f"{theirs} (vLLM's name) and {ours} disagree")
         for name in ("model", "generation_config"):  # paths, as a str or a Path
             if isinstance(kwargs.get(name), os.PathLike):

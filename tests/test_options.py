@@ -74,3 +74,5 @@ def test_a_kv_cache_size_as_vllm_and_conveyor_write_it() -> None:
     assert EngineConfig.from_kwargs(kv_cache_memory_bytes=2**30).kv_cache_memory == 2**30  # LLM(...) takes it too
     with pytest.raises(ConfigError, match="kv_cache_memory_bytes .vLLM's name. and kv_cache_memory disagree"):
         EngineConfig.from_kwargs(kv_cache_memory_bytes="1G", kv_cache_memory="2G")
+    assert EngineConfig.from_kwargs(kv_cache_memory_bytes=2**30, kv_cache_memory="1GiB").kv_cache_memory == "1GiB"
+    assert EngineConfig.from_kwargs(kv_cache_memory_bytes=None).kv_cache_memory == EngineConfig.kv_cache_memory

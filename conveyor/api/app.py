@@ -472,8 +472,8 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
     if state.draining:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
-    if state.log_requests:
-        _log_request(state, gen, prompts)
+    if state.log_requests and log.isEnabledFor(logging.INFO):
+        await asyncio.to_thread(_log_request, state, gen, prompts)  # decoding a long prompt takes a while
     try:
         await gen.submit(prompts, echo)
     except QueueFullError as exc:

@@ -97,6 +97,8 @@ def run_server(
     max_log_len: int | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_requests and logging.getLogger("conveyor.server").getEffectiveLevel() > logging.INFO:
+        log.warning("--enable-log-requests writes INFO lines, which --log-level %s hides", log_level)
     log.info("loading model %s", config.model or "smollm2-135m")
     engine_client: EngineClient
     if deployment is not None and deployment.distributed:  # workers on Ray (conveyor/distributed)

@@ -145,12 +145,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._unfinished_samples:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if params.max_tokens is None:  # until the context is full: what the prompt leaves (vLLM's)
-            room = self.capacity - len(token_ids)
-            if room < 1:
-                raise InvalidRequestError(f"the prompt ({len(token_ids)} tokens) leaves no room for output within "
-                                          f"the {self.capacity} tokens a request can hold", param="prompt")
-            params = dataclasses.replace(params, max_tokens=room)
+        params = self._until_full(len(token_ids), params)
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         self._check_token_ids(params)
@@ -225,8 +220,21 @@ class LLMEngine:
         room = min(self.max_model_len, kv.num_blocks * kv.block_size)
         return room if sched.chunked_prefill else min(room, sched.max_num_batched_tokens)
 
+    def _until_full(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
+        """`params` with max_tokens None (vLLM's "until the context is full") set to what the prompt
+        leaves; a prompt that leaves nothing is refused."""
+        if params.max_tokens is not None:
+            return params
+        room = self.capacity - num_prompt
+        if room < 1:
+            raise InvalidRequestError(f"the prompt ({num_prompt} tokens) leaves no room for output within the "
+                                      f"{self.capacity} tokens a request can hold", param="prompt")
+        return dataclasses.replace(params, max_tokens=room)
+
     def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.capacity - num_prompt
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            raise InvalidRequestError("max_tokens is None: set it with _until_full first", param="max_tokens")
         total = num_prompt + max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
         kv = self.scheduler.kv
@@ -294,7 +302,7 @@ class LLMEngine:
         the exporter's sliding-window pool still held). It resumes like any request, from that count."""
         if request.request_id in self._unfinished_samples or request.sampling_params.n != 1:
             raise InvalidRequestError(f"cannot take over request {request.request_id!r}")
-        request.sampling_params = self._prepared(request.sampling_params)
+        request.sampling_params = self._until_full(request.num_prompt_tokens, self._prepared(request.sampling_params))
         self._check_fits(request.num_prompt_tokens, request.sampling_params)
         self._check_token_ids(request.sampling_params)
         self._start_grammar(request)  # replays the output it already has

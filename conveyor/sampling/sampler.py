@@ -235,6 +235,15 @@ def _draw_from_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams]
     return ids.gather(-1, _draw_by_cdf(values, uniform)[:, None]).squeeze(1)
 
 
+def _ranks(logp: torch.Tensor, chosen: torch.Tensor, rows_at_once: int = 64) -> list[int]:
+    """Each row's count of tokens at least as likely as its chosen one (vLLM's rank; 1: the
+    likeliest), a few rows at a time: a prompt's thousands of rows would otherwise hold a
+    vocabulary-wide comparison for all of them at once."""
+    counts = [(logp[i:i + rows_at_once] >= chosen[i:i + rows_at_once, None]).sum(dim=-1)
+              for i in range(0, logp.shape[0], rows_at_once)]
+    return torch.cat(counts).clamp_(min=1).tolist() if counts else []
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
@@ -299,7 +308,7 @@ class Sampler:
         target's rank (TokenLogprobs)."""
         logp = torch.log_softmax(logits, dim=-1)
         chosen = logp[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)]
-        ranks = (logp >= chosen[:, None]).sum(dim=-1).tolist()
+        ranks = _ranks(logp, chosen)
         top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
         result: list[dict[int, float]] = []
         for target, value, rank, ids, values in zip(targets, chosen.tolist(), ranks, top_ids.tolist(),
@@ -317,7 +326,7 @@ class Sampler:
         top = max(wanted[i] for i in rows)  # type: ignore[type-var]
         top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
         chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
-        ranks = (logp >= chosen[:, None]).sum(dim=-1).tolist()
+        ranks = _ranks(logp, chosen)
         result: list[dict[int, float] | None] = [None] * len(tokens)
         for j, i in enumerate(rows):
             k = wanted[i]

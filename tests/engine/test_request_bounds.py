@@ -81,7 +81,12 @@ def test_max_tokens_none_runs_until_the_context_is_full():
                            vocab_size=1000)  # 2 blocks of 16 tokens hold less than the context
     rid = small_pool.add_request([1, 2, 3], params)
     assert small_pool.scheduler.requests[rid].sampling_params.max_tokens == 29
-    with pytest.raises(InvalidRequestError, match="prompt"):  # no room left: the prompt is at fault
+    with pytest.raises(InvalidRequestError, match="leaves no room") as refused:  # the prompt is at fault
         engine.add_request(list(range(40)), params)
+    assert refused.value.param == "prompt"
+    unchunked = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=8, chunked_prefill=False, max_num_batched_tokens=24),
+                          FakeRunner(), num_kv_blocks=8, max_model_len=40, vocab_size=1000)
+    rid = unchunked.add_request([1, 2, 3], params)  # one step computes a recomputed request whole: 24 tokens
+    assert unchunked.capacity == 24 and unchunked.scheduler.requests[rid].sampling_params.max_tokens == 21
     with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1 .or None"):
         SamplingParams(max_tokens=0)

@@ -407,3 +407,15 @@ def test_a_verified_request_is_blocked_only_by_the_row_it_keeps():
     assert Sampler().verify(logits[:2], [request], masked_rows=[0, 1]).blocked == [0]
     request.spec_token_ids = [(int(logits[0].argmax()) + 1) % 20]  # rejected: row 0 decides
     assert Sampler().verify(logits[:2], [request], masked_rows=[0, 1]).blocked is None
+
+
+def test_a_tokens_rank_counts_those_at_least_as_likely_as_vllm_counts_them() -> None:
+    from conveyor.sampling.outputs import TokenLogprobs
+    from conveyor.sampling.sampler import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0]] * 4)
+    scored = Sampler.prompt_logprobs(logits, [0, 2, 3, 4], top=0)  # the likeliest, a tie, below it, the last
+    assert all(isinstance(step, TokenLogprobs) for step in scored)
+    assert [step.rank for step in scored] == [1, 3, 4, 5]
+    drawn = Sampler._logprobs(logits[:2], [1, 4], [0, 2])
+    assert [step.rank for step in drawn] == [3, 5] and len(drawn[1]) == 3  # its own entry and the top 2
