@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from footprint import LLAMA_SERVER, llama_server_cmd, wait_ready
+from footprint import LLAMA_SERVER, llama_server_cmd, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVEYOR = Path(sys.executable).parent / "conveyor"
@@ -74,10 +71,7 @@ def llama_request(port: int, prefix: str, suffix: str, max_tokens: int) -> tuple
 
 
 def session(cmd: list[str], port: int, log: Path, ask, strokes: list[tuple[str, str]], max_tokens: int) -> dict:
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(port, proc, 600)
+    with serving(cmd, port, log):
         latencies, computed, generated, texts = [], [], [], []
         for prefix, suffix in strokes:
             started = time.perf_counter()
@@ -88,10 +82,6 @@ def session(cmd: list[str], port: int, log: Path, ask, strokes: list[tuple[str, 
             texts.append(text)
         return {"latencies": latencies[1:], "computed": computed[1:], "generated": generated[1:],
                 "first_s": latencies[0], "texts": texts}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 def main() -> int:
@@ -146,7 +136,8 @@ def main() -> int:
         for name, r in results.items():
             lat = sorted(r["latencies"])
             print(f"{round_:>5} {name:<13} {1000 * statistics.median(lat):>9.0f} "
-                  f"{1000 * lat[int(0.9 * (len(lat) - 1))]:>7.0f} {1000 * lat[-1]:>7.0f} {1000 * r['first_s']:>8.0f} "
+                  f"{1000 * statistics.quantiles(lat, n=10, method='inclusive')[8]:>7.0f} {1000 * lat[-1]:>7.0f} "
+                  f"{1000 * r['first_s']:>8.0f} "
                   f"{statistics.mean(r['computed']):>12.1f} {statistics.mean(r['generated']):>7.1f} "
                   f"{agree:>3}/{len(strokes)}")
         if len(results) == 2:

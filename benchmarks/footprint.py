@@ -34,7 +34,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +81,22 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server not ready")
 
 
+@contextmanager
+def serving(cmd: list[str], port: int, log: Path) -> Iterator[tuple[subprocess.Popen, float]]:
+    """A server started from `cmd` (its output to `log`), once it answers on `port`: (the process,
+    seconds from start to ready); stopped with its process group when the block ends."""
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(port, proc, 600)
+        yield proc, time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 def long_prompt(model: str, ctx_per_slot: int) -> str:
     """A prompt filling ~80% of a slot: SLOTS of them at once are a full-budget prefill."""
     sys.path.insert(0, str(ROOT))
@@ -90,12 +108,7 @@ def long_prompt(model: str, ctx_per_slot: int) -> str:
 def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None, slots: int = 4) -> dict[str, float]:
     """Ready time, then memory after three short requests; with `long_prompt`, again after `slots`
     of them sent at once (a full-budget prefill's working set, which the process then keeps)."""
-    started = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(port, proc, 600)
-        ready = time.monotonic() - started
+    with serving(cmd, port, log) as (proc, ready):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
         for _ in range(3):
@@ -111,10 +124,6 @@ def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None
             mem = status(proc.pid)
             result |= {"loaded_rss_gib": mem["VmRSS"] / 2**30, "loaded_peak_gib": mem["VmHWM"] / 2**30}
         return result
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 def main() -> int:
