@@ -306,7 +306,7 @@ def test_special_token_spellings_in_the_code_are_text() -> None:
     assert tok.decode(prompt, skip_special_tokens=False) == "<bos><|fim_prefix|>a<|fim_middle|><|fim_suffix|><eos>b" \
         "<|fim_middle|>"
     # The plain encode still reads them as the tokens, on other threads at the same time too (with
-    # threads switching every microsecond, a dozen of 300 went wrong when the switch was not held).
+    # threads switching every microsecond, 25 of 300 went wrong in one run when the switch was not held).
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
