@@ -34,8 +34,9 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-# vLLM's one-letter sizes (its --kv-cache-memory-bytes): lowercase decimal, uppercase binary.
-_LETTERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# vLLM's one-letter multipliers (its human-readable --max-model-len, --kv-cache-memory-bytes):
+# lowercase decimal, uppercase binary.
+SIZE_LETTERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_memory(value: str | int) -> int:
@@ -44,7 +45,7 @@ def parse_memory(value: str | int) -> int:
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
     unit = match.group(2) if match else ""
-    scale = _LETTERS.get(unit) or _UNITS.get(unit.upper())
+    scale = SIZE_LETTERS.get(unit) or _UNITS.get(unit.upper())
     if not match or scale is None:
         raise ConfigError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB', '1.5GB', '2G' or bytes")
     return int(float(match.group(1)) * scale)

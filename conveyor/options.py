@@ -10,8 +10,8 @@ import typing
 from decimal import Decimal
 from typing import Any, Callable, Iterable
 
-from conveyor.config import (ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES, VLLM_INSTEAD,
-                             VLLM_TAKEN, EngineConfig, SchedulerConfig)
+from conveyor.config import (ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES, SIZE_LETTERS,
+                             VLLM_INSTEAD, VLLM_TAKEN, EngineConfig, SchedulerConfig)
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, qwen2.5-coder-0.5b, a .gguf file or an HF folder",
@@ -56,8 +56,7 @@ CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": ("auto", *DT
 def token_count(text: str) -> int:
     """A number of tokens as vLLM's --max-model-len takes it: 4096, 4k (4,000) or 4K (4,096), m/M, g/G."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-    value = Decimal(match.group(1)) * scale[match.group(2)] if match else None
+    value = Decimal(match.group(1)) * SIZE_LETTERS.get(match.group(2), 1) if match else None
     if value is None or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"a whole number of tokens (4096, 4k, 4K), got {text!r}")
     return int(value)

@@ -55,7 +55,7 @@ class LLM:
         the room `prompt` leaves in the context, as the server's default is: a recommendation as
         long as the context must not get every prompt refused."""
         used = len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-        room = self.engine.max_model_len - used
+        room = self.engine.capacity - used
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
         return dataclasses.replace(params, max_tokens=limit) if room >= 1 else params
 
