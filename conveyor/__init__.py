@@ -6,7 +6,7 @@ share_one_heap()
 
 from conveyor.config import EngineConfig, SchedulerConfig  # noqa: E402
 from conveyor.engine import LLM, LLMEngine, RequestOutput  # noqa: E402
-from conveyor.sampling import SamplingParams  # noqa: E402
+from conveyor.sampling import PoolingParams, SamplingParams  # noqa: E402
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "SchedulerConfig"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams", "SchedulerConfig"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from typing import cast
 
 from conveyor.errors import ConfigError
 from conveyor.model.generation_defaults import GENERATION_CONFIG, GENERATION_CONFIG_CHOICES
+from conveyor.sampling.pooling import POOLING_TYPES
 
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
@@ -186,6 +187,10 @@ class EngineConfig:
     # OpenAI's and vLLM's defaults, or a folder whose generation_config.json says it
     # (conveyor.model.generation_defaults)
     generation_config: str = "auto"
+    # How an embedding pools the prompt's hidden states ("last", "mean" or "cls"; conveyor/sampling/
+    # pooling.py). None: as the model file says (a GGUF's {arch}.pooling_type), else "last", vLLM's
+    # for a decoder model
+    pooling_type: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -207,6 +212,8 @@ class EngineConfig:
         parse_memory(self.kv_cache_memory)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
         if self.generation_config not in GENERATION_CONFIG_CHOICES \
                 and not os.path.isfile(os.path.join(self.generation_config, GENERATION_CONFIG)):
             raise ConfigError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES} or a folder holding "
@@ -229,6 +236,8 @@ class EngineConfig:
             del kwargs["enforce_eager"]
         if isinstance(kwargs.get("trust_remote_code"), bool):  # no checkpoint code runs either way
             del kwargs["trust_remote_code"]
+        if kwargs.get("runner") in ("auto", "generate", "pooling"):  # one engine serves both
+            del kwargs["runner"]
         if "kv_cache_memory_bytes" in kwargs and kwargs["kv_cache_memory_bytes"] is None:  # vLLM's default
             del kwargs["kv_cache_memory_bytes"]
         for theirs, ours, same in (("enable_chunked_prefill", "chunked_prefill", lambda v: v),
@@ -257,6 +266,7 @@ VLLM_INSTEAD = {
     "tensor_parallel_size": "one engine uses num_threads cores; replicas scale out (conveyor serve --replicas)",
     "enforce_eager": "there are no graphs to capture on a CPU: every step runs eagerly (true is taken)",
     "tokenizer": "the tokenizer comes from the model's own files",
+    "runner": "one engine generates and serves /v1/embeddings: auto, generate and pooling are taken",
 }
 # vLLM's options taken at any value or at the one that says what conveyor does (from_kwargs).
 VLLM_TAKEN = ("trust_remote_code", "enable_chunked_prefill", "kv_cache_memory_bytes")

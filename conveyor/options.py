@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 from conveyor.config import (ACTIVATION_DTYPES, DTYPES, KV_CACHE_DTYPES, POLICIES, SCHEDULING_POLICIES, SIZE_LETTERS,
                              VLLM_INSTEAD, VLLM_TAKEN, EngineConfig, SchedulerConfig)
+from conveyor.sampling.pooling import POOLING_TYPES
 
 HELP = {
     "model": "smollm2-135m (default), gemma3-270m, qwen2.5-coder-0.5b, a .gguf file or an HF folder",
@@ -32,6 +33,9 @@ HELP = {
                          "repetition_penalty, max_tokens) gets: auto, the model's recommendation "
                          "(generation_config.json, a GGUF's general.sampling.* keys), where it has one; vllm, "
                          "OpenAI's and vLLM's defaults; or a folder holding a generation_config.json",
+    "pooling_type": "how /v1/embeddings pools a prompt's final hidden states: last (the last token's), mean, "
+                    "or cls (the first token's); default: what the model file says (a GGUF's pooling_type), "
+                    "else last, as vLLM pools a decoder model",
     "enable_prefix_caching": "share the KV of full blocks across requests with the same prefix",
     "kv_cache_memory": "KV cache size, e.g. 1GiB or 512MiB",
     "num_kv_blocks": "KV blocks (overrides --kv-cache-memory)",
@@ -50,7 +54,8 @@ HELP = {
 }
 # "auto" is vLLM's spelling of the default dtype (EngineConfig.from_kwargs takes it).
 CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "dtype": ("auto", *DTYPES), "scheduling_policy": SCHEDULING_POLICIES,
-                                       "activation_dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
+                                       "activation_dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
+                                       "pooling_type": POOLING_TYPES}
 
 
 def token_count(text: str) -> int:
@@ -148,7 +153,7 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
     `--enable-chunked-prefill`) and told what does their work here where not (config.VLLM_INSTEAD),
     instead of argparse's bare "unrecognized arguments". Left out of --help."""
     kinds: dict[str, Callable[[str], Any]] = {"gpu_memory_utilization": float, "tensor_parallel_size": int,
-                                               "tokenizer": str}
+                                               "tokenizer": str, "runner": str}
     for name in (*VLLM_INSTEAD, *VLLM_TAKEN):
         flag, dest = "--" + name.replace("_", "-"), _VLLM_PREFIX + name
         if name == "enable_chunked_prefill":  # another spelling of --[no-]chunked-prefill: one value, last wins

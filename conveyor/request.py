@@ -70,6 +70,11 @@ class Request:
     # not yet verified. They are scheduled and computed like any known token; the step's sampling
     # keeps the run the model agrees with and the scheduler rolls the rest back (never cached).
     spec_token_ids: list[int] = field(default_factory=list)
+    # An embedding request (sampling_params.pooling): the sum of the hidden states of its pooled
+    # positions computed so far, and how many of those positions it holds (the next to pool is
+    # pooled_positions[num_pooled]; a recompute after preemption pools none twice).
+    pooled_sum: list[float] | None = None
+    num_pooled: int = 0
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +104,12 @@ class Request:
         )
         child.times.first_scheduled = self.times.first_scheduled
         return child
+
+    @property
+    def pooled_positions(self) -> range | None:
+        """The prompt positions an embedding request pools (None: the request samples tokens)."""
+        pooling = self.sampling_params.pooling
+        return None if pooling is None else pooling.positions(len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -175,10 +175,12 @@ def quantize_k(values: Any, qtype: str) -> Any:
 
 
 def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path,
-                       matrices: str | Callable[[str, tuple[int, ...]], str] = "F32") -> None:
+                       matrices: str | Callable[[str, tuple[int, ...]], str] = "F32",
+                       more_keys: dict[str, int] | None = None) -> None:
     """A GGUF as llama.cpp's convert_hf_to_gguf would write an HF checkpoint with SmolLM2's vocabulary
     (a tiny random one, or SmolLM2 exported): vectors in F32, matrices in `matrices` (a GGML type
-    name, or one per tensor from its GGUF name and shape), Q2_K and Q3_K by quantize_k."""
+    name, or one per tensor from its GGUF name and shape), Q2_K and Q3_K by quantize_k. `more_keys`:
+    further `{arch}.KEY` integers (an embedding model's pooling_type)."""
     import json
 
     import numpy as np
@@ -195,7 +197,7 @@ def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path:
     for k, v in {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
                  "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
                  "attention.head_count": heads, "attention.head_count_kv": kv_heads,
-                 "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads}.items():
+                 "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads, **(more_keys or {})}.items():
         w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.rope.freq_base", cfg.get("rope_parameters", {}).get("rope_theta") or cfg["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])

@@ -51,6 +51,7 @@ from conveyor.cli import main
     (["generate", "--tensor-parallel-size", "2", "x"], "--tensor-parallel-size: one engine uses --num-threads"),
     (["generate", "--no-enforce-eager", "x"], "--enforce-eager: there are no graphs to capture on a CPU"),
     (["generate", "--tokenizer", "t", "x"], "['--tokenizer'] (--tokenizer: the tokenizer comes from the model's"),
+    (["generate", "--runner", "draft", "x"], "--runner: one engine generates and serves /v1/embeddings"),
     (["generate", "--generation-config", "/nonexistent", "x"], "--generation-config must be one of ('auto', 'vllm')"),
     (["generate", "--top-p", "2", "x"], "top_p must be in (0, 1]"),  # before the model loads
     (["serve", "--chat-template", "/nonexistent.jinja"], "is neither a file nor a Jinja template"),
@@ -147,7 +148,7 @@ def test_a_vllm_command_line_runs(capsys: pytest.CaptureFixture[str], caplog: py
     # The flags vLLM users write that say what conveyor does anyway
     with caplog.at_level(logging.WARNING):
         assert main(["generate", "--dtype", "auto", "--tensor-parallel-size", "1", "--trust-remote-code",
-                     "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+                     "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--runner", "pooling",
                      "--max-tokens", "2", "Hi"]) == 0
     assert "1 requests, 2 tokens" in capsys.readouterr().out
     assert "max_model_len 512: the tokens one step computes without chunked prefill" in caplog.text  # it took

@@ -1,18 +1,20 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/version, /health, /metrics."""
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize,
+/detokenize, /version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import functools
 import hmac
 import logging
+import struct
 import sys
 import time
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -24,14 +26,17 @@ from conveyor.api.generation import Generation
 from conveyor.api.limits import decode_json, max_chars_per_token, read_body
 from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeChatRequest,
+    TokenizeCompletionRequest, parse,
 )
 from conveyor.api.schema import (
+    GENERATION_ERRORS,
     TOKENIZER_ERRORS,
     V1_ERRORS,
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    EmbeddingResponse,
     Health,
     METRICS_RESPONSES,
     MODEL_ERRORS,
@@ -43,11 +48,12 @@ from conveyor.api.schema import (
     generation_responses,
     install_openapi,
 )
-from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, stream_response
+from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, run_to_end, stream_response
 from conveyor.api.structured import compile_grammar, requested_grammar
 from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from conveyor.sampling.params import SamplingParams
 from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("conveyor.server")
@@ -168,6 +174,38 @@ def build_app(state: ServerState) -> FastAPI:
                             CompletionFormat(_name(state, body.model), bool(body.return_token_ids)),
                             bool(body.stream), body.include_usage, echo)
 
+    @v1.post("/embeddings", response_model=EmbeddingResponse, responses=GENERATION_ERRORS)
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings: each input's final hidden states pooled into one vector
+        (conveyor/sampling/pooling.py), its prompt computed like any other in the running batch."""
+        data = await _read_json(request, state)
+        _check_prompt_sizes(state, data, "input")
+        body = parse(EmbeddingRequest, data)
+        _check_model(state, body.model)
+        pooling = state.engine.default_pooling
+        width = state.engine.embedding_size
+        if body.dimensions is not None and body.dimensions != width:
+            raise bad_request(f"dimensions ({body.dimensions}): this model's embeddings have {width}, and it is not "
+                              "trained to be cut shorter", param="dimensions")
+        if body.normalize is not None:
+            pooling = dataclasses.replace(pooling, normalize=body.normalize)
+        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, body.add_special_tokens, "input")
+        prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
+        gen = Generation(state.engine, state.tokenizer, SamplingParams.for_pooling(pooling, body.priority or 0), None,
+                         "embd", request_id=body.request_id)
+        release = await _admit(state, gen, prompts, prompt_field="input")
+        try:
+            if not await run_to_end(request, gen):
+                return Response(status_code=499)
+        finally:
+            release()
+        vectors = [cast(list[float], c.embedding) for c in gen.choices]
+        return JSONResponse({
+            "id": gen.id, "object": "list", "created": gen.created, "model": _name(state, body.model),
+            "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens}})
+
     @v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await _read_json(request, state))
@@ -248,6 +286,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(payload, media_type=content_type)
 
     install_openapi(app, {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+                          "/v1/embeddings": (EmbeddingRequest,),
                           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
                           "/detokenize": (DetokenizeRequest,)}, lambda: served_limits(state))
     return app
@@ -269,7 +308,8 @@ def served_limits(state: ServerState) -> ServedLimits:
             variables = renders_tools = None
     infill = None if tokenizer is None else getattr(tokenizer, "infill", None) is not None
     return ServedLimits(tuple(state.model_names), state.capacity, vocab, state.max_prompt_chars,
-                        state.max_num_seqs, state.priority_scheduling, variables, renders_tools, infill)
+                        state.max_num_seqs, state.priority_scheduling, variables, renders_tools, infill,
+                        state.engine.embedding_size)
 
 
 async def _read_json(request: Request, state: ServerState) -> Any:
@@ -287,7 +327,8 @@ def _name(state: ServerState, model: str | None) -> str:
     return model or state.model_names[0]
 
 
-def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
+def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens: bool = True,
+                      field: str = "prompt") -> list[list[int]]:
     if isinstance(prompt, str):
         prompts: list = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -298,11 +339,11 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
     for p in prompts:
         ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
-            raise bad_request("the prompt is empty", param="prompt")
+            raise bad_request(f"the {field} is empty", param=field)
         vocab = getattr(state.tokenizer, "vocab_size", None)  # without a tokenizer the engine checks them
         bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
         if bad:  # before anything decodes them (echo) or they reach the engine
-            raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
+            raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param=field)
         out.append(ids)
     return out
 
@@ -330,12 +371,12 @@ def _infill_prompts(state: ServerState, prompt: str | list[str], suffix: str, ad
         raise bad_request(str(exc), param=exc.param) from exc
 
 
-def _check_prompt_sizes(state: ServerState, data: Any) -> None:
+def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt") -> None:
     """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
     validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
     than the most characters that many tokens can hold. Measured after truncate_prompt_tokens, as
     vLLM truncates first: a text is then not bounded here (the body limit bounds it)."""
-    prompt = data.get("prompt") if isinstance(data, dict) else None
+    prompt = data.get(field) if isinstance(data, dict) else None
     suffix = data.get("suffix") if isinstance(data, dict) else None
     extra = len(suffix) if isinstance(suffix, str) else 0  # a middle's prompt holds its suffix too
     keep = _truncation(state, data)
@@ -350,9 +391,9 @@ def _check_prompt_sizes(state: ServerState, data: Any) -> None:
                 continue
             size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item) + extra
             if limit is not None and size > limit:
-                what = "the prompt and suffix" if extra and isinstance(item, str) else "the prompt"
+                what = "the prompt and suffix" if extra and isinstance(item, str) else f"the {field}"
                 raise bad_request(f"{what} ({size} {unit}) cannot fit the maximum model length of "
-                                  f"{state.capacity} tokens", param="prompt", code="context_length_exceeded")
+                                  f"{state.capacity} tokens", param=field, code="context_length_exceeded")
 
 
 def _truncation(state: ServerState, data: Any) -> int | None:
@@ -432,6 +473,13 @@ def _check_fields_rendered(messages: list[dict[str, Any]], text: str, render: An
                               "--chat-template FILE to use it)", param=f"messages.{where[0]}.{key}")
 
 
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings of an embedding: the numbers, or their float32 bytes (little-endian) in base64."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
 def _kept(state: ServerState, keep: int | None) -> int | None:
     """vLLM's truncate_prompt_tokens as a count of tokens (-1: as many as the model takes)."""
     return state.engine.max_model_len if keep == -1 else keep
@@ -467,8 +515,9 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
     return min(state.capacity - longest, recommended)
 
 
-async def _serve(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
-                 fmt: CompletionFormat, stream: bool, include_usage: bool, echo: list[str] | None = None) -> Response:
+async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], echo: list[str] | None = None,
+                 chat: bool = False, prompt_field: str = "prompt") -> Callable[[], None]:
+    """Hand the prompts to the engine (or answer why not); what to call once the answer is out."""
     if state.draining:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
@@ -483,7 +532,7 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
         raise unavailable(str(exc), code="shutting_down") from None
     except InvalidRequestError as exc:
         state.metrics.rejected("invalid").inc()
-        raise invalid(exc, isinstance(fmt, ChatFormat)) from None
+        raise invalid(exc, chat, prompt_field) from None
     state.inflight += 1
     released = False
 
@@ -494,6 +543,12 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
             state.inflight -= 1
             gen.close()
 
+    return release
+
+
+async def _serve(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
+                 fmt: CompletionFormat, stream: bool, include_usage: bool, echo: list[str] | None = None) -> Response:
+    release = await _admit(state, gen, prompts, echo, isinstance(fmt, ChatFormat))
     if stream:
         return stream_response(gen, fmt, include_usage, release)
     try:

@@ -53,9 +53,10 @@ def unavailable(message: str, code: str = "server_overloaded") -> APIError:
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured"} | {"prompt"}
 
 
-def invalid(exc: InvalidRequestError, chat: bool = False) -> APIError:
+def invalid(exc: InvalidRequestError, chat: bool = False, prompt_field: str = "prompt") -> APIError:
     """The 400 for an engine refusal, `param` set: the field the engine named, else the field the
-    message starts with (SamplingParams' messages do). A chat's prompt is its messages."""
+    message starts with (SamplingParams' messages do). A chat's prompt is its messages; another
+    endpoint's is `prompt_field` (embeddings': input)."""
     message = str(exc)
     param = getattr(exc, "param", None)
     if param is None:
@@ -63,8 +64,8 @@ def invalid(exc: InvalidRequestError, chat: bool = False) -> APIError:
         param = first if first in _SAMPLING_FIELDS else None
     if param == "bad_words_token_ids":
         param = "bad_words"
-    if chat and param == "prompt":
-        param = "messages"
+    if param == "prompt":
+        param = "messages" if chat else prompt_field
     elif chat and param == "logprobs":
         param = "top_logprobs"
     return bad_request(message, param=param)

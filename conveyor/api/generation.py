@@ -54,6 +54,7 @@ class Choice:
     _token_ids_taken: int = 0
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens named "token_id:N"
     generates: bool = True  # False: echo with max_tokens 0, the prompt alone (its one token left out)
+    embedding: list[float] | None = None  # an embedding request's vector, once it has finished
 
     def _token_name(self, token: int) -> str:
         return f"token_id:{token}" if self.tokens_as_ids else token_text(self.detok.tokenizer, token)
@@ -106,8 +107,9 @@ class Choice:
             entries = []
             if self.finished:
                 break
-        if not self.finished and out.finished:  # an end without a new token
+        if not self.finished and out.finished:  # an end without a new token (an embedding's only output)
             self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
+            self.embedding = getattr(out, "embedding", None)
             pieces.append((self.detok.finish(), entries))
         if prefix:
             pieces[0] = (prefix + pieces[0][0], pieces[0][1]) if pieces else (prefix, [])

@@ -439,6 +439,31 @@ def _check_continuation(request: ChatCompletionRequest | TokenizeChatRequest) ->
         raise ValueError("continue_final_message cannot be combined with add_generation_prompt: true")
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's POST /v1/embeddings, with vLLM's extensions (truncate_prompt_tokens,
+    add_special_tokens, priority, normalize, request_id). `dimensions` is taken only as the
+    model's own width: no model served here is trained to be cut shorter (vLLM refuses it too)."""
+
+    model: str | None = None
+    input: Text | list[Text] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    priority: int | None = None
+    normalize: bool | None = None  # None: the server's (--pooling-type, on by default)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+
+    @model_validator(mode="after")
+    def _inputs(self) -> "EmbeddingRequest":
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be an empty list")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1")
+        return self
+
+
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]

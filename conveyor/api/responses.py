@@ -201,6 +201,20 @@ def stream_response(gen: Generation, fmt: CompletionFormat, include_usage: bool,
 
 async def full_response(request: Request, gen: Generation, fmt: CompletionFormat) -> JSONResponse | None:
     """Collect the whole answer; None if the client disconnected first (its requests are aborted)."""
+    if not await run_to_end(request, gen):
+        return None
+    body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
+    if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
+    if not fmt.prompt_ids_in_choice and fmt.return_token_ids and gen.choices:
+        body["prompt_token_ids"] = gen.choices[0].prompt_ids
+    body["usage"] = usage(gen)
+    return JSONResponse(body)
+
+
+async def run_to_end(request: Request, gen: Generation) -> bool:
+    """Run every choice to its end, or raise the engine's failure; False if the client disconnected
+    first (its requests are then aborted)."""
 
     async def collect() -> None:
         async for _ in gen.updates():
@@ -218,14 +232,8 @@ async def full_response(request: Request, gen: Generation, fmt: CompletionFormat
             task.cancel()
     if not work.done() or work.cancelled():
         gen.close()
-        return None
+        return False
     work.result()
     if gen.error is not None:
         raise failure(gen)
-    body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
-    if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
-    if not fmt.prompt_ids_in_choice and fmt.return_token_ids and gen.choices:
-        body["prompt_token_ids"] = gen.choices[0].prompt_ids
-    body["usage"] = usage(gen)
-    return JSONResponse(body)
+    return True

@@ -98,6 +98,26 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a string with encoding_format "base64": little-endian float32s
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -170,6 +190,7 @@ class ServedLimits:
     template_variables: frozenset[str] | None = None  # what chat_template_kwargs may name
     renders_tools: bool | None = None  # False: tool_choice "auto", and tools beside "none", are refused
     infill: bool | None = None  # False: no fill-in-the-middle tokens, a nonempty suffix is refused
+    embedding_size: int | None = None  # the only `dimensions` an embedding request may ask for
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -214,6 +235,19 @@ _CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_
                 "guided_grammar")
 
 
+def _priority_and_truncation(props: dict[str, Any], limits: ServedLimits) -> None:
+    """vLLM's priority and truncate_prompt_tokens, which generation and embeddings share."""
+    if limits.priority_scheduling is False:
+        _set(props, "priority", const=0)
+        _describe(props, "priority", "needs a server run with --scheduling-policy priority")
+    else:
+        _set(props, "priority", minimum=SEED_MIN, maximum=SEED_MAX)
+    # -1 (as many as the model takes) is accepted too; "-1 or >= 1" would cost the generators a branch.
+    _set(props, "truncate_prompt_tokens", minimum=1)
+    _describe(props, "truncate_prompt_tokens", "keep the prompt's last k tokens (k >= 1); -1 keeps as many as "
+                                               "the model takes")
+
+
 def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
     """The fields completions and chat share (protocol._Sampling), one by one; and one structured-
     output constraint per request."""
@@ -230,10 +264,6 @@ def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
     string, strings = _choices(props["stop"])
     string.update(minLength=1)
     strings.update(maxItems=_MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
-    # -1 (as many as the model takes) is accepted too; "-1 or >= 1" would cost the generators a branch.
-    _set(props, "truncate_prompt_tokens", minimum=1)
-    _describe(props, "truncate_prompt_tokens", "keep the prompt's last k tokens (k >= 1); -1 keeps as many as "
-                                               "the model takes")
     _set(props, "bad_words", maxItems=_MAX_BAD_WORDS,
          items={"type": "string", "pattern": r"\S", "maxLength": _MAX_BAD_WORDS_CHARS // _MAX_BAD_WORDS})
     _set(props, "allowed_token_ids", minItems=1, maxItems=_MAX_ALLOWED_TOKEN_IDS)
@@ -244,11 +274,7 @@ def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         _set(props, "logit_bias", propertyNames={"pattern": _below(limits.vocab_size)})
     _set(props, "logit_bias", additionalProperties={"type": "number", "minimum": -_MAX_LOGIT_BIAS,
                                                     "maximum": _MAX_LOGIT_BIAS})
-    if limits.priority_scheduling is False:
-        _set(props, "priority", const=0)
-        _describe(props, "priority", "needs a server run with --scheduling-policy priority")
-    else:
-        _set(props, "priority", minimum=SEED_MIN, maximum=SEED_MAX)
+    _priority_and_truncation(props, limits)
     # Structured outputs: each field's shape, and one constraint per request.
     _set(props, "guided_regex", minLength=1)
     _set(props, "guided_grammar", minLength=1)
@@ -276,17 +302,23 @@ def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
                    for asked in (None, *_CONSTRAINTS)]})
 
 
-def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
-    props = schema["properties"]
+def _prompts(limits: ServedLimits, title: str) -> dict[str, Any]:
+    """A prompt field (completions' prompt, embeddings' input): a text, texts, token ids or lists
+    of them, each of a size that can fit."""
     text: dict[str, Any] = {"type": "string", "minLength": 1}
     if limits.max_prompt_chars is not None:
         text["maxLength"] = limits.max_prompt_chars
     ids: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": limits.capacity - 1, "items": {"type": "integer"}}
     if limits.vocab_size is not None:
         ids["items"] = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
-    props["prompt"] = {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
-                                 {"type": "array", "minItems": 1, "items": ids}],
-                       "title": "Prompt", "description": "a text, texts, token ids, or lists of token ids"}
+    return {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
+                      {"type": "array", "minItems": 1, "items": ids}],
+            "title": title, "description": "a text, texts, token ids, or lists of token ids"}
+
+
+def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    props = schema["properties"]
+    props["prompt"] = _prompts(limits, "Prompt")
     # best_of is accepted only as what it means here, n: stated for n = 1.
     _describe(props, "best_of", "accepted only equal to n")
     if limits.infill is False:
@@ -300,6 +332,16 @@ def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         **_only_if("stream_options", {"stream": {"const": True}}, ("stream",)),
         **_only_if("best_of", {"best_of": {"const": 1}, "n": {"enum": [1, None]}}),
     }
+
+
+def _embedding_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    props = schema["properties"]
+    _set(props, "model", enum=list(limits.model_names))
+    props["input"] = _prompts(limits, "Input")
+    if limits.embedding_size is not None:
+        _set(props, "dimensions", const=limits.embedding_size)
+        _describe(props, "dimensions", "only the model's own width: no model served here is trained to be cut shorter")
+    _priority_and_truncation(props, limits)
 
 
 def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
@@ -343,6 +385,7 @@ def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _sampling_limits(schemas[name], limits)
     _completion_limits(schemas["CompletionRequest"], limits)
+    _embedding_limits(schemas["EmbeddingRequest"], limits)
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         _chat_limits(schemas[name], limits)
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):

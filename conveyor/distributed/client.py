@@ -33,6 +33,7 @@ from conveyor.errors import (
     WorkerDiedError,
 )
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 
 log = logging.getLogger("conveyor.distributed")
 POLL_TIMEOUT_S = 1.0
@@ -68,6 +69,14 @@ class RayEngineClient:
     @property
     def capacity(self) -> int:
         return min(min(w.info.max_model_len, w.info.num_kv_blocks * w.info.block_size) for w in self.workers)
+
+    @property
+    def default_pooling(self) -> PoolingParams:
+        return self.workers[0].info.default_pooling  # one model, one configuration on every worker
+
+    @property
+    def embedding_size(self) -> int | None:
+        return self.workers[0].info.embedding_size
 
     @property
     def is_running(self) -> bool:

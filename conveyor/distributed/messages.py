@@ -7,6 +7,7 @@ from typing import Any
 
 from conveyor.errors import ConveyorError
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 
 ROLES = ("replica", "prefill", "decode")  # replica: prefill and decode together (colocated)
 
@@ -22,6 +23,8 @@ class WorkerInfo:
     block_size: int
     kv_block_bytes: int
     max_num_seqs: int = 0  # its running-batch cap (admission counts free seats as not waiting)
+    default_pooling: PoolingParams = PoolingParams()  # what its embeddings pool by (LLMEngine.default_pooling)
+    embedding_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class TokenEvent:
     ended_on_stop_token: bool = False  # RequestOutput's
     # With prompt_logprobs, on a request's first event (from the prefill worker under P/D).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its final event
 
 
 @dataclass(frozen=True)

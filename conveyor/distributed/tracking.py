@@ -58,6 +58,7 @@ class TrackedRequest:
             stop_reason=event.stop_reason, text=event.text, times=times, num_preemptions=event.num_preemptions,
             index=event.index, logprobs=event.logprobs, num_cached_tokens=self.num_cached_tokens,
             ended_on_stop_token=event.ended_on_stop_token, prompt_logprobs=event.prompt_logprobs,
+            embedding=event.embedding,
         )
         self.sink.put_nowait(out)
         return out

@@ -103,6 +103,7 @@ class EngineWorker(EngineLoop[_Command]):
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=kv.num_blocks,
             block_size=kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
             kv_block_bytes=one_block.numel() * one_block.element_size(),
+            default_pooling=self.engine.default_pooling, embedding_size=self.engine.embedding_size,
         )
         self._outbox_lock = threading.Lock()
         # Events stay until a later poll acknowledges them: a poll whose answer never reached its
@@ -285,7 +286,8 @@ class EngineWorker(EngineLoop[_Command]):
                 continue
             events.append(TokenEvent(out.request_id, out.index, list(out.new_token_ids), out.finished,
                                      out.finish_reason, out.stop_reason, out.text, out.logprobs, out.num_preemptions,
-                                     out.num_cached_tokens, out.ended_on_stop_token, out.prompt_logprobs))
+                                     out.num_cached_tokens, out.ended_on_stop_token, out.prompt_logprobs,
+                                     out.embedding))
             if out.finished and out.request_id in self._live:
                 self._live[out.request_id] -= 1
                 if not self._live[out.request_id]:

@@ -23,6 +23,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import EngineStoppedError, QueueFullError
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 
 log = logging.getLogger("conveyor.engine")
 
@@ -134,6 +135,14 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def default_pooling(self) -> PoolingParams:
+        return self.engine.default_pooling
+
+    @property
+    def embedding_size(self) -> int | None:
+        return self.engine.embedding_size
 
     @property
     def capacity(self) -> int:

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any, Callable, Protocol, Sequence
 
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 
 
 class EngineClient(Protocol):
@@ -29,6 +30,16 @@ class EngineClient(Protocol):
 
     @property
     def is_running(self) -> bool: ...
+
+    @property
+    def default_pooling(self) -> PoolingParams:
+        """What an embedding request pools by unless it says (LLMEngine.default_pooling)."""
+        ...
+
+    @property
+    def embedding_size(self) -> int | None:
+        """How many numbers an embedding has (LLMEngine.embedding_size)."""
+        ...
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None: ...
 

@@ -11,9 +11,11 @@ from typing import Any, Callable, Sequence, cast
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput, ranked_logprobs
+from conveyor.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                                     RequestOutput, ranked_logprobs)
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams, model_defaults
+from conveyor.sampling.pooling import PoolingParams
 
 Prompt = str | Sequence[int]
 # vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}.
@@ -96,6 +98,26 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): the prompt's final hidden states
+        pooled as `pooling_params` says (default: the engine's, LLMEngine.default_pooling)."""
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            given = pooling_params or self.engine.default_pooling
+            params: SamplingParams | list[SamplingParams] = SamplingParams.for_pooling(given)
+        elif isinstance(pooling_params, Sequence) and all(isinstance(p, PoolingParams) for p in pooling_params):
+            params = [SamplingParams.for_pooling(p) for p in pooling_params]
+        else:
+            raise TypeError(f"pooling_params takes a PoolingParams or a list of them, got {type(pooling_params).__name__}")
+        outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(cast(list[float], out.embedding)),
+                                       out.prompt) for out in outputs]
 
     def _run(self, ids: list[str], params_of: dict[str, SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         texts: dict[tuple[str, int], IncrementalDetokenizer] = {}

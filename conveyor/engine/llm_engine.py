@@ -22,6 +22,7 @@ from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 from conveyor.scheduler import SchedulerOutput, build_scheduler
 from conveyor.engine.draft import DraftModelProposer
 from conveyor.speculative import Proposer, Speculator
@@ -220,6 +221,19 @@ class LLMEngine:
         room = min(self.max_model_len, kv.num_blocks * kv.block_size)
         return room if sched.chunked_prefill else min(room, sched.max_num_batched_tokens)
 
+    @property
+    def default_pooling(self) -> PoolingParams:
+        """What an embedding request pools by, unless it says: EngineConfig.pooling_type, else the
+        model file's, else the last token's (vLLM's for a decoder model); normalized."""
+        model_config = getattr(self.runner, "model_config", None)
+        return PoolingParams(self.config.pooling_type or getattr(model_config, "pooling_type", None) or "last")
+
+    @property
+    def embedding_size(self) -> int | None:
+        """How many numbers an embedding has: the model's hidden size (None: a runner without a model)."""
+        model_config = getattr(self.runner, "model_config", None)
+        return None if model_config is None else model_config.hidden_size
+
     def _until_full(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
         """`params` with max_tokens None (vLLM's "until the context is full") set to what the prompt
         leaves; a prompt that leaves nothing is refused."""
@@ -235,6 +249,9 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             raise InvalidRequestError("max_tokens is None: set it with _until_full first", param="max_tokens")
+        if params.pooling is not None and num_prompt + 1 > self.capacity:  # its one reserved slot (for_pooling)
+            raise InvalidRequestError(f"the prompt ({num_prompt} tokens) cannot fit the {self.capacity - 1} "
+                                      "tokens an embedding request can hold", param="prompt")
         total = num_prompt + max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
         kv = self.scheduler.kv
@@ -378,7 +395,13 @@ class LLMEngine:
         t2 = self.clock()
         for request_id, scored in (sampled.prompt_logprobs or {}).items():
             self.scheduler.requests[request_id].prompt_logprobs.extend(scored)  # type: ignore[union-attr]
-        finished = []
+        for request_id, (total, count) in (sampled.pooled or {}).items():
+            request = self.scheduler.requests[request_id]
+            request.pooled_sum = total if request.pooled_sum is None else [
+                a + b for a, b in zip(request.pooled_sum, total)]
+            request.num_pooled += count
+        finished: list[tuple[Request, RequestStatus, dict[int, float] | None, list[int]]] = [
+            (request, RequestStatus.FINISHED_STOPPED, None, []) for request in out.pooled_requests()]
         logprobs = sampled.logprobs or [None] * len(samplers)
         accepted = sampled.num_accepted or [0] * len(samplers)
         num_rejected: dict[str, int] = {}
@@ -517,7 +540,7 @@ class LLMEngine:
                            if self.scheduler.requests[rid].group_id not in errors}
         survivors = _only(out, {r.group_id for r, _ in out.scheduled} - set(errors))
         kept_sampled = SamplerOutput(kept(sampled.tokens) or [], kept(sampled.logprobs), prompt_logprobs or None,
-                                     kept(sampled.num_accepted))
+                                     kept(sampled.num_accepted), pooled=sampled.pooled)
         return kept_sampled, survivors, [self._fail_group(group_id, error) for group_id, error in errors.items()]
 
     def _fail_group(self, group_id: str, error: ConveyorError) -> RequestOutput:
@@ -541,6 +564,7 @@ class LLMEngine:
     def _output(self, request: Request, new_tokens: list[int], logprobs: dict[int, float] | None) -> RequestOutput:
         finished = request.is_finished
         return RequestOutput(
+            embedding=_embedding(request) if finished and request.status is RequestStatus.FINISHED_STOPPED else None,
             request_id=request.group_id,
             index=request.sample_index,
             logprobs=None if logprobs is None else [logprobs],
@@ -557,6 +581,17 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens or 0,
         )
+
+
+def _embedding(request: Request) -> list[float] | None:
+    """An embedding request's vector, once every position it pools is computed (None otherwise)."""
+    pooling, pooled = request.sampling_params.pooling, request.pooled_positions
+    if pooling is None or pooled is None:
+        return None
+    if request.num_pooled != len(pooled) or request.pooled_sum is None:
+        raise AssertionError(f"request {request.request_id!r} ended having pooled {request.num_pooled} of its "
+                             f"{len(pooled)} positions")
+    return pooling.embedding(request.pooled_sum, request.num_pooled)
 
 
 def _no_token_error(request: Request) -> NoAllowedTokenError:

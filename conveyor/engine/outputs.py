@@ -78,6 +78,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first output.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's vector (SamplingParams.pooling), on its final output.
+    embedding: list[float] | None = None
     # Set on the last output of a request the engine ended with an error (finish_reason "error"): a
     # step raised because of it (RequestFailedError), or its constraints left no token to sample
     # (NoAllowedTokenError); the others in the batch went on.
@@ -89,3 +91,19 @@ class RequestOutput:
     # Set by LLM.generate on the output it returns for a prompt: all n of its samples (this
     # output's own fields are sample 0's). The engine's step outputs leave it empty.
     outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding as LLM.embed returns it (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    prompt: str | None = None
+    finished: bool = True

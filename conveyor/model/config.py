@@ -40,6 +40,9 @@ class ModelConfig:
     scale_embeddings: bool = False  # multiply the embedding by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # How the file says to pool an embedding ("last", "mean", "cls"; a GGUF's {arch}.pooling_type);
+    # None: it does not say
+    pooling_type: str | None = None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, None for full attention."""

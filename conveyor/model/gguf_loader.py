@@ -245,6 +245,10 @@ def _gemma3_fields(meta: dict[str, Any], num_layers: int, hidden: int, heads: in
     )
 
 
+# llama.cpp's enum in `{arch}.pooling_type`: 0 none, 1 mean, 2 cls, 3 last, 4 rank (a reranker's)
+_GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
 def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
     meta = gf.metadata
     arch = meta.get("general.architecture")
@@ -284,6 +288,7 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         architecture=_ARCHS[arch],
+        pooling_type=_GGUF_POOLING_TYPES.get(meta.get(f"{arch}.pooling_type", 0)),
         **extra,
     )
 

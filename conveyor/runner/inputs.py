@@ -34,10 +34,17 @@ class ModelInputs:
     prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)
     # Per sampling request: its logits rows (1 + the speculative tokens it verifies).
     sampling_rows: list[int] = field(default_factory=list)
+    # Embedding requests: (request, count) of each one's run of rows at the end of logits_indices,
+    # the positions it pools this step that it has not pooled before (Request.pooled_positions).
+    pooled_rows: list[tuple[Request, int]] = field(default_factory=list)
+
+    @property
+    def num_pooled_rows(self) -> int:
+        return sum(n for _, n in self.pooled_rows)
 
     @property
     def num_sampling_rows(self) -> int:
-        return len(self.logits_indices) - sum(n for _, _, n in self.prompt_logprob_rows)
+        return len(self.logits_indices) - sum(n for _, _, n in self.prompt_logprob_rows) - self.num_pooled_rows
 
 
 def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
@@ -139,6 +146,17 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             row = first_row[request.request_id] + start - request.num_computed_tokens
             logits_rows.extend(range(row, row + end - start))
             logprob_rows.append((request, start, end - start))
+    pooled_rows = []
+    for request, n in out.scheduled:
+        pooled = request.pooled_positions
+        if pooled is None or request.num_pooled == len(pooled):
+            continue
+        start = max(request.num_computed_tokens, pooled[request.num_pooled])
+        end = min(request.num_computed_tokens + n, pooled.stop)
+        if start < end:
+            row = first_row[request.request_id] + start - request.num_computed_tokens
+            logits_rows.extend(range(row, row + end - start))
+            pooled_rows.append((request, end - start))
     window_group = metadata(window_slots, window_decode_tables, window_chunks) if windowed else None
     return ModelInputs(
         input_ids=torch.tensor(input_ids),
@@ -147,4 +165,5 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         prompt_logprob_rows=logprob_rows,
         sampling_rows=sampling_rows,
+        pooled_rows=pooled_rows,
     )

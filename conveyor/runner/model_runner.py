@@ -19,6 +19,7 @@ from conveyor.model.memory import (available_memory, keep_large_allocations_retu
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
 from conveyor.model.tokenizer import Tokenizer
+from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput, verify_rows
@@ -247,6 +248,13 @@ class ModelRunner:
         t1 = time.perf_counter()
         h = self.model.sampling_hidden(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
                                        inputs.logits_indices)
+        pooled = None
+        if inputs.pooled_rows:  # the last rows: embeddings take no vocabulary projection
+            pooled = self._pooled(h[h.shape[0] - inputs.num_pooled_rows:], inputs.pooled_rows)
+            h = h[: h.shape[0] - inputs.num_pooled_rows]
+            if not h.shape[0]:
+                stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, time.perf_counter() - t1, 0.0
+                return SamplerOutput([], pooled=pooled)
         num_sampling = inputs.num_sampling_rows
         requests = out.sampling_requests()
         speculating = num_sampling > len(requests)
@@ -258,9 +266,9 @@ class ModelRunner:
                 t2 = time.perf_counter()
                 stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, 0.0
                 if not speculating:
-                    return SamplerOutput(tokens.tolist())
+                    return SamplerOutput(tokens.tolist(), pooled=pooled)
                 chosen, accepted = verify_rows(tokens.tolist(), [r.spec_token_ids for r in requests])
-                return SamplerOutput(chosen, num_accepted=accepted)
+                return SamplerOutput(chosen, num_accepted=accepted, pooled=pooled)
         # Rows that draw at a temperature take the head in the activation dtype; greedy rows and
         # prompt logprobs stay exact (LlamaModel.logits).
         row_requests = [r for r in requests for _ in range(1 + len(r.spec_token_ids))] if speculating else requests
@@ -283,9 +291,19 @@ class ModelRunner:
                 # rather than hold them in the heap (model/memory.py, reuse_freed_memory).
                 del logits
                 return_freed_memory()
+        sampled.pooled = pooled
         t3 = time.perf_counter()
         stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, t3 - t2
         return sampled
+
+    @staticmethod
+    def _pooled(h: torch.Tensor, rows: list[tuple[Request, int]]) -> dict[str, tuple[list[float], int]]:
+        sums = {}
+        at = 0
+        for request, count in rows:
+            sums[request.request_id] = (h[at: at + count].to(torch.float64).sum(0).tolist(), count)
+            at += count
+        return sums
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: list) -> dict[str, list[dict[int, float]]]:
         result, at = {}, 0

@@ -1,4 +1,5 @@
 """Sampling parameters (pure Python). The tensor sampler lives in conveyor.sampling.sampler."""
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.pooling import PoolingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["PoolingParams", "SamplingParams"]

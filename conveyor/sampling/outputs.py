@@ -30,6 +30,9 @@ class SamplerOutput:
     # Sampling requests (indices) whose row had no token left once masked (allowed_token_ids, bad
     # words, min_tokens, a grammar): their token is meaningless and the request cannot go on.
     blocked: list[int] | None = None
+    # Embedding requests: request id -> (the sum of the final-normed hidden states of the positions
+    # it pooled this step, how many; inputs' pooled_rows). Summed in float64.
+    pooled: dict[str, tuple[list[float], int]] | None = None
 
 
 def verify_rows(row_tokens: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:

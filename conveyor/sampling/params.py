@@ -9,6 +9,7 @@ from typing import Callable
 
 from conveyor.errors import InvalidRequestError
 from conveyor.model.generation_defaults import recommended_sampling
+from conveyor.sampling.pooling import PoolingParams
 from conveyor.structured.spec import GrammarSpec
 
 # A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by it
@@ -84,6 +85,15 @@ class SamplingParams:
     # space, as vLLM) into bad_words_token_ids, which callers holding token ids may also fill.
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # An embedding request (SamplingParams.for_pooling): it computes its prompt and returns a vector
+    # pooled from its hidden states, sampling nothing (conveyor/sampling/pooling.py).
+    pooling: PoolingParams | None = None
+
+    @classmethod
+    def for_pooling(cls, pooling: PoolingParams, priority: int = 0, cache_salt: str | None = None) -> "SamplingParams":
+        """An embedding request's parameters: one slot past the prompt is reserved, as for a request
+        that samples one token (it never does)."""
+        return cls(max_tokens=1, temperature=0.0, pooling=pooling, priority=priority, cache_salt=cache_salt)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +146,17 @@ class SamplingParams:
                 f"bad words take at most {_MAX_BAD_WORDS_TOKENS} tokens in all, each word at least one",
                 param="bad_words")
         self._check_logit_adjustments()
+        if self.pooling is not None:
+            self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        generating = [name for name, used in (
+            ("max_tokens", self.max_tokens != 1), ("n", self.n != 1), ("logprobs", self.logprobs is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None), ("structured", self.structured is not None),
+            ("min_tokens", self.min_tokens != 0)) if used]
+        if generating:
+            raise InvalidRequestError(f"an embedding request samples no tokens: {', '.join(generating)} cannot be "
+                                      "set with pooling (SamplingParams.for_pooling)", param=generating[0])
 
     def _check_logit_adjustments(self) -> None:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
@@ -200,6 +221,7 @@ class SamplingParams:
             ("bad_words", isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) for w in self.bad_words)),
             ("bad_words_token_ids", isinstance(self.bad_words_token_ids, (list, tuple)) and all(
                 isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids) for ids in self.bad_words_token_ids)),
+            ("pooling", self.pooling is None or isinstance(self.pooling, PoolingParams)),
         ]
         for name, ok in checks:
             if not ok:

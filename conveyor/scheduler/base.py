@@ -49,8 +49,14 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """Requests that catch up with all their known tokens this step, so sample the next one.
         Forked children come last. Valid until the step's results are applied."""
-        regular = [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_known_tokens]
+        regular = [r for r, n in self.scheduled
+                   if r.num_computed_tokens + n == r.num_known_tokens and r.sampling_params.pooling is None]
         return regular + [child for _, child in self.forks]
+
+    def pooled_requests(self) -> list[Request]:
+        """Embedding requests that compute the rest of their prompt this step: they end with it."""
+        return [r for r, n in self.scheduled
+                if r.sampling_params.pooling is not None and r.num_computed_tokens + n == r.num_known_tokens]
 
 
 class Scheduler:
@@ -220,6 +226,9 @@ class Scheduler:
         limit = request.num_tokens - 1
         if request.prompt_logprobs is not None:
             limit = min(limit, len(request.prompt_logprobs) - 1)
+        pooled = request.pooled_positions
+        if pooled is not None and request.num_pooled < len(pooled):
+            limit = min(limit, pooled[request.num_pooled])  # an embedding's positions not pooled yet, likewise
         return self.kv.cached_prefix(request.sequence_key, limit)
 
     def _tokens_to_schedule(self, request: Request, budget: int, cached: Sequence[int] = ()) -> int:

@@ -35,7 +35,7 @@ CHECKS = [not_a_server_error, response_schema_conformance, status_code_conforman
 # would exceed what schema-driven generators expand (conveyor/api/schema.py). Anything else
 # refused is a limit the schema fails to state.
 CONTENT_DEPENDENT = [
-    (r"prompt|messages|max_tokens", r"cannot fit|leaves no room|exceeds the maximum model length"),
+    (r"prompt|input|messages|max_tokens", r"cannot fit|leaves no room|exceeds the maximum model length"),
     (r"guided_\w+|response_format\.json_schema\.schema|structured_outputs\.\w+|tools\.\d+\.function\.parameters",
      r"."),  # a JSON schema, regex or grammar that does not compile
     (r"messages", r"chat template rejected the messages"),
@@ -72,7 +72,8 @@ def assert_idle(base_url: str) -> None:
 def test_fuzz_the_api(tiny_server):
     schema = schemathesis.openapi.from_url(f"{tiny_server.base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                                              "/v1/models", "/health"}
     strategy = st.one_of(*(op.as_strategy(generation_mode=mode) for op in operations
                            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)))
     statuses: dict[int, int] = {}
@@ -129,7 +130,7 @@ def test_schema_valid_requests_are_served(tiny_server):
         fuzz_positive(op, check)()
     print(f"schema-valid requests by status ('excused': refused for content the schema cannot judge): {outcomes}")
     # The excuses must stay the exception: most schema-valid generations are served as they are.
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
         tally = outcomes[path]
         assert tally.get("200", 0) > 2 * tally.get("excused", 0), (path, tally)
     assert_idle(tiny_server.base_url)

@@ -1,0 +1,49 @@
+"""Embeddings: a request that computes its prompt and returns one vector made from its final hidden
+states, instead of sampling tokens (pure Python: the scheduler reads which positions it pools).
+
+A decoder model's embedding is pooled from the final-normed hidden states of the prompt's tokens,
+as vLLM's pooling runner and llama.cpp's `--embeddings` make it: the last token's ("last", vLLM's
+default for a decoder model, and what Qwen3-Embedding and e5-mistral are trained for), the mean
+over every token ("mean"), or the first token's ("cls"); then scaled to unit length unless
+`normalize` is off. The same request runs through the scheduler as any other: chunked, preempted
+and recomputed, or started from cached prefix blocks where no pooled position is skipped.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from conveyor.errors import InvalidRequestError
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling_type: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                                      f"{self.pooling_type!r}", param="pooling_type")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"normalize must be a boolean, got {self.normalize!r}", param="normalize")
+
+    def positions(self, num_prompt_tokens: int) -> range:
+        """The prompt positions whose hidden states make the embedding."""
+        if self.pooling_type == "mean":
+            return range(num_prompt_tokens)
+        if self.pooling_type == "cls":
+            return range(min(1, num_prompt_tokens))
+        return range(num_prompt_tokens - 1, num_prompt_tokens)
+
+    def embedding(self, total: list[float], count: int) -> list[float]:
+        """The embedding from the sum of the pooled positions' hidden states and their count."""
+        vector = [v / count for v in total] if count > 1 else list(total)
+        if self.normalize:
+            # llama.cpp's and vLLM's: divided by the Euclidean norm, a zero vector left as it is
+            norm = math.sqrt(math.fsum(v * v for v in vector))
+            if norm > 0.0:
+                vector = [v / norm for v in vector]
+        return vector

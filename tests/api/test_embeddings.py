@@ -1,0 +1,99 @@
+"""POST /v1/embeddings on a real server (the default model), as the openai client and plain HTTP
+clients call it: shapes, encodings, usage, vLLM's extensions, and the refusals."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import math
+import struct
+
+import pytest
+
+EMBEDDINGS = "/v1/embeddings"
+WIDTH = 576  # SmolLM2-135M's hidden size
+
+
+def embed(http, **fields):  # noqa: ANN001, ANN003, ANN201
+    reply = http.post(EMBEDDINGS, json={"model": "smollm2-135m", **fields})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def refused(http, status: int = 400, **fields) -> dict:  # noqa: ANN001, ANN003
+    reply = http.post(EMBEDDINGS, json=fields)
+    assert reply.status_code == status, reply.text
+    return reply.json()["error"]
+
+
+def test_the_openai_client_gets_one_unit_vector_per_input(client, http) -> None:
+    texts = ["The capital of France is", "def add(a, b):\n    return a + b\n"]
+    reply = client.embeddings.create(model="smollm2-135m", input=texts)  # the client asks for base64
+    assert [d.index for d in reply.data] == [0, 1]
+    for item in reply.data:
+        assert len(item.embedding) == WIDTH
+        assert abs(math.fsum(v * v for v in item.embedding) - 1.0) < 1e-5
+    counts = [http.post("/tokenize", json={"prompt": t}).json()["count"] for t in texts]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(counts)
+    assert reply.model == "smollm2-135m"
+    assert reply.data[0].embedding != reply.data[1].embedding
+
+
+def test_float_and_base64_carry_the_same_numbers(http) -> None:
+    as_floats = embed(http, input="hello world")["data"][0]["embedding"]
+    as_text = embed(http, input="hello world", encoding_format="base64")["data"][0]["embedding"]
+    decoded = struct.unpack(f"<{WIDTH}f", base64.b64decode(as_text))
+    assert list(decoded) == [struct.unpack("<f", struct.pack("<f", v))[0] for v in as_floats]
+
+
+def test_token_inputs_truncation_and_normalize(http) -> None:
+    ids = http.post("/tokenize", json={"prompt": "one two three four five six"}).json()["tokens"]
+    from_text = embed(http, input="one two three four five six")["data"][0]["embedding"]
+    from_ids = embed(http, input=ids)["data"][0]["embedding"]
+    assert from_ids == from_text
+    both = embed(http, input=[ids, ids[-3:]])["data"]
+    assert both[0]["embedding"] == from_text
+    truncated = embed(http, input=ids, truncate_prompt_tokens=3)
+    assert truncated["data"][0]["embedding"] == both[1]["embedding"]
+    assert truncated["usage"]["prompt_tokens"] == 3
+    raw = embed(http, input=ids, normalize=False)["data"][0]["embedding"]
+    norm = math.sqrt(math.fsum(v * v for v in raw))
+    assert abs(norm - 1.0) > 0.1
+    assert max(abs(a / norm - b) for a, b in zip(raw, from_ids)) < 1e-5
+    assert len(embed(http, input="x", dimensions=WIDTH, user="someone")["data"][0]["embedding"]) == WIDTH
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"input": "hi", "dimensions": 64}, "dimensions"),
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": [10**7]}, "input"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"input": "hi", "priority": 3}, "priority"),
+    ({}, "input"),
+])
+def test_bad_fields_are_400s_naming_them(http, fields, param) -> None:
+    assert refused(http, **fields)["param"] == param
+
+
+def test_too_long_an_input_and_an_unknown_model(http) -> None:
+    capacity = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    error = refused(http, input=[1] * (capacity + 5))
+    assert error["param"] == "input" and error["code"] == "context_length_exceeded"
+    assert refused(http, 404, input="hi", model="nope")["param"] == "model"
+
+
+def test_embeddings_run_beside_generation(http) -> None:
+    """Sent together with completions, each is answered as if alone."""
+    alone = embed(http, input="a shared step")["data"][0]["embedding"]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        completions = [pool.submit(http.post, "/v1/completions", json={
+            "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}) for _ in range(3)]
+        embeddings = [pool.submit(embed, http, input="a shared step") for _ in range(3)]
+        for future in completions:
+            assert future.result().status_code == 200
+        for future in embeddings:
+            got = future.result()["data"][0]["embedding"]
+            assert max(abs(a - b) for a, b in zip(got, alone)) < 1e-5
