@@ -176,11 +176,12 @@ def quantize_k(values: Any, qtype: str) -> Any:
 
 def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path: Path,
                        matrices: str | Callable[[str, tuple[int, ...]], str] = "F32",
-                       more_keys: dict[str, int] | None = None) -> None:
+                       more_keys: dict[str, int] | None = None, add_eos_token: bool = False) -> None:
     """A GGUF as llama.cpp's convert_hf_to_gguf would write an HF checkpoint with SmolLM2's vocabulary
     (a tiny random one, or SmolLM2 exported): vectors in F32, matrices in `matrices` (a GGML type
     name, or one per tensor from its GGUF name and shape), Q2_K and Q3_K by quantize_k. `more_keys`:
-    further `{arch}.KEY` integers (an embedding model's pooling_type)."""
+    further `{arch}.KEY` integers (an embedding model's pooling_type); `add_eos_token`: the file asks
+    for EOS after every text, as an embedding model's does."""
     import json
 
     import numpy as np
@@ -207,6 +208,8 @@ def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path:
     w.add_token_types(meta["tokenizer.ggml.token_type"])
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     w.add_eos_token_id(2)
+    if add_eos_token:
+        w.add_add_eos_token(True)
     names = {v: k for k, v in {**GGUF_GLOBAL, **GGUF_BLOCK}.items()}
     for name, t in load_file(str(hf_folder / "model.safetensors")).items():
         if cfg["tie_word_embeddings"] and name == "lm_head.weight":

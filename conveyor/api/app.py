@@ -11,6 +11,7 @@ import logging
 import struct
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -179,7 +180,7 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI's embeddings: each input's final hidden states pooled into one vector
         (conveyor/sampling/pooling.py), its prompt computed like any other in the running batch."""
         data = await _read_json(request, state)
-        _check_prompt_sizes(state, data, "input")
+        _check_prompt_sizes(state, data, "input", generates=False)
         body = parse(EmbeddingRequest, data)
         _check_model(state, body.model)
         pooling = state.engine.default_pooling
@@ -190,21 +191,31 @@ def build_app(state: ServerState) -> FastAPI:
         if body.normalize is not None:
             pooling = dataclasses.replace(pooling, normalize=body.normalize)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, body.add_special_tokens, "input")
-        prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
-        gen = Generation(state.engine, state.tokenizer, SamplingParams.for_pooling(pooling, body.priority or 0), None,
-                         "embd", request_id=body.request_id)
-        release = await _admit(state, gen, prompts, prompt_field="input")
-        try:
-            if not await run_to_end(request, gen):
-                return Response(status_code=499)
-        finally:
-            release()
-        vectors = [cast(list[float], c.embedding) for c in gen.choices]
+        prompts = _truncate(state, prompts, body.truncate_prompt_tokens, generates=False)
+        params = SamplingParams.for_pooling(pooling, body.priority or 0)
+        request_id = body.request_id or uuid.uuid4().hex
+        # In waves of a running batch's worth: a list of inputs longer than the waiting queue's bound
+        # (OpenAI takes 2,048) is served a wave after another rather than refused for good.
+        wave = state.max_num_seqs or len(prompts)
+        vectors: list[list[float]] = []
+        for start in range(0, len(prompts), wave):
+            gen = Generation(state.engine, state.tokenizer, params, None, "embd",
+                             request_id=request_id if not start else f"{request_id}.{start}")
+            release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input")
+            try:
+                if not await run_to_end(request, gen):
+                    return Response(status_code=499)
+            finally:
+                release()
+            if any(c.embedding is None for c in gen.choices):  # aborted: the server drains (SIGTERM)
+                raise unavailable("the server is shutting down", code="shutting_down")
+            vectors += [cast(list[float], c.embedding) for c in gen.choices]
+        tokens = sum(len(p) for p in prompts)
         return JSONResponse({
-            "id": gen.id, "object": "list", "created": gen.created, "model": _name(state, body.model),
+            "id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": _name(state, body.model),
             "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                      for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens}})
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     @v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat(request: Request) -> Response:
@@ -371,7 +382,7 @@ def _infill_prompts(state: ServerState, prompt: str | list[str], suffix: str, ad
         raise bad_request(str(exc), param=exc.param) from exc
 
 
-def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt") -> None:
+def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt", generates: bool = True) -> None:
     """A 400 in constant time per prompt for one that cannot fit, on the decoded JSON, before it is
     validated, tokenized or copied: a token-id list longer than the capacity, or a text longer
     than the most characters that many tokens can hold. Measured after truncate_prompt_tokens, as
@@ -379,14 +390,14 @@ def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt") ->
     prompt = data.get(field) if isinstance(data, dict) else None
     suffix = data.get("suffix") if isinstance(data, dict) else None
     extra = len(suffix) if isinstance(suffix, str) else 0  # a middle's prompt holds its suffix too
-    keep = _truncation(state, data)
+    keep = _truncation(state, data, generates)
     if isinstance(prompt, (str, list)):
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         for item in items:
             if isinstance(item, str):
                 limit, unit = (None if keep else state.max_prompt_chars), "characters"
             elif isinstance(item, list):
-                limit, unit = state.capacity - 1, "tokens"  # at least one token to generate
+                limit, unit = state.capacity - (1 if generates else 0), "tokens"  # and a token to generate
             else:
                 continue
             size = min(len(item), keep or len(item)) if isinstance(item, list) else len(item) + extra
@@ -396,14 +407,14 @@ def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt") ->
                                   f"{state.capacity} tokens", param=field, code="context_length_exceeded")
 
 
-def _truncation(state: ServerState, data: Any) -> int | None:
+def _truncation(state: ServerState, data: Any, generates: bool = True) -> int | None:
     """The tokens a valid truncate_prompt_tokens keeps, from the undecoded body; else None."""
     keep = data.get("truncate_prompt_tokens") if isinstance(data, dict) else None
     if type(keep) is float and keep.is_integer():  # JSON's 40.0 is the integer the body takes it as
         keep = int(keep)
     if type(keep) is not int or not (keep == -1 or keep >= 1):
         return None
-    return _kept(state, keep)
+    return _kept(state, keep, generates)
 
 
 def _check_chat_size(state: ServerState, messages: list[dict[str, str]], truncating: bool = False) -> None:
@@ -480,14 +491,18 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-def _kept(state: ServerState, keep: int | None) -> int | None:
-    """vLLM's truncate_prompt_tokens as a count of tokens (-1: as many as the model takes)."""
-    return state.engine.max_model_len if keep == -1 else keep
+def _kept(state: ServerState, keep: int | None, generates: bool = True) -> int | None:
+    """vLLM's truncate_prompt_tokens as a count of tokens (-1: as many as the model takes; a
+    request that generates must still leave room to, an embedding's input may fill the context)."""
+    if keep != -1:
+        return keep
+    return state.engine.max_model_len if generates else state.capacity
 
 
-def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+def _truncate(state: ServerState, prompts: list[list[int]], keep: int | None,
+              generates: bool = True) -> list[list[int]]:
     """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the model takes)."""
-    count = _kept(state, keep)
+    count = _kept(state, keep, generates)
     return prompts if count is None else [p[-count:] for p in prompts]
 
 

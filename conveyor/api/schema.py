@@ -302,13 +302,13 @@ def _sampling_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
                    for asked in (None, *_CONSTRAINTS)]})
 
 
-def _prompts(limits: ServedLimits, title: str) -> dict[str, Any]:
+def _prompts(limits: ServedLimits, title: str, room: int = 1) -> dict[str, Any]:
     """A prompt field (completions' prompt, embeddings' input): a text, texts, token ids or lists
-    of them, each of a size that can fit."""
+    of them, each of a size that can fit with `room` tokens to generate."""
     text: dict[str, Any] = {"type": "string", "minLength": 1}
     if limits.max_prompt_chars is not None:
         text["maxLength"] = limits.max_prompt_chars
-    ids: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": limits.capacity - 1, "items": {"type": "integer"}}
+    ids: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": limits.capacity - room, "items": {"type": "integer"}}
     if limits.vocab_size is not None:
         ids["items"] = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
     return {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
@@ -337,7 +337,7 @@ def _completion_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
 def _embedding_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
     props = schema["properties"]
     _set(props, "model", enum=list(limits.model_names))
-    props["input"] = _prompts(limits, "Input")
+    props["input"] = _prompts(limits, "Input", room=0)
     if limits.embedding_size is not None:
         _set(props, "dimensions", const=limits.embedding_size)
         _describe(props, "dimensions", "only the model's own width: no model served here is trained to be cut shorter")

@@ -323,8 +323,9 @@ class RayEngineClient:
         self._report(StepReport(0, 0, 0.0, 0, stats[-1] if stats else None, outputs=outputs))
 
     def _deliver(self, t: TrackedRequest, event: TokenEvent) -> RequestOutput:
+        first_event = event.index == 0 and 0 not in t.times
         out = t.deliver(event)
-        if out.index == 0 and out.new_token_ids and len(out.token_ids) == len(out.new_token_ids) and t.worker:
+        if first_event and t.worker:
             totals = self.cluster.totals.setdefault(t.worker.name, WorkerTotals())  # where the prompt was computed
             totals.requests += 1
             totals.prompt_tokens += len(t.prompt)

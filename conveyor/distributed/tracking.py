@@ -42,12 +42,13 @@ class TrackedRequest:
         now = time.perf_counter()
         tokens = self.tokens.setdefault(event.index, [])
         tokens.extend(event.new_token_ids)
+        first_event = event.index not in self.times  # with its first token, or an embedding's only event
         times = self.times.setdefault(event.index, RequestTimes(arrival=self.arrival))
         times.tokens.extend(now for _ in event.new_token_ids)
+        if first_event and event.index == 0:
+            self.num_cached_tokens = event.num_cached_tokens
         if times.first_token is None and event.new_token_ids:
             times.first_token = now
-            if event.index == 0:
-                self.num_cached_tokens = event.num_cached_tokens
         if event.finished:
             times.finished = now
             self.unfinished -= 1

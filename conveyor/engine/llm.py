@@ -13,7 +13,7 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                                      RequestOutput, ranked_logprobs)
-from conveyor.errors import InvalidRequestError
+from conveyor.errors import InvalidRequestError, RequestFailedError
 from conveyor.sampling.params import SamplingParams, model_defaults
 from conveyor.sampling.pooling import PoolingParams
 
@@ -116,6 +116,10 @@ class LLM:
         else:
             raise TypeError(f"pooling_params takes a PoolingParams or a list of them, got {type(pooling_params).__name__}")
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        for out in outputs:
+            if out.embedding is None:  # the engine failed it (failure isolation) or it was aborted
+                raise out.error or RequestFailedError(f"request {out.request_id!r} ended without its embedding "
+                                                      f"({out.finish_reason})")
         return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(cast(list[float], out.embedding)),
                                        out.prompt) for out in outputs]
 

@@ -150,6 +150,8 @@ class LLMEngine:
         self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         self._check_token_ids(params)
+        if params.pooling is not None and not getattr(self.runner, "supports_pooling", False):
+            raise InvalidRequestError("this engine's runner cannot pool hidden states (embeddings)", param="pooling")
         request = Request(request_id, token_ids, params, arrival, prompt=text)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has nothing to be scored against
@@ -249,9 +251,11 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             raise InvalidRequestError("max_tokens is None: set it with _until_full first", param="max_tokens")
-        if params.pooling is not None and num_prompt + 1 > self.capacity:  # its one reserved slot (for_pooling)
-            raise InvalidRequestError(f"the prompt ({num_prompt} tokens) cannot fit the {self.capacity - 1} "
-                                      "tokens an embedding request can hold", param="prompt")
+        if params.pooling is not None:  # an embedding holds its prompt alone: it never takes the slot it reserves
+            if num_prompt > self.capacity:
+                raise InvalidRequestError(f"the prompt ({num_prompt} tokens) cannot fit the {self.capacity} tokens a "
+                                          "request can hold", param="prompt")
+            return
         total = num_prompt + max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
         kv = self.scheduler.kv
@@ -294,7 +298,9 @@ class LLMEngine:
             return None
         sample = next((r for r in self.scheduler.requests.values()
                        if r.group_id == request_id and r.sample_index == index), None)
-        if sample is None or self.scheduler.abort_request(sample.request_id, RequestStatus.FINISHED_STOPPED) is None:
+        # An embedding has no text to stop: ended before its vector, it is aborted.
+        status = RequestStatus.FINISHED_ABORTED if sample and sample.sampling_params.pooling else RequestStatus.FINISHED_STOPPED
+        if sample is None or self.scheduler.abort_request(sample.request_id, status) is None:
             return None
         sample.stop_reason = stop_reason
         sample.times.finished = self.clock()

@@ -9,6 +9,8 @@ kept only as their blocks, which it streams.
 """
 from __future__ import annotations
 
+import logging
+
 import mmap
 import re
 import struct
@@ -247,6 +249,8 @@ def _gemma3_fields(meta: dict[str, Any], num_layers: int, hidden: int, heads: in
 
 # llama.cpp's enum in `{arch}.pooling_type`: 0 none, 1 mean, 2 cls, 3 last, 4 rank (a reranker's)
 _GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+_GGUF_RANK_POOLING = 4
+log = logging.getLogger(__name__)
 
 
 def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
@@ -261,6 +265,9 @@ def gguf_config(gf: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
             raise ModelLoadError(f"GGUF file {gf.path} lacks metadata {arch}.{name}")
         return value
 
+    if meta.get(f"{arch}.pooling_type") == _GGUF_RANK_POOLING:
+        log.warning("%s is a reranker (pooling_type rank), which conveyor does not serve as one: it generates, and "
+                    "/v1/embeddings pools by --pooling-type", gf.path)
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
     num_layers = int(key("block_count"))

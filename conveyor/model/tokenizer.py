@@ -180,6 +180,7 @@ class Tokenizer:
         extra_eos_ids: Iterable[int] = (),
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        eos_appended_id: int | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
         recommended_sampling: Mapping[str, float | int] | None = None,
         infill_ids: Mapping[str, int] | None = None,
@@ -195,6 +196,10 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        # The token a text ends with when special tokens are added (None: none): a GGUF's
+        # add_eos_token, or what an HF folder's post-processor appends. Embedding models ask for it
+        # (Qwen3-Embedding pools the hidden state of a final <|endoftext|>), as llama.cpp appends it.
+        self.eos_appended_id = eos_appended_id
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self._special_ids = frozenset(special)
         self._sharing = _SharedBackend()
@@ -234,6 +239,8 @@ class Tokenizer:
                     self._tok.encode_special_tokens = False
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.eos_appended_id is not None:
+            ids.append(self.eos_appended_id)
         return ids
 
     def encode_infill(self, prefix: str, suffix: str, max_tokens: int | None = None,
@@ -392,6 +399,7 @@ class Tokenizer:
             extra_eos_ids=[i for i in [tid("eot_token_id"), tid("eom_token_id")] if i is not None],
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(add_bos),
+            eos_appended_id=tid("eos_token_id") if meta.get("tokenizer.ggml.add_eos_token") else None,
             special_tokens={
                 "unk_token": tokens[u] if (u := tid("unknown_token_id")) is not None else None,
                 "pad_token": tokens[p] if (p := tid("padding_token_id")) is not None else None,
@@ -428,6 +436,12 @@ class Tokenizer:
         add_bos = cfg.get("add_bos_token")
         if add_bos is None:  # then it is whatever tokenizer.json's post-processor does
             add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+        add_eos = cfg.get("add_eos_token")
+        if add_eos is None:  # then it is whatever tokenizer.json's post-processor appends
+            ends = backend.encode("", add_special_tokens=True).ids
+            appended = ends[-1] if ends and ends[-1:] != [bos] else None
+        else:
+            appended = eos if add_eos else None
         specials = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
         return cls(
             backend,
@@ -436,6 +450,7 @@ class Tokenizer:
             extra_eos_ids=extra,
             chat_template=template,
             add_bos_token=bool(add_bos),
+            eos_appended_id=appended,
             special_tokens=specials,
             recommended_sampling=generation_defaults.from_generation_config(generation),
         )

@@ -154,6 +154,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 class ModelRunner:
     supports_token_masks = True  # execute() applies structured-output masks
     supports_speculation = True  # execute() verifies requests' speculative tokens (SamplerOutput.num_accepted)
+    supports_pooling = True  # execute() pools embedding requests' hidden states (SamplerOutput.pooled)
 
     def __init__(
         self,

@@ -91,8 +91,8 @@ class SamplingParams:
 
     @classmethod
     def for_pooling(cls, pooling: PoolingParams, priority: int = 0, cache_salt: str | None = None) -> "SamplingParams":
-        """An embedding request's parameters: one slot past the prompt is reserved, as for a request
-        that samples one token (it never does)."""
+        """An embedding request's parameters: max_tokens 1, as vLLM gives a pooling request (it samples
+        no token, and the engine lets its prompt fill the context)."""
         return cls(max_tokens=1, temperature=0.0, pooling=pooling, priority=priority, cache_salt=cache_salt)
 
     def __post_init__(self) -> None:

@@ -97,3 +97,29 @@ def test_embeddings_run_beside_generation(http) -> None:
         for future in embeddings:
             got = future.result()["data"][0]["embedding"]
             assert max(abs(a - b) for a, b in zip(got, alone)) < 1e-5
+
+
+def test_an_input_may_fill_the_context_and_minus_one_keeps_what_fits(http) -> None:
+    """An embedding generates nothing, so its input may hold every token a request can (vLLM's
+    limit), and truncate_prompt_tokens: -1 cuts a longer one to that."""
+    capacity = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    full = embed(http, input=[7] * capacity)
+    assert full["usage"]["prompt_tokens"] == capacity
+    cut = embed(http, input=[7] * (capacity + 10), truncate_prompt_tokens=-1)
+    assert cut["usage"]["prompt_tokens"] == capacity
+    assert cut["data"][0]["embedding"] == full["data"][0]["embedding"]
+
+
+def test_more_inputs_than_the_waiting_queue_holds_are_served(tiny_server) -> None:
+    """OpenAI takes 2,048 inputs a request; the server's waiting queue holds 64 (tiny_server): the
+    inputs go in waves of a running batch, not refused for good."""
+    import httpx
+
+    inputs = [f"passage number {i}" for i in range(150)]
+    with httpx.Client(base_url=tiny_server.base_url, timeout=120.0) as tiny:
+        reply = tiny.post(EMBEDDINGS, json={"input": inputs})
+        assert reply.status_code == 200, reply.text
+        data = reply.json()["data"]
+        assert [d["index"] for d in data] == list(range(150))
+        one = tiny.post(EMBEDDINGS, json={"input": inputs[123]}).json()["data"][0]["embedding"]
+    assert max(abs(a - b) for a, b in zip(one, data[123]["embedding"])) < 1e-5

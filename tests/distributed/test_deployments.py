@@ -205,6 +205,36 @@ def test_http_front_end_over_disaggregated_workers(disaggregated, config) -> Non
     assert 'conveyor:worker_alive{model_name="tiny",role="decode",worker="decode-0"} 1.0' in metrics
 
 
+def test_embeddings_over_disaggregated_workers_end_on_the_prefill_worker(disaggregated, config) -> None:
+    """An embedding is computed where prompts are (the prefill worker) and ends there: its vector
+    comes back with its only event, equal to one engine's, and no KV is handed over for it."""
+    from fastapi.testclient import TestClient
+
+    from conveyor.api.app import ServerState, build_app
+    from conveyor.api.metrics import Metrics
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.llm_engine import LLMEngine
+
+    prompts = make_prompts(3, shortest=40)
+    expected = [o.outputs.embedding for o in LLM.from_engine(LLMEngine.from_config(config)).embed(prompts)]
+    engine = _Borrowed(disaggregated.workers, disaggregated.tokenizer)
+    state = ServerState(engine, ["tiny"], Metrics("tiny"))
+    with TestClient(build_app(state)) as http:
+        before = http.get("/metrics").text
+        reply = http.post("/v1/embeddings", json={"input": prompts})
+        after = http.get("/metrics").text
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    for got, want in zip((d["embedding"] for d in body["data"]), expected):
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+
+    def transfers(page: str) -> float:
+        return sum(float(line.split()[-1]) for line in page.splitlines() if line.startswith("conveyor:kv_transfers_total"))
+
+    assert transfers(before) == transfers(after)
+
+
 def test_cache_aware_replicas_send_each_turn_back_to_its_history(replicas, config) -> None:
     """Four conversations of three turns on two replicas, each turn's requests sent in another
     order: each later turn lands where its history is cached and finds it there (the worker

@@ -117,18 +117,66 @@ def test_default_pooling_comes_from_the_config_then_the_file(loaded) -> None:
 @pytest.mark.parametrize("gguf_pooling,pooling_type", [(3, "last"), (1, "mean"), (2, "cls"), (0, "last")])
 def test_a_gguf_that_names_its_pooling_is_pooled_so(tmp_path, smollm_gguf_path, gguf_pooling, pooling_type) -> None:
     """An embedding model's GGUF says how it pools (`qwen3.pooling_type`, as llama.cpp's converter
-    writes Qwen3-Embedding's: 3, the last token); 0 (none, a generative model's) leaves vLLM's default.
-    The vector is transformers' final hidden states of a Qwen3 model pooled that way."""
+    writes Qwen3-Embedding's: 3, the last token, with add_eos_token so that the last token is EOS);
+    0 (none, a generative model's) leaves vLLM's default. The vector is transformers' final hidden
+    states of a Qwen3 model pooled that way."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import make_tiny_hf_checkpoint, write_gguf_from_hf
 
     folder = make_tiny_hf_checkpoint(tmp_path, "qwen3")
     path = tmp_path / "tiny-embedding.gguf"
-    write_gguf_from_hf(path, "qwen3", folder, smollm_gguf_path, more_keys={"pooling_type": gguf_pooling})
+    write_gguf_from_hf(path, "qwen3", folder, smollm_gguf_path, more_keys={"pooling_type": gguf_pooling},
+                       add_eos_token=gguf_pooling == 3)
     llm = LLM(str(path), activation_dtype="float32", kv_cache_dtype="float32", num_kv_blocks=16)
     assert llm.engine.default_pooling == PoolingParams(pooling_type)
-    out = llm.embed([[5, 17, 300, 42, 7, 9]])[0]
+    out = llm.embed(["an embedding model's input"])[0]
+    assert (out.prompt_token_ids[-1] == 2) == (gguf_pooling == 3)  # EOS ends the text where the file asks
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ref = reference(hf, out.prompt_token_ids, PoolingParams(pooling_type))
     torch.testing.assert_close(torch.tensor(out.outputs.embedding, dtype=torch.float64), ref, rtol=0, atol=1e-5)
+
+
+def test_pooled_rows_share_a_step_with_prompt_logprobs_and_speculative_rows(loaded) -> None:
+    """One runner step holds sampled rows with speculative tokens to verify, prompt-logprob rows and
+    pooled rows, in that order: each request gets what it gets alone."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    repeating = "one two three four five six seven, one two three four five six seven, one two three"
+    pooled = SamplingParams.for_pooling(PoolingParams("mean"))
+    alone = {
+        "gen": make_llm(loaded).generate(repeating, greedy)[0].outputs[0].token_ids,
+        "scored": make_llm(loaded).generate(PROMPTS[0], scored)[0].prompt_logprobs,
+        "embedding": make_llm(loaded).embed(PROMPTS[3], PoolingParams("mean"))[0].outputs.embedding,
+    }
+    engine = make_llm(loaded, speculative_config=spec).engine
+    gen = engine.add_request(repeating, greedy)
+    while not engine.scheduler.requests[gen].spec_token_ids:  # the others arrive when it has drafts to verify
+        engine.step()
+    kinds = {gen: "gen", engine.add_request(PROMPTS[0], scored): "scored", engine.add_request(PROMPTS[3], pooled): "embedding"}
+    mixed_steps, drafted = 0, 0
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                kind = kinds[out.request_id]
+                if kind == "gen":
+                    assert out.token_ids == alone["gen"]
+                elif kind == "embedding":
+                    torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone["embedding"]),
+                                               rtol=0, atol=1e-5)
+            if out.prompt_logprobs is not None and kinds[out.request_id] == "scored":
+                assert [None if s is None else dict(s) for s in out.prompt_logprobs] == \
+                    [None if s is None else dict(s) for s in alone["scored"]]
+        stats = engine.last_step
+        drafted += stats.num_draft_tokens
+        mixed_steps += stats.num_draft_tokens > 0 and stats.num_requests == 3
+    assert drafted and mixed_steps  # some step verified drafts beside both other kinds of rows
+
+
+def test_stop_sample_on_an_embedding_aborts_it(loaded) -> None:
+    engine = make_llm(loaded).engine
+    request_id = engine.add_request(PROMPTS[3], SamplingParams.for_pooling(PoolingParams()))
+    out = engine.stop_sample(request_id, 0)
+    assert out is not None and out.finish_reason == "abort" and out.embedding is None
+    assert not engine.has_unfinished_requests and engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks

@@ -20,6 +20,8 @@ from tests.fakes import FakeRunner, fake_engine
 
 
 class PoolingRunner(FakeRunner):
+    supports_pooling = True
+
     def __init__(self) -> None:
         super().__init__()
         self.pooled_steps = 0

@@ -373,3 +373,28 @@ def test_an_infill_prompt_cut_to_size_keeps_the_code_nearest_the_middle(before: 
     assert len(kept_before) == min(before, room - len(kept_after))
     with pytest.raises(InvalidRequestError, match="at least 4 tokens"):
         tok.encode_infill(prefix, suffix, max_tokens=3)
+
+
+def test_an_hf_post_processor_that_ends_texts_with_eos_is_followed(tmp_path: Path) -> None:
+    """Qwen3-Embedding's tokenizer.json appends <|endoftext|> to every text (its embedding is that
+    token's hidden state), which transformers does on encode; tokenizer_config's add_eos_token, where
+    given, decides instead."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.processors import TemplateProcessing
+
+    folder = make_tiny_hf_checkpoint(tmp_path)
+    plain = Tokenizer.from_hf_folder(folder)
+    assert plain.eos_appended_id is None
+    end = plain.backend.token_to_id("<|endoftext|>")
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", end)])
+    backend.save(str(folder / "tokenizer.json"))
+    ending = Tokenizer.from_hf_folder(folder)
+    assert ending.eos_appended_id == end
+    assert ending.encode("hello") == plain.encode("hello") + [end]
+    assert ending.encode("hello", add_special_tokens=False) == plain.encode("hello", add_special_tokens=False)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_eos_token": False}))
+    assert Tokenizer.from_hf_folder(folder).eos_appended_id is None
