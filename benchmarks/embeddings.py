@@ -5,7 +5,9 @@ once and the rounds alternating which goes first.
 Two workloads, as a retrieval application makes them:
 - ingest: passages of the repository's own source (~PASSAGE_CHARS characters each, cut at line
   ends) sent in requests of --inputs-per-request passages, --concurrency requests in flight;
-  passages and input tokens per second, end to end;
+  passages and input tokens per second, end to end. Each round sends passages of its own, so that
+  no server finds a round's texts in its prefix cache (conveyor would: a last-token embedding of a
+  text seen before computes one token);
 - query: one short question per request, one request at a time; the median latency.
 It also prints how alike the two servers' vectors are (cosine of each passage's pair): both pool
 the same hidden states, conveyor with its int8 products, llama.cpp with its own.
@@ -101,7 +103,8 @@ def main() -> int:
     from conveyor.model.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
-    texts = passages(args.passages)
+    every = passages(args.passages * args.rounds + 2)
+    warm_up, rounds = every[:2], [every[2 + r * args.passages: 2 + (r + 1) * args.passages] for r in range(args.rounds)]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     slots = args.concurrency * args.inputs_per_request
@@ -114,18 +117,19 @@ def main() -> int:
                                    8152)
     else:
         print("llama-server not built (benchmarks/peers/llama_cpp.sh --setup-only): conveyor alone")
-    print(f"{path.name}: {len(texts)} passages of ~{PASSAGE_CHARS} characters, {args.inputs_per_request} a request, "
+    print(f"{path.name}: {args.passages} passages of ~{PASSAGE_CHARS} characters, {args.inputs_per_request} a request, "
           f"{args.concurrency} requests in flight; queries one at a time; {args.threads} threads; pooling last")
     print(f"{'round':>5} {'server':<13} {'ingest s':>8} {'passages/s':>10} {'tokens/s':>9} {'query ms':>8}")
     rates: dict[str, list[float]] = {name: [] for name in servers}
     queries: dict[str, list[float]] = {name: [] for name in servers}
-    vectors: dict[str, list[list[float]]] = {}
+    vectors: dict[str, list[list[float]]] = {}  # the last round's
     with ExitStack() as stack:
         for name, (cmd, port) in servers.items():
             stack.enter_context(serving(cmd, port, out_dir / f"{name}.log"))
-            embed(port, texts[:2])  # warm up
+            embed(port, warm_up)
         for round_ in range(1, args.rounds + 1):
             order = list(servers) if round_ % 2 else list(reversed(servers))
+            texts = rounds[round_ - 1]
             for name in order:
                 port = servers[name][1]
                 seconds, tokens, vectors[name] = ingest(port, texts, args.inputs_per_request, args.concurrency)
