@@ -192,24 +192,33 @@ def build_app(state: ServerState) -> FastAPI:
             pooling = dataclasses.replace(pooling, normalize=body.normalize)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, body.add_special_tokens, "input")
         prompts = _truncate(state, prompts, body.truncate_prompt_tokens, generates=False)
-        params = SamplingParams.for_pooling(pooling, body.priority or 0)
+        for i, ids in enumerate(prompts):  # as the size check before tokenizing says it, naming which
+            if len(ids) > state.capacity:
+                where = "the input" if len(prompts) == 1 else f"input[{i}]"
+                raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
+                                  "tokens", param="input", code="context_length_exceeded")
+        params = SamplingParams.for_pooling(pooling, body.priority or 0, body.cache_salt)
         request_id = body.request_id or uuid.uuid4().hex
         # In waves of a running batch's worth: a list of inputs longer than the waiting queue's bound
         # (OpenAI takes 2,048) is served a wave after another rather than refused for good.
         wave = state.max_num_seqs or len(prompts)
         vectors: list[list[float]] = []
-        for start in range(0, len(prompts), wave):
-            gen = Generation(state.engine, state.tokenizer, params, None, "embd",
-                             request_id=request_id if not start else f"{request_id}.{start}")
-            release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input")
-            try:
-                if not await run_to_end(request, gen):
-                    return Response(status_code=499)
-            finally:
-                release()
-            if any(c.embedding is None for c in gen.choices):  # aborted: the server drains (SIGTERM)
-                raise unavailable("the server is shutting down", code="shutting_down")
-            vectors += [cast(list[float], c.embedding) for c in gen.choices]
+        state.inflight += 1  # the whole request: a drain waits for its later waves too
+        try:
+            for start in range(0, len(prompts), wave):
+                gen = Generation(state.engine, state.tokenizer, params, None, "embd",
+                                 request_id=request_id if not start else f"{request_id}.{start}")
+                release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input", new=not start)
+                try:
+                    if not await run_to_end(request, gen):
+                        return Response(status_code=499)
+                finally:
+                    release()
+                if any(c.embedding is None for c in gen.choices):  # aborted: the drain's grace ran out
+                    raise unavailable("the server is shutting down", code="shutting_down")
+                vectors += [cast(list[float], c.embedding) for c in gen.choices]
+        finally:
+            state.inflight -= 1
         tokens = sum(len(p) for p in prompts)
         return JSONResponse({
             "id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": _name(state, body.model),
@@ -347,10 +356,10 @@ def _tokenize_prompts(state: ServerState, prompt: str | list, add_special_tokens
     else:
         prompts = list(prompt)
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = state.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
-            raise bad_request(f"the {field} is empty", param=field)
+            raise bad_request(f"the {field} is empty" if len(prompts) == 1 else f"{field}[{i}] is empty", param=field)
         vocab = getattr(state.tokenizer, "vocab_size", None)  # without a tokenizer the engine checks them
         bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
         if bad:  # before anything decodes them (echo) or they reach the engine
@@ -531,24 +540,28 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
 
 
 async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], echo: list[str] | None = None,
-                 chat: bool = False, prompt_field: str = "prompt") -> Callable[[], None]:
-    """Hand the prompts to the engine (or answer why not); what to call once the answer is out."""
-    if state.draining:
+                 chat: bool = False, prompt_field: str = "prompt", new: bool = True) -> Callable[[], None]:
+    """Hand the prompts to the engine (or answer why not); what to call once the answer is out.
+    `new` False: more prompts of a request already admitted, served even while the server drains."""
+    if new and state.draining:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
     if state.log_requests and log.isEnabledFor(logging.INFO):
         await asyncio.to_thread(_log_request, state, gen, prompts)  # decoding a long prompt takes a while
+    state.inflight += 1  # from here: a drain waits for a request still being handed to the engine
     try:
         await gen.submit(prompts, echo)
-    except QueueFullError as exc:
-        state.metrics.rejected("queue_full").inc()
-        raise unavailable(str(exc)) from None
-    except EngineStoppedError as exc:
-        raise unavailable(str(exc), code="shutting_down") from None
-    except InvalidRequestError as exc:
-        state.metrics.rejected("invalid").inc()
-        raise invalid(exc, chat, prompt_field) from None
-    state.inflight += 1
+    except BaseException as exc:
+        state.inflight -= 1
+        if isinstance(exc, QueueFullError):
+            state.metrics.rejected("queue_full").inc()
+            raise unavailable(str(exc)) from None
+        if isinstance(exc, EngineStoppedError):
+            raise unavailable(str(exc), code="shutting_down") from None
+        if isinstance(exc, InvalidRequestError):
+            state.metrics.rejected("invalid").inc()
+            raise invalid(exc, chat, prompt_field) from None
+        raise
     released = False
 
     def release() -> None:

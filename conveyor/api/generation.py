@@ -197,16 +197,15 @@ class Generation:
         return all(c.finished for c in self.choices) or self.error is not None
 
     async def submit(self, prompts: Sequence[list[int]], echo: Sequence[str] | None = None) -> None:
-        """Hand every prompt to the engine; if one is refused, abort the others and re-raise.
-        `echo`: the prompts' texts, to come before each choice's output (completions' echo)."""
+        """Hand every prompt to the engine at once (the engine takes them in one iteration, not one
+        a step); if one is refused, abort the others and re-raise. `echo`: the prompts' texts, to
+        come before each choice's output (completions' echo)."""
         arrival = time.perf_counter()
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"{self.id}-{i}"
                 self._prompt_of[request_id] = i
                 self.request_ids.append(request_id)
-                await self.engine.add_request(request_id, prompt, self.params, self.sink, arrival)
-                self.prompt_tokens += len(prompt)
                 for j in range(self.n):
                     p = self.params
                     detok = IncrementalDetokenizer(self.tokenizer, p.stop, getattr(p, "include_stop_str_in_output", False),
@@ -216,6 +215,13 @@ class Generation:
                     if echo is not None:
                         choice.echo, choice.echo_ids = echo[i], list(prompt)
                     self.choices.append(choice)
+            added = await asyncio.gather(*(self.engine.add_request(request_id, prompt, self.params, self.sink, arrival)
+                                           for request_id, prompt in zip(self.request_ids, prompts)),
+                                         return_exceptions=True)
+            refusal = next((result for result in added if isinstance(result, BaseException)), None)
+            if refusal is not None:
+                raise refusal
+            self.prompt_tokens = sum(len(prompt) for prompt in prompts)
         except BaseException:
             self.close()
             raise

@@ -454,6 +454,11 @@ class EmbeddingRequest(_Strict):
     priority: int | None = None
     normalize: bool | None = None  # None: the server's (--pooling-type, on by default)
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    cache_salt: str | None = Field(None, min_length=1)  # as on completions
+
+    # vLLM's, at the values that say what is done anyway: float32 numbers, little-endian (this CPU's)
+    unsupported = {"embed_dtype": (None, "float32"), "endianness": (None, "native", "little"),
+                   "mm_processor_kwargs": (None,), "additional_data": (None,)}
 
     @model_validator(mode="after")
     def _inputs(self) -> "EmbeddingRequest":

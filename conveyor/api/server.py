@@ -114,6 +114,8 @@ def run_server(
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, serving as %s",
                  kv.num_blocks, kv.block_size, engine.max_model_len, ", ".join(served_model_names))
         engine_client = local
+    log.info("/v1/embeddings: %d numbers, %s (--pooling-type)", engine_client.embedding_size or 0,
+             engine_client.default_pooling)
     if chat_template is not None:  # --chat-template FILE: chat is rendered here, in the front end
         engine_client.tokenizer.set_chat_template(chat_template)
     state = ServerState(engine_client, served_model_names, Metrics(served_model_names[0]), api_key=api_key,

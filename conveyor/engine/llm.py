@@ -79,9 +79,7 @@ class LLM:
         refused, or the run is interrupted, the prompts already queued are withdrawn."""
         if lora_request is not None:
             raise TypeError("lora_request: LoRA adapters are not supported")
-        one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(cast(Sequence, prompts)[0], int))
-        given = [cast(PromptInput, prompts)] if one else cast(Sequence[PromptInput], prompts)
-        items = [_prompt(p, i) for i, p in enumerate(given)]
+        items = _prompt_list(prompts)
         params = _params(sampling_params, len(items), self.get_default_sampling_params)
         if sampling_params is None and "max_tokens" in self.sampling_defaults:
             params = [self.within_context(prompt, p) for prompt, p in zip(items, params)]
@@ -105,17 +103,29 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (vLLM's `LLM.embed`): the prompt's final hidden states
-        pooled as `pooling_params` says (default: the engine's, LLMEngine.default_pooling)."""
+        pooled as `pooling_params` says (default: the engine's, LLMEngine.default_pooling).
+        `truncate_prompt_tokens`: keep each prompt's last k tokens (-1: as many as a request holds)."""
+        items = _prompt_list(prompts)
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+                raise InvalidRequestError("truncate_prompt_tokens must be -1 (as many as a request holds) or at least "
+                                          f"1, got {truncate_prompt_tokens}", param="truncate_prompt_tokens")
+            keep = self.engine.capacity if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            items = [(self.tokenizer.encode(p) if isinstance(p, str) else list(p))[-keep:] for p in items]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             given = pooling_params or self.engine.default_pooling
             params: SamplingParams | list[SamplingParams] = SamplingParams.for_pooling(given)
         elif isinstance(pooling_params, Sequence) and all(isinstance(p, PoolingParams) for p in pooling_params):
+            if len(pooling_params) != len(items):
+                raise ValueError(f"give one PoolingParams, or one per prompt ({len(items)}), not {len(pooling_params)}")
             params = [SamplingParams.for_pooling(p) for p in pooling_params]
         else:
             raise TypeError(f"pooling_params takes a PoolingParams or a list of them, got {type(pooling_params).__name__}")
-        outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        outputs = self.generate(cast(list[PromptInput], items), params, use_tqdm, lora_request)
         for out in outputs:
             if out.embedding is None:  # the engine failed it (failure isolation) or it was aborted
                 raise out.error or RequestFailedError(f"request {out.request_id!r} ended without its embedding "
@@ -217,6 +227,13 @@ class LLM:
         for output, text in zip(outputs, rendered):
             output.prompt = text  # generated from its ids (one BOS), but named by its text, as vLLM's
         return outputs
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """One prompt or a list of them, as generate and embed take them, as a list of texts or ids."""
+    one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(cast(Sequence, prompts)[0], int))
+    given = [cast(PromptInput, prompts)] if one else cast(Sequence[PromptInput], prompts)
+    return [_prompt(p, i) for i, p in enumerate(given)]
 
 
 def _prompt(prompt: PromptInput, index: int) -> Prompt:

@@ -30,6 +30,11 @@ class PoolingParams:
         if not isinstance(self.normalize, bool):
             raise InvalidRequestError(f"normalize must be a boolean, got {self.normalize!r}", param="normalize")
 
+    def __str__(self) -> str:
+        what = {"last": "the last token's final hidden state", "mean": "the mean of the final hidden states",
+                "cls": "the first token's final hidden state"}[self.pooling_type]
+        return what + (", normalized" if self.normalize else "")
+
     def positions(self, num_prompt_tokens: int) -> range:
         """The prompt positions whose hidden states make the embedding."""
         if self.pooling_type == "mean":

@@ -90,8 +90,19 @@ def streamed(server: Server, max_tokens: int, headers: dict[str, str] | None = N
 
 
 def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
+    """A stream and an embeddings request of 12 inputs (in waves of the 2-request batch) are in
+    flight at SIGTERM: both are served whole, the embeddings' later waves after the drain began."""
     chunks, first, reader = streamed(small_server, 48, AUTH, stream_options={"include_usage": True})
     assert first.wait(60)
+    embedded: list[httpx.Response] = []
+    inputs = [[5 + i] * 600 for i in range(12)]
+    embedder = threading.Thread(target=lambda: embedded.append(httpx.post(
+        f"{small_server.v1}/embeddings", json={"input": inputs}, headers=AUTH, timeout=120)))
+    embedder.start()
+    deadline = time.monotonic() + 30
+    while metric(httpx.get(f"{small_server.base_url}/metrics").text, "conveyor:prompt_tokens_total") < 1200:
+        assert time.monotonic() < deadline  # its first wave is with the engine
+        time.sleep(0.01)
     small_server.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while True:  # draining: a new request is refused while the old one runs on
@@ -102,6 +113,9 @@ def test_sigterm_drains_in_flight_then_exits_zero(small_server: Server):
     assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["Retry-After"]
     assert httpx.get(f"{small_server.base_url}/health").status_code == 503
     reader.join(60)
+    embedder.join(60)
+    assert embedded[0].status_code == 200, embedded[0].text
+    assert len(embedded[0].json()["data"]) == 12 and embedded[0].json()["usage"]["prompt_tokens"] == 12 * 600
     assert chunks[-1] == {"done": True}
     assert chunks[-2]["usage"]["completion_tokens"] == 48  # the whole answer arrived
     assert chunks[-3]["choices"][0]["finish_reason"] == "length"

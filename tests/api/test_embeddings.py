@@ -6,6 +6,7 @@ import base64
 import concurrent.futures
 import math
 import struct
+import time
 
 import pytest
 
@@ -73,6 +74,8 @@ def test_token_inputs_truncation_and_normalize(http) -> None:
     ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ({"input": "hi", "priority": 3}, "priority"),
     ({}, "input"),
+    ({"input": "hi", "embed_dtype": "float16"}, "embed_dtype"),
+    ({"input": "hi", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_fields_are_400s_naming_them(http, fields, param) -> None:
     assert refused(http, **fields)["param"] == param
@@ -123,3 +126,37 @@ def test_more_inputs_than_the_waiting_queue_holds_are_served(tiny_server) -> Non
         assert [d["index"] for d in data] == list(range(150))
         one = tiny.post(EMBEDDINGS, json={"input": inputs[123]}).json()["data"][0]["embedding"]
     assert max(abs(a - b) for a, b in zip(one, data[123]["embedding"])) < 1e-5
+
+
+def test_errors_name_the_input_at_fault(http) -> None:
+    capacity = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert refused(http, input=["fine", ""])["message"] == "input[1] is empty"
+    error = refused(http, input=["fine", "word " * (capacity + 10)])
+    assert error["message"].startswith("input[1] (") and error["code"] == "context_length_exceeded"
+    assert embed(http, input="x", embed_dtype="float32", endianness="little", cache_salt="tenant-a")["data"]
+
+
+def test_a_client_that_leaves_ends_every_input_of_its_request(server, http) -> None:
+    """The inputs of a request are handed over at once, so its disconnect is seen at once and aborts
+    those not computed yet, as a chat's does."""
+    import httpx
+
+    from tests.api.conftest import metric
+
+    def count(name: str, **labels: str) -> float:
+        try:
+            return metric(http.get("/metrics").text, name, **labels)
+        except KeyError:
+            return 0.0
+
+    aborted = count("conveyor:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.v1}/embeddings", json={"input": [[11 + i] * 1500 for i in range(40)]}, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while count("conveyor:request_success_total", finished_reason="abort") - aborted < 20:  # of 40, ~1 a second
+        assert time.monotonic() < deadline, "the inputs were not aborted"
+        time.sleep(0.05)
+    while count("conveyor:num_requests_running") + count("conveyor:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert count("conveyor:kv_cache_usage_perc") == 0.0

@@ -180,3 +180,34 @@ def test_stop_sample_on_an_embedding_aborts_it(loaded) -> None:
     out = engine.stop_sample(request_id, 0)
     assert out is not None and out.finish_reason == "abort" and out.embedding is None
     assert not engine.has_unfinished_requests and engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_a_prompt_s_last_token_alone_computes_as_in_its_whole_prompt(loaded) -> None:
+    """A prefix hit can leave a prompt's last token alone (33 tokens, 32 of them cached): it is
+    computed as a prompt row, so the vector (int8 products, where a rounding step would magnify a
+    different summation order) is the one the whole prompt gave, bit for bit."""
+    llm = make_llm(loaded, activation_dtype="int8", kv_cache_dtype="auto")
+    prompt = llm.tokenizer.encode(PROMPTS[3])[:33]
+    vectors, cached = [], []
+    for _ in range(2):
+        request_id = llm.engine.add_request(prompt, SamplingParams.for_pooling(PoolingParams("last")))
+        while llm.engine.has_unfinished_requests:
+            for out in llm.engine.step():
+                if out.request_id == request_id and out.finished:
+                    vectors.append(out.embedding)
+                    cached.append(out.num_cached_tokens)
+    assert cached == [0, 32]
+    assert vectors[0] == vectors[1]
+
+
+def test_embed_takes_vllm_s_truncation_and_checks_its_lists(loaded) -> None:
+    llm = make_llm(loaded)
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    cut = llm.embed(PROMPTS[3], truncate_prompt_tokens=5)[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.outputs.embedding == llm.embed([ids[-5:]])[0].outputs.embedding
+    assert llm.embed(PROMPTS[3], truncate_prompt_tokens=-1)[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="one PoolingParams, or one per prompt"):
+        llm.embed(PROMPTS[:3], [PoolingParams()] * 2)
+    with pytest.raises(InvalidRequestError):
+        llm.embed("x", truncate_prompt_tokens=0)
