@@ -70,8 +70,8 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     last_row: dict[str, int] = {}
     first_row: dict[str, int] = {}
 
-    # Rows computing prompt tokens, as ranges: a prompt's last token may be a one-row "decode" (its
-    # chunked prefill's remainder), a recompute after preemption covers prompt then output tokens.
+    # Rows computing prompt tokens, as ranges: a chunk's, or the prompt part of a recompute after
+    # preemption (which covers prompt then output tokens).
     prompt_rows: list[tuple[int, int]] = []
 
     def add_prompt_rows(first: int, start: int, n: int, num_prompt: int) -> None:

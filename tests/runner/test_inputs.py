@@ -143,9 +143,10 @@ def test_forked_samples_read_their_parent_s_logits_row() -> None:
 
 
 def test_prompt_rows_are_the_rows_that_compute_prompt_tokens() -> None:
-    # Rows: D decodes its output (generated), L's one-row remainder is its prompt's last token (a
-    # "decode" row that is a prompt row), S verifies two speculative tokens after its output
-    # (generated), P's chunk is all prompt, R recomputes prompt then outputs after preemption.
+    # Rows: D decodes its output (generated), S verifies two speculative tokens after its output
+    # (generated); then the chunks: L's one-row remainder is its prompt's last token (a chunk, not a
+    # decode row: a prompt token computes as in its whole prompt), P's is all prompt, R recomputes
+    # prompt then outputs after preemption.
     d = request("D", [1, 2, 3], outputs=(4,), computed=3)
     last = request("L", [5, 6, 7, 8, 9], computed=4)
     s = request("S", [1, 2], outputs=(3,), computed=2)
@@ -155,8 +156,9 @@ def test_prompt_rows_are_the_rows_that_compute_prompt_tokens() -> None:
     kv = kv_with_tables({"D": [1], "L": [2, 3], "S": [4, 9], "P": [5, 6], "R": [7, 8]})
     inputs = inputs_of(SchedulerOutput(scheduled=[(d, 1), (last, 1), (s, 3), (p, 5), (r, 5)]), kv)
 
-    # Rows 0 D, 1 L, 2-4 S, 5-9 P, 10-14 R (its prompt's 3 then its 2 outputs).
-    assert inputs.positions.tolist() == [3, 4, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
-    assert inputs.meta.prompt_rows == ((1, 2), (5, 13))
+    # Rows 0 D, 1-3 S, 4 L, 5-9 P, 10-14 R (its prompt's 3 then its 2 outputs).
+    assert inputs.positions.tolist() == [3, 2, 3, 4, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+    assert inputs.meta.num_decode_tokens == 4 and [c.num_tokens for c in inputs.meta.prefills] == [1, 5, 5]
+    assert inputs.meta.prompt_rows == ((4, 13),)
     alone = inputs_of(SchedulerOutput(scheduled=[(d, 1)]), kv)
     assert alone.meta.prompt_rows == ()
