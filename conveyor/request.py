@@ -105,6 +105,13 @@ class Request:
         child.times.first_scheduled = self.times.first_scheduled
         return child
 
+    def decodes(self, num_scheduled: int) -> bool:
+        """Whether a step computes these `num_scheduled` tokens as decode rows (the runner batches
+        them, conveyor/runner/inputs.py): a token after the prompt, with the speculative ones it
+        verifies. A prompt's tokens are a prefill chunk, its last one alone too."""
+        return (num_scheduled in (1, 1 + len(self.spec_token_ids))
+                and self.num_computed_tokens >= len(self.prompt_token_ids))
+
     @property
     def pooled_positions(self) -> range | None:
         """The prompt positions an embedding request pools (None: the request samples tokens)."""

@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from conveyor import __version__
-from conveyor.api.errors import APIError, bad_request, install_handlers, invalid, unavailable
+from conveyor.api.errors import APIError, bad_request, install_handlers, invalid, server_error, unavailable
 from conveyor.api.generation import Generation
 from conveyor.api.limits import decode_json, max_chars_per_token, read_body
 from conveyor.api.metrics import Metrics
@@ -70,7 +70,10 @@ class ServerState:
     # Origins a browser page may call from (CORS; vLLM's --allowed-origins, default any); empty: none.
     allowed_origins: Sequence[str] = ("*",)
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
-    inflight: int = 0  # accepted generations not yet answered
+    aborting: bool = False  # set when the drain's grace is over and in-flight requests are aborted
+    # Requests being handed to the engine or answered, which a drain waits for (an embeddings
+    # request also holds one for its whole span, across its waves).
+    inflight: int = 0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies past it get 413, unread
     created: int = field(default_factory=lambda: int(time.time()))
     # The engine's configuration, where the front end knows it: stated in /openapi.json.
@@ -206,8 +209,9 @@ def build_app(state: ServerState) -> FastAPI:
         state.inflight += 1  # the whole request: a drain waits for its later waves too
         try:
             for start in range(0, len(prompts), wave):
+                # A later wave's ids hold a space, which a caller's request_id cannot: no two collide.
                 gen = Generation(state.engine, state.tokenizer, params, None, "embd",
-                                 request_id=request_id if not start else f"{request_id}.{start}")
+                                 request_id=request_id if not start else f"{request_id} +{start}")
                 release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input", new=not start)
                 try:
                     if not await run_to_end(request, gen):
@@ -215,7 +219,9 @@ def build_app(state: ServerState) -> FastAPI:
                 finally:
                     release()
                 if any(c.embedding is None for c in gen.choices):  # aborted: the drain's grace ran out
-                    raise unavailable("the server is shutting down", code="shutting_down")
+                    if state.draining:
+                        raise unavailable("the server is shutting down", code="shutting_down")
+                    raise server_error("the request was aborted inside the engine")
                 vectors += [cast(list[float], c.embedding) for c in gen.choices]
         finally:
             state.inflight -= 1
@@ -542,14 +548,15 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
 async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], echo: list[str] | None = None,
                  chat: bool = False, prompt_field: str = "prompt", new: bool = True) -> Callable[[], None]:
     """Hand the prompts to the engine (or answer why not); what to call once the answer is out.
-    `new` False: more prompts of a request already admitted, served even while the server drains."""
-    if new and state.draining:
+    `new` False: more prompts of a request already admitted, served while the server drains until
+    its grace is over."""
+    if (new and state.draining) or state.aborting:
         state.metrics.rejected("shutting_down").inc()
         raise unavailable("the server is shutting down", code="shutting_down")
-    if state.log_requests and log.isEnabledFor(logging.INFO):
-        await asyncio.to_thread(_log_request, state, gen, prompts)  # decoding a long prompt takes a while
     state.inflight += 1  # from here: a drain waits for a request still being handed to the engine
     try:
+        if state.log_requests and log.isEnabledFor(logging.INFO):
+            await asyncio.to_thread(_log_request, state, gen, prompts)  # decoding a long prompt takes a while
         await gen.submit(prompts, echo)
     except BaseException as exc:
         state.inflight -= 1

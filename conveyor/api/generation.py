@@ -17,6 +17,7 @@ from conveyor.engine.async_engine import Aborted, Failed
 from conveyor.engine.client import EngineClient
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
 _NEG_INF_LOGPROB = -9999.0  # what OpenAI sends for a token of probability 0 (JSON has no -inf)
@@ -218,9 +219,15 @@ class Generation:
             added = await asyncio.gather(*(self.engine.add_request(request_id, prompt, self.params, self.sink, arrival)
                                            for request_id, prompt in zip(self.request_ids, prompts)),
                                          return_exceptions=True)
-            refusal = next((result for result in added if isinstance(result, BaseException)), None)
-            if refusal is not None:
-                raise refusal
+            refusals = [result for result in added if isinstance(result, BaseException)]
+            if refusals:
+                # Only this request's own: an id refused as in use names another's. A refusal that
+                # retrying cannot mend (InvalidRequestError) is the one told.
+                self._closed = True
+                for request_id, result in zip(self.request_ids, added):
+                    if result is None:
+                        self.engine.abort(request_id)
+                raise next((r for r in refusals if isinstance(r, InvalidRequestError)), refusals[0])
             self.prompt_tokens = sum(len(prompt) for prompt in prompts)
         except BaseException:
             self.close()

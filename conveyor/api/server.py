@@ -69,6 +69,7 @@ class _DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if self.state.inflight:
             log.warning("grace period over: aborting %d requests", self.state.inflight)
+            self.state.aborting = True  # nor are more prompts of a request in flight taken (embeddings' waves)
             self.state.engine.abort_all()
             deadline = loop.time() + 5.0
             while self.state.inflight and loop.time() < deadline:

@@ -43,13 +43,13 @@ class StepFeatures:
 
 
 def step_features(out: SchedulerOutput) -> StepFeatures:
-    """Features of a scheduled step, read before its results are applied. A one-token entry is a
-    decode row, as the runner batches it (conveyor/runner/inputs.py)."""
+    """Features of a scheduled step, read before its results are applied: decode rows as the runner
+    batches them (Request.decodes)."""
     rows = prefill = context = 0
     for request, n in out.scheduled:
-        if n == 1:
-            rows += 1
-            context += request.num_computed_tokens + 1
+        if request.decodes(n):
+            rows += n
+            context += n * request.num_computed_tokens + n * (n + 1) // 2
         else:
             prefill += n
     return StepFeatures(rows, prefill, context / rows if rows else 0.0)

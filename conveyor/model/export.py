@@ -70,14 +70,19 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
 
 
 def _backend_for_hf(tokenizer: Tokenizer) -> _HFTokenizer:
-    """A copy of the backend whose own post-processor adds BOS exactly when conveyor's encode does."""
+    """A copy of the backend whose own post-processor adds BOS, and appends a token (an embedding
+    model's EOS), exactly when conveyor's encode does."""
     backend = _HFTokenizer.from_str(tokenizer.backend.to_str())
     bos = tokenizer.token_to_str(tokenizer.bos_token_id)
-    if tokenizer.add_bos_token and bos is not None:
+    head = [(bos, int(tokenizer.bos_token_id))] if tokenizer.add_bos_token and bos is not None else []  # type: ignore[arg-type]
+    end = tokenizer.token_to_str(tokenizer.eos_appended_id)
+    tail = [(end, int(tokenizer.eos_appended_id))] if end is not None else []  # type: ignore[arg-type]
+    if head or tail:
+        def around(part: str, seq: int) -> str:
+            return " ".join([*(f"{t}:{seq}" for t, _ in head), f"{part}:{seq}", *(f"{t}:{seq}" for t, _ in tail)])
+
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, int(tokenizer.bos_token_id))],  # type: ignore[arg-type]
-        )
+            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}", special_tokens=list(dict(head + tail).items()))
     # Otherwise a leftover processor (e.g. ByteLevel offsets only) is harmless; a BOS-adding one is not.
     elif backend.post_processor is not None and tokenizer.bos_token_id is not None \
             and backend.encode("a", add_special_tokens=True).ids[:1] == [tokenizer.bos_token_id]:
@@ -90,7 +95,9 @@ def tokenizer_config_dict(tokenizer: Tokenizer, model_max_length: int) -> dict[s
     out: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(tokenizer.add_bos_token),
-        "add_eos_token": False,
+        # Where the appended token is not the EOS named below, the post-processor alone says it.
+        **({} if tokenizer.eos_appended_id not in (None, tokenizer.eos_token_id)
+           else {"add_eos_token": tokenizer.eos_appended_id is not None}),
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }

@@ -168,6 +168,18 @@ def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _appended_by_post_processor(backend: _HFTokenizer) -> int | None:
+    """The one special token tokenizer.json's post-processor puts after every text (Qwen3-Embedding's
+    <|endoftext|>), found by encoding a text with and without it; None if it appends none, or more."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start: start + len(plain)] == plain:
+            after = full[start + len(plain):]
+            return after[0] if len(after) == 1 else None
+    return None
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts and chat template of one checkpoint."""
 
@@ -272,11 +284,15 @@ class Tokenizer:
     def encode_chat(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """A rendered chat's ids. By default (None) the model's BOS is added unless the template
         already wrote it (Gemma's and Llama 3's templates begin with `{{ bos_token }}`), so the
-        prompt starts with exactly one, as llama.cpp's server renders it; True or False as asked."""
+        prompt starts with exactly one, as llama.cpp's server renders it; True or False as asked.
+        Never an appended EOS (eos_appended_id): the reply follows the rendered chat."""
         if add_special_tokens is None:
             bos = self.token_to_str(self.bos_token_id)
             add_special_tokens = not (bos and text.startswith(bos))
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        if add_special_tokens and self.eos_appended_id is not None:
+            ids.pop()
+        return ids
 
     def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """A conversation's prompt ids: rendered for the assistant's reply, then `encode_chat`."""
@@ -437,11 +453,7 @@ class Tokenizer:
         if add_bos is None:  # then it is whatever tokenizer.json's post-processor does
             add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
         add_eos = cfg.get("add_eos_token")
-        if add_eos is None:  # then it is whatever tokenizer.json's post-processor appends
-            ends = backend.encode("", add_special_tokens=True).ids
-            appended = ends[-1] if ends and ends[-1:] != [bos] else None
-        else:
-            appended = eos if add_eos else None
+        appended = (eos if add_eos else None) if add_eos is not None else _appended_by_post_processor(backend)
         specials = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
         return cls(
             backend,

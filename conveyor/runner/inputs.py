@@ -54,10 +54,10 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     bs = block_size
     # A request verifying speculative tokens is scheduled all of them with its last sampled token.
     # A prompt's tokens are always a prefill chunk, its last one alone too (what a prefix hit or a
-    # chunk leaves): the two attention kernels sum in different orders, and a token's result must
-    # not depend on how much of its prompt the cache held.
-    decodes = [(r, n) for r, n in out.scheduled
-               if (n == 1 or n == 1 + len(r.spec_token_ids)) and r.num_computed_tokens >= r.num_prompt_tokens]
+    # chunk leaves): the two attention kernels sum in different orders, and a token's result should
+    # not depend on how much of its prompt the cache held. (It still can in a sliding-window layer,
+    # whose prefill kernel groups the window's keys from its tile's first row.)
+    decodes = [(r, n) for r, n in out.scheduled if r.decodes(n)]
     decoding = {r.request_id for r, _ in decodes}
     prefills = [(r, n) for r, n in out.scheduled if r.request_id not in decoding]
     input_ids: list[int] = []

@@ -50,7 +50,7 @@ class StepShape:
             in_window = keys_in_window(start, n, window)
             if start + n == request.num_known_tokens:
                 shape.sampled += 1 + len(request.spec_token_ids)
-            if n == 1 or n == 1 + len(request.spec_token_ids):
+            if request.decodes(n):
                 shape.decode_tokens += n
                 shape.decode_context += n * start + n * (n + 1) // 2
                 shape.window_decode_context += in_window

@@ -160,3 +160,20 @@ def test_a_client_that_leaves_ends_every_input_of_its_request(server, http) -> N
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert count("conveyor:kv_cache_usage_perc") == 0.0
+
+
+def test_a_request_id_in_use_is_refused_without_harm_to_its_holder(http) -> None:
+    """vLLM's rule: a request_id in flight is a 400 for the second request; the first one, whose
+    inputs are still computing, is served whole."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(http.post, EMBEDDINGS, json={"input": [[21 + i] * 1500 for i in range(12)],
+                                                         "request_id": "same"})
+        deadline = time.monotonic() + 30
+        while True:  # the second arrives while the first is in flight
+            second = http.post(EMBEDDINGS, json={"input": "x", "request_id": "same"})
+            if second.status_code == 400 or first.done():
+                break
+            assert time.monotonic() < deadline
+        assert second.status_code == 400 and second.json()["error"]["param"] == "request_id", second.text
+        reply = first.result()
+    assert reply.status_code == 200 and len(reply.json()["data"]) == 12

@@ -73,8 +73,8 @@ def decode_step(rows: int, context: int, prefill: int = 0) -> SchedulerOutput:
     """A step of `rows` decode rows at `context` tokens, plus one prefill chunk of `prefill` tokens."""
     out = SchedulerOutput()
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
-    for i in range(rows):
-        r = Request(f"d{i}", [11] * context, params, 0.0, status=RequestStatus.RUNNING)
+    for i in range(rows):  # each decoding its output's last token (a prompt's own tokens are a chunk)
+        r = Request(f"d{i}", [11] * (context - 1), params, 0.0, status=RequestStatus.RUNNING, output_token_ids=[11])
         r.num_computed_tokens = context - 1
         out.scheduled.append((r, 1))
     if prefill:

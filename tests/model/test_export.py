@@ -79,3 +79,23 @@ def test_transformers_matches_gguf_reference(
     assert got.shape == want.shape == (1, ids.shape[1], 49152)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_tokenizer_that_appends_eos_is_exported_so(tmp_path: Path, smollm_gguf_path: Path) -> None:
+    """An embedding model's GGUF asks for EOS after every text (add_eos_token): the exported folder's
+    tokenizer appends it too, for conveyor and for transformers, and a chat prompt still ends where
+    the template does."""
+    from transformers import AutoTokenizer
+
+    from conveyor.model.loader import load_checkpoint
+    from tests.helpers import make_tiny_hf_checkpoint, write_gguf_from_hf
+
+    path = tmp_path / "tiny-embedding.gguf"
+    write_gguf_from_hf(path, "qwen3", make_tiny_hf_checkpoint(tmp_path, "qwen3"), smollm_gguf_path, add_eos_token=True)
+    c = load_checkpoint(str(path))
+    assert c.tokenizer.eos_appended_id == 2 and c.tokenizer.encode("hello")[-1] == 2
+    folder = export_hf_folder(c.config, c.weights, c.tokenizer, tmp_path / "exported")
+    ours = load_checkpoint(str(folder)).tokenizer
+    assert ours.eos_appended_id == 2 and ours.encode("hello") == c.tokenizer.encode("hello")
+    assert AutoTokenizer.from_pretrained(folder)("hello")["input_ids"] == c.tokenizer.encode("hello")
+    assert ours.encode_chat("hello") == ours.encode("hello")[:-1]

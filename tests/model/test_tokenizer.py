@@ -398,3 +398,7 @@ def test_an_hf_post_processor_that_ends_texts_with_eos_is_followed(tmp_path: Pat
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_eos_token": False}))
     assert Tokenizer.from_hf_folder(folder).eos_appended_id is None
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    backend.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", end)])
+    backend.save(str(folder / "tokenizer.json"))
+    assert Tokenizer.from_hf_folder(folder).eos_appended_id is None  # put before the text: not appended

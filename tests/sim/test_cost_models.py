@@ -143,7 +143,8 @@ def test_a_window_layers_attention_stops_at_its_window() -> None:
 
 
 def test_step_shape_of_a_scheduled_step_counts_the_window() -> None:
-    decode, chunk = Request("d", list(range(20)), SamplingParams(), 0.0), Request("p", list(range(30)), SamplingParams(), 0.0)
+    decode = Request("d", list(range(19)), SamplingParams(), 0.0, output_token_ids=[19])  # decoding its output
+    chunk = Request("p", list(range(30)), SamplingParams(), 0.0)
     decode.num_computed_tokens, chunk.num_computed_tokens = 19, 10
     out = SchedulerOutput(scheduled=[(decode, 1), (chunk, 8)])
     shape, whole = StepShape.of(out, window=4), StepShape.of(out)
