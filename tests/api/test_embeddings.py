@@ -164,9 +164,10 @@ def test_a_client_that_leaves_ends_every_input_of_its_request(server, http) -> N
 
 def test_a_request_id_in_use_is_refused_without_harm_to_its_holder(http) -> None:
     """vLLM's rule: a request_id in flight is a 400 for the second request; the first one, whose
-    inputs are still computing, is served whole."""
+    inputs are still computing, is served whole. (An id is in flight while its input of the same
+    index is: the first's input 0 is long, so that the second, of one input, meets it.)"""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(http.post, EMBEDDINGS, json={"input": [[21 + i] * 1500 for i in range(12)],
+        first = pool.submit(http.post, EMBEDDINGS, json={"input": [[21] * 6000] + [[22 + i] * 1500 for i in range(11)],
                                                          "request_id": "same"})
         deadline = time.monotonic() + 30
         while True:  # the second arrives while the first is in flight
