@@ -239,7 +239,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """`parse_special` False: a special token's spelling in `text` is text, not that token
         (llama.cpp's parse_special; a file a code model reads may spell them)."""
-        # The backend's own post-processor is bypassed so BOS follows add_bos_token alone.
+        tail = [self.eos_appended_id] if add_special_tokens and self.eos_appended_id is not None else []
+        return self._bos(add_special_tokens) + self._text_ids(text, parse_special) + tail
+
+    def _bos(self, add_special_tokens: bool) -> list[int]:
+        """BOS where special tokens are added and the model asks for it (add_bos_token)."""
+        return [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
+
+    def _text_ids(self, text: str, parse_special: bool = True) -> list[int]:
+        # The backend's own post-processor is bypassed so that BOS and EOS follow the flags alone.
         with self._sharing.shared():
             ids = self._tok.encode(text, add_special_tokens=False).ids
         if not parse_special and not self._special_ids.isdisjoint(ids):
@@ -249,10 +257,6 @@ class Tokenizer:
                     ids = self._tok.encode(text, add_special_tokens=False).ids
                 finally:
                     self._tok.encode_special_tokens = False
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
-        if add_special_tokens and self.eos_appended_id is not None:
-            ids.append(self.eos_appended_id)
         return ids
 
     def encode_infill(self, prefix: str, suffix: str, max_tokens: int | None = None,
@@ -268,7 +272,7 @@ class Tokenizer:
         if fim is None:
             raise InvalidRequestError("this model has no fill-in-the-middle tokens: a suffix needs a code model "
                                       "trained to infill (e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)", param="suffix")
-        head = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
+        head = self._bos(add_special_tokens)
         before = self.encode(prefix, False, parse_special=False)
         after = self.encode(suffix, False, parse_special=False)
         if max_tokens is not None:
@@ -289,10 +293,7 @@ class Tokenizer:
         if add_special_tokens is None:
             bos = self.token_to_str(self.bos_token_id)
             add_special_tokens = not (bos and text.startswith(bos))
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
-        if add_special_tokens and self.eos_appended_id is not None:
-            ids.pop()
-        return ids
+        return self._bos(add_special_tokens) + self._text_ids(text)
 
     def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """A conversation's prompt ids: rendered for the assistant's reply, then `encode_chat`."""
