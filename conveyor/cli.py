@@ -105,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
+        max_stored_responses=args.max_stored_responses,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,
@@ -133,7 +134,7 @@ def _deployment(args: argparse.Namespace) -> "DeploymentConfig":
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
+    from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES
     from conveyor.distributed.router import ROUTING_POLICIES
     from conveyor.options import int_at_least
 
@@ -147,6 +148,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-request-bytes", type=int_at_least(1024), default=DEFAULT_MAX_REQUEST_BYTES,
                      help="largest request body accepted; a larger one gets 413 without being read "
                           f"(default {DEFAULT_MAX_REQUEST_BYTES})")
+    srv.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
+                     help="/v1/responses kept in memory for previous_response_id and GET, the least recently "
+                          f"used dropped first; 0 keeps none (default {DEFAULT_MAX_STORED_RESPONSES})")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     srv.add_argument("--allowed-origins", type=_origins, default=["*"], metavar="ORIGINS",

@@ -23,6 +23,9 @@ KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# `conveyor serve --max-stored-responses`: /v1/responses kept in memory for previous_response_id
+# and GET, the least recently used dropped first.
+DEFAULT_MAX_STORED_RESPONSES = 1024
 
 
 def client_api_key() -> str | None:

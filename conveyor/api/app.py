@@ -1,5 +1,5 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize,
-/detokenize, /version, /health, /metrics."""
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
+/v1/models, /tokenize, /detokenize, /version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +37,11 @@ from conveyor.api.schema import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    DeletedResponse,
     EmbeddingResponse,
     Health,
+    RESPONSE_ERRORS,
+    ResponseObject,
     METRICS_RESPONSES,
     MODEL_ERRORS,
     ModelCard,
@@ -49,13 +52,18 @@ from conveyor.api.schema import (
     generation_responses,
     install_openapi,
 )
-from conveyor.api.responses import ChatFormat, CompletionFormat, full_response, run_to_end, stream_response
+from conveyor.api.openai_responses import (
+    ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted, not_stored, renamed, turn_starts,
+)
+from conveyor.api.responses import (
+    ChatFormat, CompletionFormat, SSEResponse, full_response, run_to_end, stream_response,
+)
 from conveyor.api.structured import compile_grammar, requested_grammar
 from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
 from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
 from conveyor.sampling.params import SamplingParams
-from conveyor.config import DEFAULT_MAX_REQUEST_BYTES
+from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES
 
 log = logging.getLogger("conveyor.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -85,6 +93,8 @@ class ServerState:
     # handed to the engine, each prompt cut to max_log_len tokens and characters (None: whole).
     log_requests: bool = False
     max_log_len: int | None = None
+    # /v1/responses kept for previous_response_id and GET (--max-stored-responses; 0: none).
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES))
 
     @property
     def tokenizer(self) -> Any:
@@ -235,30 +245,74 @@ def build_app(state: ServerState) -> FastAPI:
     @v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await _read_json(request, state))
-        _check_model(state, body.model)
-        messages = [m.as_template_input() for m in body.messages]
-        _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
-        tools = plan_tools(body.tools, body.tool_choice)
-        asked = requested_grammar(body)
-        if tools is not None and tools.spec is not None and asked is not None:
-            raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
-        grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
-        prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt),
-                                         body.add_special_tokens,
-                                         tools, bool(body.continue_final_message), body.chat_template_kwargs)
-        prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
-        requested = body.max_completion_tokens or body.max_tokens
-        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar,
-                                      state.sampling_defaults)
-        gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, "chatcmpl",
-                         bool(body.return_tokens_as_token_ids), body.request_id)
-        name = _name(state, body.model)
-        if body.return_token_ids and tools is not None and tools.mode != "none":
-            # The tool-call format re-frames the text as calls: no token ids line up with it.
-            raise bad_request("return_token_ids cannot be combined with tool calls", param="return_token_ids")
-        fmt = (ToolCallFormat(name, tools) if tools is not None and tools.mode != "none"
-               else ChatFormat(name, bool(body.return_token_ids)))
+        gen, prompt, fmt = await _chat_generation(state, body, "chatcmpl")
         return await _serve(request, state, gen, [prompt], fmt, bool(body.stream), body.include_usage)
+
+    @v1.post("/responses", responses=generation_responses(ResponseObject))
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat it is (conveyor/api/openai_responses.py)."""
+        body = parse(ResponsesRequest, await _read_json(request, state))
+        if body.store is True and state.responses.capacity <= 0:
+            raise bad_request("store: this server keeps no responses (--max-stored-responses 0); send store: false",
+                              param="store")
+        earlier = state.responses.conversation(body.previous_response_id) if body.previous_response_id else []
+        items = earlier + body.items
+        starts = [0, *turn_starts(items)] if body.truncation == "auto" else [0]
+        room = body.max_output_tokens or 1
+        for n, start in enumerate(starts):
+            last = n + 1 == len(starts)
+            try:
+                chat = parse(ChatCompletionRequest, body.chat_body(items[start:]))
+                gen, prompt, fmt = await _chat_generation(state, chat, "resp")
+            except APIError as exc:
+                if exc.code == "context_length_exceeded" and not last:
+                    continue
+                raise renamed(exc, body.message_fields(items, len(earlier), start)) from None
+            if len(prompt) + room <= state.capacity:
+                break
+            if last:
+                blamed = "max_output_tokens" if body.max_output_tokens and len(prompt) < state.capacity else "input"
+                raise bad_request(f"the input ({len(prompt)} tokens) plus max_output_tokens ({room}) cannot fit the "
+                                  f"maximum model length of {state.capacity} tokens"
+                                  + (" (truncation 'auto' drops the oldest turns)"
+                                     if blamed == "input" and body.truncation != "auto" else ""),
+                                  param=blamed, code="context_length_exceeded")
+            # truncation "auto": the oldest turn is dropped and the rest tried again
+        response_id = f"resp_{uuid.uuid4().hex}"
+        params = gen.params
+        builder = ResponseBuilder(body, response_id, _name(state, body.model), params.temperature, params.top_p)
+        try:
+            release = await _admit(state, gen, [prompt], prompt_field="input")
+        except APIError as exc:
+            raise renamed(exc) from None
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.stores:
+                state.responses.put(response_id, StoredResponse(response, body.items, body.previous_response_id))
+
+        if body.stream:
+            return SSEResponse(builder.events(gen, fmt, keep), release)
+        try:
+            if not await run_to_end(request, gen):
+                return Response(status_code=499)
+        finally:
+            release()
+        response = builder.whole(gen, fmt)
+        keep(response)
+        return JSONResponse(response)
+
+    @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=RESPONSE_ERRORS)
+    async def get_response(response_id: str) -> dict[str, Any]:
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise not_stored(response_id)
+        return stored.body
+
+    @v1.delete("/responses/{response_id}", response_model=DeletedResponse, responses=RESPONSE_ERRORS)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not state.responses.delete(response_id):
+            raise not_stored(response_id)
+        return deleted(response_id)
 
     app.include_router(v1)
 
@@ -312,7 +366,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(payload, media_type=content_type)
 
     install_openapi(app, {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
-                          "/v1/embeddings": (EmbeddingRequest,),
+                          "/v1/embeddings": (EmbeddingRequest,), "/v1/responses": (ResponsesRequest,),
                           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
                           "/detokenize": (DetokenizeRequest,)}, lambda: served_limits(state))
     return app
@@ -541,8 +595,38 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
     longest = max(len(p) for p in prompts)
     if longest >= state.capacity:
         raise bad_request(f"the prompt ({longest} tokens) leaves no room to generate within the "
-                          f"maximum of {state.capacity} tokens", param="messages")
+                          f"maximum of {state.capacity} tokens", param="messages", code="context_length_exceeded")
     return min(state.capacity - longest, recommended)
+
+
+async def _chat_generation(state: ServerState, body: ChatCompletionRequest,
+                           prefix: str) -> tuple[Generation, list[int], CompletionFormat]:
+    """A chat request's rendered prompt, its Generation (not yet handed to the engine) and the
+    format its answer takes (tool calls or plain)."""
+    _check_model(state, body.model)
+    messages = [m.as_template_input() for m in body.messages]
+    _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
+    tools = plan_tools(body.tools, body.tool_choice)
+    asked = requested_grammar(body)
+    if tools is not None and tools.spec is not None and asked is not None:
+        raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
+    grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
+    prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt),
+                                     body.add_special_tokens,
+                                     tools, bool(body.continue_final_message), body.chat_template_kwargs)
+    prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
+    requested = body.max_completion_tokens or body.max_tokens
+    params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar,
+                                  state.sampling_defaults)
+    gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, prefix,
+                     bool(body.return_tokens_as_token_ids), body.request_id)
+    name = _name(state, body.model)
+    if body.return_token_ids and tools is not None and tools.mode != "none":
+        # The tool-call format re-frames the text as calls: no token ids line up with it.
+        raise bad_request("return_token_ids cannot be combined with tool calls", param="return_token_ids")
+    fmt = (ToolCallFormat(name, tools) if tools is not None and tools.mode != "none"
+           else ChatFormat(name, bool(body.return_token_ids)))
+    return gen, prompt, fmt
 
 
 async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], echo: list[str] | None = None,

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from conveyor.api.openai_responses import MAX_METADATA_KEYS
 from conveyor.api.protocol import MAX_N, SEED_MAX, SEED_MIN
 from conveyor.sampling.params import (_MAX_ALLOWED_TOKEN_IDS, _MAX_BAD_WORDS, _MAX_BAD_WORDS_CHARS, _MAX_LOGIT_BIAS,
                                       _MAX_STOP_STRINGS)
@@ -118,6 +119,71 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[ChatTokenLogprob]
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object (/v1/responses), with the settings it was made with."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    completed_at: int | None
+    error: dict[str, str] | None
+    incomplete_details: dict[str, str] | None
+    model: str
+    output: list[OutputMessage | FunctionCallItem]
+    usage: ResponseUsage | None
+    instructions: str | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, str]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: Literal["auto", "disabled"]
+    metadata: dict[str, str]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -164,10 +230,13 @@ TOKENIZER_ERRORS: dict[int | str, dict[str, Any]] = {
     key: GENERATION_ERRORS[key] for key in (401, 400, 404, 413)
 }
 MODEL_ERRORS: dict[int | str, dict[str, Any]] = {key: GENERATION_ERRORS[key] for key in (401, 404)}
+RESPONSE_ERRORS: dict[int | str, dict[str, Any]] = {
+    **V1_ERRORS, 404: {**_ERRORS, "description": "no response of that id is stored (store: false, dropped, deleted)"}}
 
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    # With "stream": true: Server-Sent Events whose data are chunk objects, then "[DONE]". No schema
+    # With "stream": true: Server-Sent Events whose data are chunk objects, then "[DONE]" (on
+    # /v1/responses: typed events, each named in an `event:` line, and no "[DONE]"). No schema
     # is declared for them: OpenAPI 3.1 has no way to describe the events one by one.
     stream: dict[str, Any] = {"text/event-stream": {}}
     return {200: {"model": model, "content": stream}, **GENERATION_ERRORS}
@@ -235,13 +304,17 @@ _CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_
                 "guided_grammar")
 
 
-def _priority_and_truncation(props: dict[str, Any], limits: ServedLimits) -> None:
-    """vLLM's priority and truncate_prompt_tokens, which generation and embeddings share."""
+def _priority(props: dict[str, Any], limits: ServedLimits) -> None:
     if limits.priority_scheduling is False:
         _set(props, "priority", const=0)
         _describe(props, "priority", "needs a server run with --scheduling-policy priority")
     else:
         _set(props, "priority", minimum=SEED_MIN, maximum=SEED_MAX)
+
+
+def _priority_and_truncation(props: dict[str, Any], limits: ServedLimits) -> None:
+    """vLLM's priority and truncate_prompt_tokens, which generation and embeddings share."""
+    _priority(props, limits)
     # -1 (as many as the model takes) is accepted too; "-1 or >= 1" would cost the generators a branch.
     _set(props, "truncate_prompt_tokens", minimum=1)
     _describe(props, "truncate_prompt_tokens", "keep the prompt's last k tokens (k >= 1); -1 keeps as many as "
@@ -380,12 +453,59 @@ def _chat_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
         off=(False, None))
 
 
+def _responses_limits(schema: dict[str, Any], limits: ServedLimits) -> None:
+    props = schema["properties"]
+    _set(props, "model", enum=list(limits.model_names))
+    _set(props, "max_output_tokens", maximum=limits.capacity - 1)
+    _describe(props, "max_output_tokens", "with the input, at most the model's length (truncation 'auto' drops the "
+                                          "oldest turns to make room)")
+    _priority(props, limits)
+    _describe(props, "previous_response_id", "a response this server stores (created with store left true, and "
+                                             "neither deleted nor dropped as the least recently used)")
+    _describe(props, "stream_options", "only with stream: true")
+    _describe(props, "tools", "functions with distinct names")
+    _describe(props, "tool_choice", "anything but 'none' needs tools, and a named function must be one of them; with "
+                                    "tools and no tool_choice the choice is 'auto'"
+                                    + (", which this model's chat template cannot render (nor tools beside 'none')"
+                                       if limits.renders_tools is False else ""))
+    _describe(props, "text", "json_object and json_schema formats cannot be combined with tool_choice 'required' "
+                             "or a named function")
+    _set(props, "metadata", maxProperties=MAX_METADATA_KEYS)
+    next(alt for alt in _choices(props["input"]) if alt.get("type") == "array")["minItems"] = 1
+
+
+def _responses_items(schemas: dict[str, Any]) -> None:
+    """Which fields each kind of input item, content part and text format takes (their models'
+    validators), as the chat's message rules are stated."""
+    absent, present, text = {"type": "null"}, {"not": {"type": "null"}}, {"type": "string"}
+    fields = ("role", "content", "call_id", "name", "arguments", "output")
+
+    def only(kind: dict[str, Any], *taken: str, **typed: Any) -> dict[str, Any]:
+        props = {"type": kind, **{f: absent for f in fields if f not in taken}, **typed}
+        return {"properties": props, "required": [*typed]}
+
+    schemas["ResponseInputItem"]["anyOf"] = [
+        only({"const": "message"}, "role", "content", role=present, content=present),
+        {**only({"const": "function_call"}, "call_id", "name", "arguments", call_id=text, name=text, arguments=text),
+         "required": ["type", "call_id", "name", "arguments"]},
+        {**only({"const": "function_call_output"}, "call_id", "output", call_id=text, output=present),
+         "required": ["type", "call_id", "output"]}]
+    schemas["ResponseContent"]["anyOf"] = [
+        {"properties": {"type": {"enum": ["input_text", "output_text"]}, "text": text}, "required": ["text"]},
+        {"properties": {"type": {"const": "refusal"}, "refusal": text}, "required": ["refusal"]}]
+    schemas["ResponseTextFormat"]["anyOf"] = [
+        {"properties": {"type": {"enum": ["text", "json_object"]}, "schema": absent, "name": absent}},
+        {"properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}, "required": ["schema"]}]
+
+
 def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     """Writes `limits` into the request bodies' schemas (components/schemas, by model name)."""
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _sampling_limits(schemas[name], limits)
     _completion_limits(schemas["CompletionRequest"], limits)
     _embedding_limits(schemas["EmbeddingRequest"], limits)
+    _responses_limits(schemas["ResponsesRequest"], limits)
+    _responses_items(schemas)
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         _chat_limits(schemas[name], limits)
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):

@@ -35,11 +35,13 @@ CHECKS = [not_a_server_error, response_schema_conformance, status_code_conforman
 # would exceed what schema-driven generators expand (conveyor/api/schema.py). Anything else
 # refused is a limit the schema fails to state.
 CONTENT_DEPENDENT = [
-    (r"prompt|input|messages|max_tokens", r"cannot fit|leaves no room|exceeds the maximum model length"),
-    (r"guided_\w+|response_format\.json_schema\.schema|structured_outputs\.\w+|tools\.\d+\.function\.parameters",
-     r"."),  # a JSON schema, regex or grammar that does not compile
-    (r"messages", r"chat template rejected the messages"),
-    (r"messages\.\d+\.(name|tool_calls)", r"does not render"),  # a field the chat template drops
+    (r"prompt|input|messages|max_tokens|max_output_tokens", r"cannot fit|leaves no room|exceeds the maximum model length"),
+    (r"guided_\w+|response_format\.json_schema\.schema|structured_outputs\.\w+|tools\.\d+\.(function\.)?parameters"
+     r"|text\.format\.schema", r"."),  # a JSON schema, regex or grammar that does not compile
+    (r"messages|input", r"chat template rejected the messages"),
+    (r"previous_response_id", r"is not stored"),  # described: a response this server stores
+    # A field the chat template drops (a Responses function_call item is an assistant's tool_calls).
+    (r"messages\.\d+\.(name|tool_calls)|input(\.\d+)?|previous_response_id", r"does not render"),
     (r"continue_final_message", r"does not appear in the rendered chat"),
     (r"bad_words", r"tokens in all"),
     (r"min_tokens", r"max_tokens"),  # described: at most max_tokens
@@ -48,7 +50,8 @@ CONTENT_DEPENDENT = [
     (r"max_tokens", r"only with echo"),  # described: 0 only with echo
     (r"suffix|echo", r"suffix"),  # described: a suffix takes text prompts and no echo
     (r"stream_options", r"only allowed when stream is true"),  # described on chat
-    (r"tools|tool_choice(\.function\.name)?", r"needs tools|not in tools|renders the tools|duplicate"),  # described
+    (r"tools|tool_choice(\.function)?(\.name)?", r"needs tools|not in tools|renders the tools|duplicate"),  # described
+    (r"text\.format", r"cannot be combined with tool_choice"),  # described
 ]
 
 
@@ -72,7 +75,7 @@ def assert_idle(base_url: str) -> None:
 def test_fuzz_the_api(tiny_server):
     schema = schemathesis.openapi.from_url(f"{tiny_server.base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
                                               "/v1/models", "/health"}
     strategy = st.one_of(*(op.as_strategy(generation_mode=mode) for op in operations
                            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)))
@@ -130,7 +133,8 @@ def test_schema_valid_requests_are_served(tiny_server):
         fuzz_positive(op, check)()
     print(f"schema-valid requests by status ('excused': refused for content the schema cannot judge): {outcomes}")
     # The excuses must stay the exception: most schema-valid generations are served as they are.
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
+                 "/detokenize"):
         tally = outcomes[path]
         assert tally.get("200", 0) > 2 * tally.get("excused", 0), (path, tally)
     assert_idle(tiny_server.base_url)

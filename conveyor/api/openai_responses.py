@@ -1,0 +1,634 @@
+"""OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}).
+
+A Responses request is a chat in other clothes: its `instructions` and `input` items become chat
+messages, its function tools and `text.format` the chat's tools and response_format, and it runs
+through the same rendering, tool planning and structured outputs as /v1/chat/completions (as
+llama.cpp's server and vLLM serve it). What differs is the answer's shape: `output` items
+(a message of output_text, function calls) and, streamed, typed events (`response.created`,
+`response.output_text.delta`, ..., `response.completed`), each with a sequence number.
+
+`store` (OpenAI's default: true) keeps the response in this process, in a bounded store
+(`conveyor serve --max-stored-responses`, oldest dropped first), so that a later request can
+continue it with `previous_response_id` (its input and output come before the new input) and
+GET or DELETE it. Nothing is written to disk, and a restart forgets every response.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from conveyor.api.errors import APIError, bad_request
+from conveyor.api.generation import Generation
+from conveyor.api.protocol import MAX_LOGPROBS, SEED_MAX, SEED_MIN, Text, _Strict
+from conveyor.api.responses import CompletionFormat, _sse, failure, usage
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value: output_text's logprobs
+MAX_METADATA_KEYS = 16  # OpenAI's bound
+
+
+class ResponseContent(_Strict):
+    """A part of an input message (input_text) or of an earlier output sent back (output_text,
+    refusal, with what the SDK dumps beside them)."""
+
+    type: Literal["input_text", "output_text", "refusal"]
+    text: Text | None = None
+    refusal: Text | None = None
+    annotations: list[Any] | None = None  # an earlier output's citations: the text is what the model reads
+    logprobs: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_text(self) -> "ResponseContent":
+        wanted = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, wanted) is None:
+            raise ValueError(f"a {self.type} part needs {wanted}")
+        return self
+
+    @property
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
+
+
+def _text_parts_only(parts: Any) -> Any:
+    for index, part in enumerate(parts if isinstance(parts, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "refusal"):
+            raise ValueError(f"only text content is supported by this server (content part {index} is of type "
+                             f"{kind!r})")
+    return parts
+
+
+# Which fields each item type takes; the others must be absent.
+_ITEM_FIELDS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+_ALL_ITEM_FIELDS = {name for names in _ITEM_FIELDS.values() for name in names}
+
+
+class ResponseInputItem(_Strict):
+    """One item of `input`: a message (`type` may be left out, as OpenAI's easy input message),
+    a function call an earlier response made, or its output. Earlier output items may be sent back
+    as the SDK dumps them (with id and status)."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: Text | list[ResponseContent] | None = None
+    call_id: str | None = Field(None, min_length=1)
+    name: Text | None = Field(None, min_length=1)
+    arguments: Text | None = None
+    output: Text | list[ResponseContent] | None = None
+
+    unsupported = {"phase": (None,), "namespace": (None,), "caller": (None,)}
+
+    _parts = field_validator("content", "output", mode="before")(lambda cls, v: _text_parts_only(v))
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> "ResponseInputItem":
+        wanted = _ITEM_FIELDS[self.type]
+        for name in wanted:
+            if getattr(self, name) is None:
+                raise ValueError(f"a {self.type} item needs {name}")
+        for name in sorted(_ALL_ITEM_FIELDS - set(wanted)):
+            if getattr(self, name) is not None:
+                raise ValueError(f"a {self.type} item takes no {name}")
+        return self
+
+    @staticmethod
+    def _joined(value: str | list[ResponseContent] | None) -> str:
+        return value if isinstance(value, str) else "".join(part.value for part in value or [])
+
+    @property
+    def text(self) -> str:
+        return self._joined(self.output if self.type == "function_call_output" else self.content)
+
+
+class ResponseFunctionTool(_Strict):
+    """A function the model may call (the Responses shape: name and parameters at the top)."""
+
+    type: Literal["function"]
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # None: true, OpenAI's default on this API
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}  # in OpenAI's order: the template renders it
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        function["strict"] = self.strict is not False
+        return {"type": "function", "function": function}
+
+    def as_echo(self) -> dict[str, Any]:
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters, "strict": self.strict is not False}
+
+
+class ResponseToolChoice(_Strict):
+    type: Literal["function"]
+    name: Text = Field(min_length=1)
+
+
+class ResponseTextFormat(_Strict):
+    """`text.format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseTextFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema format needs schema")
+        if self.type != "json_schema" and (self.json_schema is not None or self.name is not None):
+            raise ValueError(f"a {self.type} format takes no schema or name")
+        return self
+
+    def as_response_format(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        body: dict[str, Any] = {"name": self.name or "response", "schema": self.json_schema}
+        if self.description is not None:
+            body["description"] = self.description
+        if self.strict is not None:
+            body["strict"] = self.strict
+        return {"type": "json_schema", "json_schema": body}
+
+    def as_echo(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ResponseTextConfig(_Strict):
+    format: ResponseTextFormat | None = None
+    unsupported = {"verbosity": (None, "medium")}  # a hint to OpenAI's own models; medium is its default
+
+
+class ResponseReasoning(_Strict):
+    """No model served here reasons apart from its answer: only the empty settings are taken."""
+
+    unsupported = {"effort": (None,), "summary": (None,), "generate_summary": (None,)}
+
+
+class ResponseStreamOptions(_Strict):
+    # OpenAI pads delta events with random characters so that their sizes leak no text.
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI's POST /v1/responses body, with vLLM's sampling extensions (top_k, min_p,
+    repetition_penalty, seed, request_id, priority, cache_salt)."""
+
+    model: str | None = None
+    input: Text | list[ResponseInputItem]
+    instructions: Text | None = None
+    previous_response_id: str | None = Field(None, min_length=1)
+    store: bool | None = None  # None: true, as OpenAI
+    stream: bool | None = False
+    stream_options: ResponseStreamOptions | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # a bound on built-in tools, of which none is served
+    text: ResponseTextConfig | None = None
+    reasoning: ResponseReasoning | None = None
+    # "auto": the oldest input items are dropped until the input fits the context (OpenAI's rule).
+    truncation: Literal["auto", "disabled"] | None = None
+    # Bookkeeping for the caller, echoed in the response; they change no output.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    # A hint for OpenAI's cache routing: this server's prefix cache matches every request anyway.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory"] | None = None  # this server's cache is in memory
+    service_tier: Literal["auto", "default"] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    priority: int | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+
+    unsupported = {
+        "background": (None, False), "conversation": (None,), "prompt": (None,), "context_management": (None,),
+        "moderation": (None,), "image": (None,), "access_programs": (None,), "background_options": (None,),
+        "prompt_cache_options": (None,),
+    }
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ResponsesRequest":
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be an empty list")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
+            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        return self
+
+    @property
+    def items(self) -> list[ResponseInputItem]:
+        if isinstance(self.input, str):
+            return [ResponseInputItem.model_validate({"role": "user", "content": self.input})]
+        return list(self.input)
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
+
+    def message_fields(self, items: list[ResponseInputItem], num_earlier: int, start: int) -> list[str]:
+        """Per message of chat_body(items[start:]), where `items` are the previous response's
+        conversation (`num_earlier` items) and then the input: the field a client would fix."""
+        fields = []
+        for origin in chat_messages(self.instructions, items[start:])[1]:
+            at = None if origin is None else origin + start - num_earlier
+            fields.append("instructions" if at is None else "previous_response_id" if at < 0
+                          else "input" if isinstance(self.input, str) else f"input.{at}")
+        return fields
+
+    def chat_body(self, items: list[ResponseInputItem]) -> dict[str, Any]:
+        """The /v1/chat/completions body this request is, over `items` (the input, after the
+        previous response's conversation and what truncation dropped)."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": chat_messages(self.instructions, items)[0],
+            "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "user": self.user, "metadata": self.metadata, "safety_identifier": self.safety_identifier,
+            "prompt_cache_key": self.prompt_cache_key, "service_tier": self.service_tier,
+        }
+        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p",
+                     "repetition_penalty", "seed", "priority", "cache_salt"):
+            body[name] = getattr(self, name)
+        if self.wants_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        if self.tools:
+            body["tools"] = [tool.as_chat_tool() for tool in self.tools]
+        if isinstance(self.tool_choice, ResponseToolChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        else:
+            body["tool_choice"] = self.tool_choice
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = self.text.format.as_response_format()
+        return {key: value for key, value in body.items() if value is not None}
+
+
+def chat_messages(instructions: str | None,
+                  items: list[ResponseInputItem]) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """Chat messages of `instructions` (a system message first) and the input items: an earlier
+    response's message and function calls are one assistant turn, as its chat would have been.
+    Beside them, the index of the item each message starts with (None: the instructions)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    origins: list[int | None] = [None] * len(messages)
+    for index, item in enumerate(items):
+        last = messages[-1] if messages else None
+        if item.type == "message" and item.role == "assistant":
+            if last is not None and last["role"] == "assistant":
+                last["content"] = (last["content"] or "") + item.text
+                continue
+            messages.append({"role": "assistant", "content": item.text})
+        elif item.type == "message":
+            messages.append({"role": item.role, "content": item.text})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        origins.append(index)
+    return messages, origins
+
+
+def turn_starts(items: list[ResponseInputItem]) -> list[int]:
+    """Where truncation may cut the input (OpenAI's "auto" drops the oldest items): before each
+    user message but the first, so that no call is cut from its output."""
+    return [i for i, item in enumerate(items) if i and item.type == "message" and item.role == "user"]
+
+
+# The chat pipeline's field names, and what the same field is called in a Responses request.
+_CHAT_PARAMS = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("tool_choice.function.name", "tool_choice.name"),
+    ("messages", "input"),
+)
+
+
+def renamed(error: APIError, message_fields: list[str] | None = None) -> APIError:
+    """A 400 the chat pipeline raised, with the fields named as the Responses request names them;
+    `message_fields`: the field each chat message came from (ResponsesRequest.message_fields)."""
+    param = error.param
+    if param is None:
+        return error
+    new = param
+    message = re.fullmatch(r"messages\.(\d+)(\..*)?", param)
+    if message is not None and message_fields is not None and int(message.group(1)) < len(message_fields):
+        new = message_fields[int(message.group(1))]
+    elif param.startswith("tools.") and ".function." in param:
+        new = param.replace(".function.", ".", 1)
+    else:
+        for old, responses_name in _CHAT_PARAMS:
+            if param == old or param.startswith(old + "."):
+                new = responses_name if old == "messages" else responses_name + param[len(old):]
+                break
+    if new != param:
+        error.message = error.message.replace(param, new)
+        error.param = new
+    return error
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class StoredResponse:
+    body: dict[str, Any]  # the response object, as GET returns it
+    input_items: list[ResponseInputItem]  # this request's own input (the previous response's is stored there)
+    previous_id: str | None
+
+
+class ResponseStore:
+    """Responses kept for previous_response_id and GET / DELETE: at most `capacity`, the least
+    recently used dropped first (continuing a conversation uses its whole chain)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._responses.get(response_id)
+        if stored is not None:
+            self._responses.move_to_end(response_id)
+        return stored
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        self._responses[response_id] = stored
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+    def conversation(self, response_id: str) -> list[ResponseInputItem]:
+        """The items a response continuing `response_id` comes after: every input and output of
+        its chain, oldest first. A 400 naming previous_response_id if one is not stored."""
+        chain: list[StoredResponse] = []
+        at: str | None = response_id
+        while at is not None:
+            stored = self.get(at)
+            if stored is None:
+                which = "" if at == response_id else f" (it continues {at!r}, which is no longer stored)"
+                raise bad_request(f"previous_response_id: the response {response_id!r} is not stored on this "
+                                  f"server{which}", param="previous_response_id", code="previous_response_not_found")
+            chain.append(stored)
+            at = stored.previous_id
+        items: list[ResponseInputItem] = []
+        for stored in reversed(chain):
+            items += stored.input_items
+            items += [ResponseInputItem.model_validate(_as_input(item)) for item in stored.body["output"]]
+        return items
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as the input item that sends it back."""
+    if item["type"] == "message":
+        return {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": part["text"]} for part in item["content"]]}
+    return {key: item[key] for key in ("type", "call_id", "name", "arguments")}
+
+
+@dataclass
+class ResponseBuilder:
+    """The response object and, streamed, its events, from what the chat format makes of each
+    token: text deltas become an output_text message, tool-call deltas function_call items."""
+
+    request: ResponsesRequest
+    response_id: str
+    model: str
+    temperature: float
+    top_p: float
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)
+    _sequence: int = 0
+    _message: dict[str, Any] | None = None  # the message item being streamed
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> its item
+
+    def envelope(self, status: str, gen: Generation | None = None, finish_reason: str | None = None) -> dict[str, Any]:
+        request = self.request
+        tool_choice: Any = request.tool_choice
+        if isinstance(tool_choice, ResponseToolChoice):
+            tool_choice = tool_choice.model_dump()
+        text_format = request.text.format if request.text is not None else None
+        done = status in ("completed", "incomplete")
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "completed_at": int(time.time()) if done else None, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": request.max_tool_calls, "model": self.model, "output": list(self.output),
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id,
+            "prompt_cache_key": request.prompt_cache_key, "reasoning": {"effort": None, "summary": None},
+            "safety_identifier": request.safety_identifier, "service_tier": "default",
+            "store": request.stores, "temperature": self.temperature,
+            "text": {"format": text_format.as_echo() if text_format is not None else {"type": "text"}},
+            "tool_choice": tool_choice or ("auto" if request.tools else "none"),
+            "tools": [tool.as_echo() for tool in request.tools or []],
+            "top_logprobs": request.top_logprobs or 0, "top_p": self.top_p,
+            "truncation": request.truncation or "disabled",
+            "usage": _usage(gen) if gen is not None and done else None,
+            "user": request.user, "metadata": request.metadata or {},
+        }
+
+    def whole(self, gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
+        """The finished response (not streamed), from the chat format's final message."""
+        choice = gen.choices[0]
+        final = fmt.choice_final(choice)
+        message, finish = final["message"], final["finish_reason"]
+        status = _status(finish)
+        calls = message.get("tool_calls") or []
+        if message.get("content") or not calls:
+            logprobs = (final.get("logprobs") or {}).get("content") or []
+            self.output.append({"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant",
+                                "content": [_text_part(message.get("content") or "", logprobs)]})
+        for call in calls:
+            self.output.append(_function_call(call["id"], call["function"]["name"], call["function"]["arguments"],
+                                              "completed"))
+        return self.envelope(_status(finish), gen, finish)
+
+    def _event(self, kind: str, obfuscate: bool = False, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        if obfuscate:
+            body["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(12) + 4)
+        return f"event: {kind}\n" + _sse(body)
+
+    async def events(self, gen: Generation, fmt: CompletionFormat,
+                     on_done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+        """The streamed response: created, in_progress, each output item's events as its tokens
+        come, then completed, incomplete (cut at max_output_tokens) or failed. `on_done` gets the
+        finished response before its last event goes out (a client may continue it at once)."""
+        options = self.request.stream_options
+        obfuscate = bool(options and options.include_obfuscation)
+        yield self._event("response.created", response=self.envelope("in_progress"))
+        yield self._event("response.in_progress", response=self.envelope("in_progress"))
+        finish: str | None = None
+        first = True
+        async for choice, delta, logprobs in gen.updates():
+            entry = fmt.choice_delta(choice, delta, logprobs, first=first)
+            first = False
+            if entry is None:
+                continue
+            out = entry["delta"]
+            entries = (entry.get("logprobs") or {}).get("content") or []
+            if out.get("content") or (entries and not self._calls):
+                for event in self._text(out.get("content") or "", entries, obfuscate):
+                    yield event
+            for call in out.get("tool_calls") or []:
+                for event in self._call(call, obfuscate):
+                    yield event
+            finish = entry["finish_reason"] or finish
+        if gen.error is not None:
+            error = failure(gen)
+            body = self.envelope("failed")
+            body["error"] = {"code": error.code or "server_error", "message": error.message}
+            yield self._event("response.failed", response=body)
+            return
+        status = _status(finish)
+        for event in self._close_message(status):
+            yield event
+        for call in self._calls.values():
+            yield self._event("response.function_call_arguments.done", item_id=call["id"],
+                              output_index=self.output.index(call), name=call["name"], arguments=call["arguments"])
+            call["status"] = "completed"
+            yield self._event("response.output_item.done", output_index=self.output.index(call), item=call)
+        if not self.output:  # nothing generated (an end-of-text first): an empty message, as whole() gives
+            for event in self._text("", [], obfuscate):
+                yield event
+            for event in self._close_message(status):
+                yield event
+        final = self.envelope(_status(finish), gen, finish)
+        on_done(final)
+        yield self._event(f"response.{final['status']}", response=final)
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]], obfuscate: bool) -> list[str]:
+        events = []
+        if self._message is None:
+            self._message = {"id": _item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                             "content": []}
+            self.output.append(self._message)
+            index = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=index, item=self._message))
+            self._message["content"].append(_text_part("", []))
+            events.append(self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
+                                      content_index=0, part=_text_part("", [])))
+        part = self._message["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        events.append(self._event("response.output_text.delta", obfuscate, item_id=self._message["id"],
+                                  output_index=self.output.index(self._message), content_index=0, delta=text,
+                                  logprobs=logprobs))
+        return events
+
+    def _close_message(self, status: str) -> list[str]:
+        message, self._message = self._message, None
+        if message is None or message["status"] != "in_progress":
+            return []
+        index, part = self.output.index(message), message["content"][0]
+        message["status"] = status
+        return [
+            self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                        text=part["text"], logprobs=part["logprobs"]),
+            self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
+                        part=part),
+            self._event("response.output_item.done", output_index=index, item=message),
+        ]
+
+    def _call(self, delta: dict[str, Any], obfuscate: bool) -> list[str]:
+        events = self._close_message("completed")  # text before a call is a message of its own
+        function = delta.get("function") or {}
+        call = self._calls.get(delta["index"])
+        if call is None:
+            call = _function_call(delta["id"], function.get("name", ""), "", "in_progress")
+            self._calls[delta["index"]] = call
+            self.output.append(call)
+            events.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=call))
+        arguments = function.get("arguments") or ""
+        if arguments:
+            call["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", obfuscate, item_id=call["id"],
+                                      output_index=self.output.index(call), delta=arguments))
+        return events
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+
+def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": _item_id("fc"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def _status(finish_reason: str | None) -> str:
+    """An item's status, and the response's: cut at max_output_tokens, or whole."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    chat = usage(gen)
+    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat["total_tokens"]}
+
+
+def deleted(response_id: str) -> dict[str, Any]:
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def not_stored(response_id: str) -> APIError:
+    return APIError(404, f"no response {response_id!r} is stored on this server", param="response_id",
+                    code="not_found")
+
+
+__all__ = ["ResponseBuilder", "ResponseStore", "ResponsesRequest", "StoredResponse", "deleted", "not_stored",
+           "renamed", "turn_starts"]
