@@ -9,6 +9,7 @@ Everything here runs on the front end's event loop; Ray object refs are awaited,
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -38,6 +39,15 @@ from conveyor.sampling.pooling import PoolingParams
 log = logging.getLogger("conveyor.distributed")
 POLL_TIMEOUT_S = 1.0
 MAX_ATTEMPTS = 2  # a request whose worker died before it streamed anything is retried once
+
+
+async def _answer(call: Any) -> Any:
+    """Await a remote call's answer (an ObjectRef is awaitable, not a coroutine)."""
+    return await call
+
+
+def _abort_when_added(worker: WorkerHandle, request_id: str, _: asyncio.Future) -> None:
+    worker.tell("abort", request_id)
 
 
 class RayEngineClient:
@@ -187,8 +197,16 @@ class RayEngineClient:
                     raise EngineStoppedError(f"no live {t.role} worker")
                 worker = route.worker
                 t.worker, t.attempts, t.expected_cached_tokens = worker, t.attempts + 1, route.expected_cached_tokens
+                # Its own task: cancelling the submission (the client went away) leaves the add in
+                # flight to the worker, which would then run it for nobody unless told once it lands
+                # (an async actor runs an abort sent now before or after the add, in no set order).
+                added = asyncio.ensure_future(_answer(worker.actor.add.remote(t.request_id, t.prompt, t.params,
+                                                                              t.role == "prefill")))
                 try:
-                    await worker.actor.add.remote(t.request_id, t.prompt, t.params, t.role == "prefill")
+                    await asyncio.shield(added)
+                except asyncio.CancelledError:
+                    added.add_done_callback(functools.partial(_abort_when_added, worker, t.request_id))
+                    raise
                 except ray.exceptions.RayError as exc:  # a refusal (InvalidRequestError) or a death
                     if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, WorkerDiedError):
                         raise exc.cause if isinstance(exc.cause, BaseException) else exc from None

@@ -117,6 +117,31 @@ def test_abort_during_submission_stops_retries_and_reaches_the_worker() -> None:
     assert replica.actor.told("abort") == [("r",), ("r",)]  # the second one after the add landed
 
 
+def test_a_submission_cancelled_mid_add_aborts_the_request_once_the_add_lands() -> None:
+    """The client went away while the add was on its way: an abort sent at once may reach the
+    worker first, so another follows the add, or the worker would run the request for nobody."""
+    replica = WorkerHandle("replica-0", "replica", _FakeActor())
+
+    async def main() -> tuple[int, int]:
+        gate = replica.actor.gates["add"] = asyncio.Event()
+        client = RayEngineClient([replica], tokenizer=None)
+        client._started = True
+        adding = asyncio.ensure_future(client.add_request("r", [5, 6], SamplingParams(max_tokens=2), asyncio.Queue()))
+        while not replica.actor.told("add"):
+            await asyncio.sleep(0)
+        adding.cancel()
+        await asyncio.gather(adding, return_exceptions=True)
+        before = len(replica.actor.told("abort"))
+        gate.set()  # the add lands on the worker now
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert "r" not in client._tracked
+        return before, len(replica.actor.told("abort"))
+
+    before, after = asyncio.run(main())
+    assert (before, after) == (1, 2)
+
+
 def test_slo_state_of_the_workers_reaches_metrics() -> None:
     a, b = WorkerHandle("replica-0", "replica", _FakeActor()), WorkerHandle("replica-1", "replica", _FakeActor())
     metrics = Metrics("tiny")
