@@ -5,17 +5,22 @@ class ConveyorError(Exception):
     """Base class of every error conveyor raises on purpose."""
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long for the model
+
+
 class InvalidRequestError(ConveyorError, ValueError):
     """A request (prompt or sampling parameters) that the engine will not accept; `param` names
-    the field at fault when one is (the server reports it as the error's `param`)."""
+    the field at fault when one is (the server reports it as the error's `param`), `code` the
+    kind of fault where clients act on it (OpenAI's "context_length_exceeded")."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
     def __reduce__(self) -> tuple:
-        # Rebuilt from both arguments wherever it is unpickled (a Ray worker's error reaches the front end).
-        return type(self), (str(self), self.param)
+        # Rebuilt from every argument wherever it is unpickled (a Ray worker's error reaches the front end).
+        return type(self), (str(self), self.param, self.code)
 
 
 class NoAllowedTokenError(InvalidRequestError):

@@ -61,7 +61,7 @@ from conveyor.api.responses import (
 from conveyor.api.structured import compile_grammar, requested_grammar
 from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
-from conveyor.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from conveyor.errors import CONTEXT_LENGTH_EXCEEDED, EngineStoppedError, InvalidRequestError, QueueFullError
 from conveyor.sampling.params import SamplingParams
 from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES
 
@@ -209,7 +209,7 @@ def build_app(state: ServerState) -> FastAPI:
             if len(ids) > state.capacity:
                 where = "the input" if len(prompts) == 1 else f"input[{i}]"
                 raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
-                                  "tokens", param="input", code="context_length_exceeded")
+                                  "tokens", param="input", code=CONTEXT_LENGTH_EXCEEDED)
         params = SamplingParams.for_pooling(pooling, body.priority or 0, body.cache_salt)
         request_id = body.request_id or uuid.uuid4().hex
         # In waves of a running batch's worth: a list of inputs longer than the waiting queue's bound
@@ -265,7 +265,7 @@ def build_app(state: ServerState) -> FastAPI:
                 chat = parse(ChatCompletionRequest, body.chat_body(items[start:]))
                 gen, prompt, fmt = await _chat_generation(state, chat, "resp")
             except APIError as exc:
-                if exc.code == "context_length_exceeded" and not last:
+                if exc.code == CONTEXT_LENGTH_EXCEEDED and not last:
                     continue
                 raise renamed(exc, body.message_fields(items, len(earlier), start)) from None
             if len(prompt) + room <= state.capacity:
@@ -276,7 +276,7 @@ def build_app(state: ServerState) -> FastAPI:
                                   f"maximum model length of {state.capacity} tokens"
                                   + (" (truncation 'auto' drops the oldest turns)"
                                      if blamed == "input" and body.truncation != "auto" else ""),
-                                  param=blamed, code="context_length_exceeded")
+                                  param=blamed, code=CONTEXT_LENGTH_EXCEEDED)
             # truncation "auto": the oldest turn is dropped and the rest tried again
         response_id = f"resp_{uuid.uuid4().hex}"
         params = gen.params
@@ -473,7 +473,7 @@ def _check_prompt_sizes(state: ServerState, data: Any, field: str = "prompt", ge
             if limit is not None and size > limit:
                 what = "the prompt and suffix" if extra and isinstance(item, str) else f"the {field}"
                 raise bad_request(f"{what} ({size} {unit}) cannot fit the maximum model length of "
-                                  f"{state.capacity} tokens", param=field, code="context_length_exceeded")
+                                  f"{state.capacity} tokens", param=field, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _truncation(state: ServerState, data: Any, generates: bool = True) -> int | None:
@@ -491,7 +491,7 @@ def _check_chat_size(state: ServerState, messages: list[dict[str, str]], truncat
     size = sum(len(m["content"]) for m in messages)
     if limit is not None and size > limit:
         raise bad_request(f"the messages ({size} characters) cannot fit the maximum model length of "
-                          f"{state.capacity} tokens", param="messages", code="context_length_exceeded")
+                          f"{state.capacity} tokens", param="messages", code=CONTEXT_LENGTH_EXCEEDED)
 
 
 async def _grammar(state: ServerState, asked: tuple | None) -> Any:
@@ -595,7 +595,7 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
     longest = max(len(p) for p in prompts)
     if longest >= state.capacity:
         raise bad_request(f"the prompt ({longest} tokens) leaves no room to generate within the "
-                          f"maximum of {state.capacity} tokens", param="messages", code="context_length_exceeded")
+                          f"maximum of {state.capacity} tokens", param="messages", code=CONTEXT_LENGTH_EXCEEDED)
     return min(state.capacity - longest, recommended)
 
 

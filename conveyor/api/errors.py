@@ -68,7 +68,7 @@ def invalid(exc: InvalidRequestError, chat: bool = False, prompt_field: str = "p
         param = "messages" if chat else prompt_field
     elif chat and param == "logprobs":
         param = "top_logprobs"
-    return bad_request(message, param=param)
+    return bad_request(message, param=param, code=exc.code)
 
 
 def server_error(message: str) -> APIError:

@@ -16,7 +16,9 @@ from conveyor.control import SloController
 from conveyor.engine.tokenizer_protocol import TextCodec
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stopping import StopChecker
-from conveyor.errors import ConfigError, ConveyorError, InvalidRequestError, NoAllowedTokenError, RequestFailedError
+from conveyor.errors import (
+    CONTEXT_LENGTH_EXCEEDED, ConfigError, ConveyorError, InvalidRequestError, NoAllowedTokenError, RequestFailedError,
+)
 from conveyor.kv import blocks_for
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
@@ -254,7 +256,7 @@ class LLMEngine:
         if params.pooling is not None:  # an embedding holds its prompt alone: it never takes the slot it reserves
             if num_prompt > self.capacity:
                 raise InvalidRequestError(f"the prompt ({num_prompt} tokens) cannot fit the {self.capacity} tokens a "
-                                          "request can hold", param="prompt")
+                                          "request can hold", param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
             return
         total = num_prompt + max_tokens
         # The field at fault: max_tokens while the prompt alone leaves room for a token.
@@ -263,12 +265,12 @@ class LLMEngine:
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"maximum model length {self.max_model_len}", param=blamed
+                f"maximum model length {self.max_model_len}", param=blamed, code=CONTEXT_LENGTH_EXCEEDED
             )
         if blocks_for(total, kv.block_size) > kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) cannot fit the whole KV cache "
-                f"({kv.num_blocks} blocks of {kv.block_size} tokens)", param=blamed
+                f"({kv.num_blocks} blocks of {kv.block_size} tokens)", param=blamed, code=CONTEXT_LENGTH_EXCEEDED
             )
         sched = self.config.scheduler
         if params.n > sched.max_num_seqs:

@@ -117,6 +117,17 @@ def test_bad_request(http, name, path, body, status, param, words):
     assert words.lower() in error["message"].lower()
 
 
+def test_a_request_too_long_for_the_model_says_so_by_openais_code(http):
+    """Clients trim a conversation on code "context_length_exceeded": every endpoint sends it,
+    whichever check (before tokenizing, or the engine's) finds the request too long."""
+    for path, body in ((COMPLETIONS, {**OK_COMPLETION, "max_tokens": 10**9}),
+                       (COMPLETIONS, {**OK_COMPLETION, "prompt": "hello " * 9000}),
+                       (CHAT, {**OK_CHAT, "max_tokens": 10**9}),
+                       ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 10**9})):
+        error = http.post(path, json=body).json()["error"]
+        assert error["code"] == "context_length_exceeded", (path, error)
+
+
 def test_unknown_route_and_method_are_json_errors(http):
     assert http.get("/v1/nothing-here").json()["error"]["code"] == "not_found"
     response = http.get(COMPLETIONS)
