@@ -558,7 +558,7 @@ def test_prompt_logprobs_travel_with_a_workers_first_event_to_the_front_end(tiny
 def test_a_refusal_keeps_its_param_and_code_through_pickling() -> None:
     """A worker's refusal reaches the front end pickled: the 400 must still name the field and
     carry OpenAI's code (clients trim a conversation on context_length_exceeded)."""
-    from conveyor.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+    from conveyor.errors import CONTEXT_LENGTH_EXCEEDED
 
     refusal = pickle.loads(pickle.dumps(InvalidRequestError("too long", "max_tokens", CONTEXT_LENGTH_EXCEEDED)))
     assert (str(refusal), refusal.param, refusal.code) == ("too long", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
