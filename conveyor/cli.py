@@ -106,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
         max_stored_responses=args.max_stored_responses,
+        max_stored_responses_bytes=args.max_stored_responses_memory,
         shutdown_grace_s=args.shutdown_timeout,
         log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,
@@ -134,7 +135,9 @@ def _deployment(args: argparse.Namespace) -> "DeploymentConfig":
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES
+    from conveyor.config import (
+        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_MAX_STORED_RESPONSES_BYTES,
+    )
     from conveyor.distributed.router import ROUTING_POLICIES
     from conveyor.options import int_at_least
 
@@ -151,6 +154,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
                      help="/v1/responses kept in memory for previous_response_id and GET, the least recently "
                           f"used dropped first; 0 keeps none (default {DEFAULT_MAX_STORED_RESPONSES})")
+    srv.add_argument("--max-stored-responses-memory", type=_memory, default=DEFAULT_MAX_STORED_RESPONSES_BYTES,
+                     metavar="SIZE", help="the most memory stored /v1/responses take, roughly (their text); past it "
+                                          "the least recently used are dropped (default 256MiB)")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     srv.add_argument("--allowed-origins", type=_origins, default=["*"], metavar="ORIGINS",
@@ -319,6 +325,16 @@ def _port(text: str) -> int:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, got {number}")
     return number
+
+
+def _memory(text: str) -> int:
+    from conveyor.config import parse_memory
+    from conveyor.errors import ConfigError
+
+    try:
+        return parse_memory(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _count(text: str) -> int:

@@ -26,6 +26,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 # `conveyor serve --max-stored-responses`: /v1/responses kept in memory for previous_response_id
 # and GET, the least recently used dropped first.
 DEFAULT_MAX_STORED_RESPONSES = 1024
+DEFAULT_MAX_STORED_RESPONSES_BYTES = 256 * 2**20  # `--max-stored-responses-memory`: their text, roughly
 
 
 def client_api_key() -> str | None:

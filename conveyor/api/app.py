@@ -56,14 +56,16 @@ from conveyor.api.openai_responses import (
     ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted, not_stored, renamed, turn_starts,
 )
 from conveyor.api.responses import (
-    ChatFormat, CompletionFormat, SSEResponse, full_response, run_to_end, stream_response,
+    ChatFormat, CompletionFormat, SSEResponse, run_to_end, stream_events, whole_body,
 )
 from conveyor.api.structured import compile_grammar, requested_grammar
 from conveyor.api.tools import ToolCallFormat, ToolPlan, plan_tools
 from conveyor.engine.client import EngineClient
 from conveyor.errors import CONTEXT_LENGTH_EXCEEDED, EngineStoppedError, InvalidRequestError, QueueFullError
 from conveyor.sampling.params import SamplingParams
-from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES
+from conveyor.config import (
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_MAX_STORED_RESPONSES_BYTES,
+)
 
 log = logging.getLogger("conveyor.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -94,7 +96,8 @@ class ServerState:
     log_requests: bool = False
     max_log_len: int | None = None
     # /v1/responses kept for previous_response_id and GET (--max-stored-responses; 0: none).
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES,
+                                                                           DEFAULT_MAX_STORED_RESPONSES_BYTES))
 
     @property
     def tokenizer(self) -> Any:
@@ -229,9 +232,7 @@ def build_app(state: ServerState) -> FastAPI:
                 finally:
                     release()
                 if any(c.embedding is None for c in gen.choices):  # aborted: the drain's grace ran out
-                    if state.draining:
-                        raise unavailable("the server is shutting down", code="shutting_down")
-                    raise server_error("the request was aborted inside the engine")
+                    raise _aborted(state)
                 vectors += [cast(list[float], c.embedding) for c in gen.choices]
         finally:
             state.inflight -= 1
@@ -252,54 +253,33 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, served as the chat it is (conveyor/api/openai_responses.py)."""
         body = parse(ResponsesRequest, await _read_json(request, state))
-        if body.store is True and state.responses.capacity <= 0:
-            raise bad_request("store: this server keeps no responses (--max-stored-responses 0); send store: false",
-                              param="store")
-        earlier = state.responses.conversation(body.previous_response_id) if body.previous_response_id else []
-        items = earlier + body.items
-        starts = [0, *turn_starts(items)] if body.truncation == "auto" else [0]
-        room = body.max_output_tokens or 1
-        for n, start in enumerate(starts):
-            last = n + 1 == len(starts)
-            try:
-                chat = parse(ChatCompletionRequest, body.chat_body(items[start:]))
-                gen, prompt, fmt = await _chat_generation(state, chat, "resp")
-            except APIError as exc:
-                if exc.code == CONTEXT_LENGTH_EXCEEDED and not last:
-                    continue
-                raise renamed(exc, body.message_fields(items, len(earlier), start)) from None
-            if len(prompt) + room <= state.capacity:
-                break
-            if last:
-                blamed = "max_output_tokens" if body.max_output_tokens and len(prompt) < state.capacity else "input"
-                raise bad_request(f"the input ({len(prompt)} tokens) plus max_output_tokens ({room}) cannot fit the "
-                                  f"maximum model length of {state.capacity} tokens"
-                                  + (" (truncation 'auto' drops the oldest turns)"
-                                     if blamed == "input" and body.truncation != "auto" else ""),
-                                  param=blamed, code=CONTEXT_LENGTH_EXCEEDED)
-            # truncation "auto": the oldest turn is dropped and the rest tried again
-        response_id = f"resp_{uuid.uuid4().hex}"
-        params = gen.params
-        builder = ResponseBuilder(body, response_id, _name(state, body.model), params.temperature, params.top_p)
-        try:
-            release = await _admit(state, gen, [prompt], prompt_field="input")
-        except APIError as exc:
-            raise renamed(exc) from None
+        store = state.responses
+        if body.store is True and not store.keeps:
+            raise bad_request("store: this server keeps no responses (--max-stored-responses or its -memory is 0); "
+                              "send store: false", param="store")
+        earlier = store.conversation(body.previous_response_id) if body.previous_response_id else []
+        hex_id = uuid.uuid4().hex
+        response_id = f"resp_{hex_id}"  # never the caller's request_id: a stored response must not be overwritten
+        gen, prompt, fmt = await _responses_generation(state, body, earlier, body.request_id or hex_id)
+        builder = ResponseBuilder(body, response_id, _name(state, body.model), gen.params.temperature,
+                                  gen.params.top_p, stored=body.store is not False and store.keeps)
 
         def keep(response: dict[str, Any]) -> None:
-            if body.stores:
-                state.responses.put(response_id, StoredResponse(response, body.items, body.previous_response_id))
+            if builder.stored:
+                store.put(response_id, StoredResponse.of(response, earlier, body.items))
 
-        if body.stream:
-            return SSEResponse(builder.events(gen, fmt, keep), release)
+        def whole() -> dict[str, Any]:
+            if gen.choices[0].finish_reason == "abort":  # the drain's grace ran out: not an answer to keep
+                raise _aborted(state)
+            response = builder.whole(gen, fmt)
+            keep(response)
+            return response
+
+        events = builder.events(gen, fmt, keep) if body.stream else None
         try:
-            if not await run_to_end(request, gen):
-                return Response(status_code=499)
-        finally:
-            release()
-        response = builder.whole(gen, fmt)
-        keep(response)
-        return JSONResponse(response)
+            return await _answer(request, state, gen, [prompt], events, whole, prompt_field="input")
+        except APIError as exc:
+            raise renamed(exc) from None
 
     @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=RESPONSE_ERRORS)
     async def get_response(response_id: str) -> dict[str, Any]:
@@ -629,6 +609,60 @@ async def _chat_generation(state: ServerState, body: ChatCompletionRequest,
     return gen, prompt, fmt
 
 
+def _aborted(state: ServerState) -> APIError:
+    """What a request the engine aborted before its end is answered with (not streamed)."""
+    if state.draining:
+        return unavailable("the server is shutting down", code="shutting_down")
+    return server_error("the request was aborted inside the engine")
+
+
+async def _responses_generation(state: ServerState, body: ResponsesRequest, earlier: list[Any],
+                                request_id: str) -> tuple[Generation, list[int], CompletionFormat]:
+    """The chat a Responses request amounts to, over the previous response's conversation and its
+    input: with truncation "auto", from the earliest user turn on whose prompt leaves room for
+    max_output_tokens (a binary search: the prompt only shrinks as the start moves on; a start
+    whose text alone is past the context is not tried)."""
+    items = earlier + body.items
+    room = body.max_output_tokens or 1
+    starts = [0, *turn_starts(items)] if body.truncation == "auto" else [0]
+    if len(starts) > 1 and state.max_prompt_chars is not None:
+        chars_from = [0] * (len(items) + 1)
+        for i in range(len(items) - 1, -1, -1):
+            chars_from[i] = chars_from[i + 1] + len(items[i].text) + len(items[i].arguments or "")
+        starts = [s for s in starts if chars_from[s] <= state.max_prompt_chars] or starts[-1:]
+
+    async def attempt(start: int) -> tuple[tuple[Generation, list[int], CompletionFormat] | None, APIError | None]:
+        try:
+            chat = parse(ChatCompletionRequest, body.chat_body(items[start:], request_id))
+            gen, prompt, fmt = await _chat_generation(state, chat, "resp")
+        except APIError as exc:
+            error = renamed(exc, body.message_fields(items, len(earlier), start))
+            if exc.code != CONTEXT_LENGTH_EXCEEDED:
+                raise error from None
+            return None, error
+        if len(prompt) + room <= state.capacity:
+            return (gen, prompt, fmt), None
+        blamed = "max_output_tokens" if body.max_output_tokens and len(prompt) < state.capacity else "input"
+        hint = " (truncation 'auto' drops the oldest turns)" if blamed == "input" and len(starts) == 1 else ""
+        return None, bad_request(f"the input ({len(prompt)} tokens) plus max_output_tokens ({room}) cannot fit the "
+                                 f"maximum model length of {state.capacity} tokens{hint}", param=blamed,
+                                 code=CONTEXT_LENGTH_EXCEEDED)
+
+    low, high = 0, len(starts) - 1
+    found, refusal = None, None
+    while low <= high:
+        middle = (low + high) // 2
+        fits, error = await attempt(starts[middle])
+        if fits is not None:
+            found, high = fits, middle - 1
+        else:
+            refusal, low = error, middle + 1
+    if found is None:
+        assert refusal is not None
+        raise refusal
+    return found
+
+
 async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], echo: list[str] | None = None,
                  chat: bool = False, prompt_field: str = "prompt", new: bool = True) -> Callable[[], None]:
     """Hand the prompts to the engine (or answer why not); what to call once the answer is out.
@@ -667,11 +701,21 @@ async def _admit(state: ServerState, gen: Generation, prompts: list[list[int]], 
 
 async def _serve(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
                  fmt: CompletionFormat, stream: bool, include_usage: bool, echo: list[str] | None = None) -> Response:
-    release = await _admit(state, gen, prompts, echo, isinstance(fmt, ChatFormat))
-    if stream:
-        return stream_response(gen, fmt, include_usage, release)
+    events = stream_events(gen, fmt, include_usage) if stream else None
+    return await _answer(request, state, gen, prompts, events, lambda: whole_body(gen, fmt), echo,
+                         chat=isinstance(fmt, ChatFormat))
+
+
+async def _answer(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
+                  events: AsyncIterator[str] | None, whole: Callable[[], dict[str, Any]],
+                  echo: list[str] | None = None, chat: bool = False, prompt_field: str = "prompt") -> Response:
+    """Hand the prompts to the engine, then answer with `events` streamed (SSE), or with `whole()`
+    once every choice has ended; 499 (and the requests aborted) if the client goes away first."""
+    release = await _admit(state, gen, prompts, echo, chat, prompt_field)
+    if events is not None:
+        return SSEResponse(events, release)
     try:
-        response = await full_response(request, gen, fmt)
+        finished = await run_to_end(request, gen)
     finally:
         release()
-    return response if response is not None else Response(status_code=499)
+    return JSONResponse(whole()) if finished else Response(status_code=499)

@@ -14,6 +14,7 @@ GET or DELETE it. Nothing is written to disk, and a restart forgets every respon
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -24,10 +25,14 @@ from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from conveyor.api.errors import APIError, bad_request
+from conveyor.api.errors import INTERNAL_ERROR, APIError, bad_request
 from conveyor.api.generation import Generation
-from conveyor.api.protocol import MAX_LOGPROBS, SEED_MAX, SEED_MIN, Text, _Strict
-from conveyor.api.responses import CompletionFormat, _sse, failure, usage
+from conveyor.errors import EngineStoppedError, NoAllowedTokenError
+from conveyor.api.protocol import (
+    CacheSalt, MinP, NumLogprobs, Penalty, RepetitionPenalty, RequestId, Seed, Temperature, Text, TopK, TopP, _Strict,
+    text_parts_only,
+)
+from conveyor.api.responses import CompletionFormat, sse_event, usage
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value: output_text's logprobs
 MAX_METADATA_KEYS = 16  # OpenAI's bound
@@ -55,15 +60,6 @@ class ResponseContent(_Strict):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-def _text_parts_only(parts: Any) -> Any:
-    for index, part in enumerate(parts if isinstance(parts, list) else ()):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "refusal"):
-            raise ValueError(f"only text content is supported by this server (content part {index} is of type "
-                             f"{kind!r})")
-    return parts
-
-
 # Which fields each item type takes; the others must be absent.
 _ITEM_FIELDS = {
     "message": ("role", "content"),
@@ -88,9 +84,13 @@ class ResponseInputItem(_Strict):
     arguments: Text | None = None
     output: Text | list[ResponseContent] | None = None
 
-    unsupported = {"phase": (None,), "namespace": (None,), "caller": (None,)}
+    # The SDK's fields of a call or its output that this server has no use for, at their off values.
+    unsupported = {"phase": (None,), "namespace": (None,), "caller": (None,), "async": (None, False)}
 
-    _parts = field_validator("content", "output", mode="before")(lambda cls, v: _text_parts_only(v))
+    @field_validator("content", "output", mode="before")
+    @classmethod
+    def _text_only(cls, parts: Any) -> Any:
+        return text_parts_only(parts, ("input_text", "output_text", "refusal"))
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> "ResponseInputItem":
@@ -179,13 +179,15 @@ class ResponseTextConfig(_Strict):
 
 
 class ResponseReasoning(_Strict):
-    """No model served here reasons apart from its answer: only the empty settings are taken."""
+    """No model served here reasons apart from its answer: only the settings that ask for no
+    reasoning are taken."""
 
-    unsupported = {"effort": (None,), "summary": (None,), "generate_summary": (None,)}
+    unsupported = {"effort": (None, "none"), "summary": (None,), "generate_summary": (None,)}
 
 
 class ResponseStreamOptions(_Strict):
-    # OpenAI pads delta events with random characters so that their sizes leak no text.
+    # OpenAI pads delta events with random characters so that their sizes leak no text; on unless
+    # turned off, as OpenAI's.
     include_obfuscation: bool | None = None
 
 
@@ -201,10 +203,11 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     stream_options: ResponseStreamOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: NumLogprobs | None = None
+    # output_text's logprobs; or reasoning items' encrypted content, of which none is ever made.
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     tools: list[ResponseFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -221,15 +224,15 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory"] | None = None  # this server's cache is in memory
     service_tier: Literal["auto", "default"] | None = None
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
     priority: int | None = None
-    cache_salt: str | None = Field(None, min_length=1)
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    cache_salt: CacheSalt | None = None
+    request_id: RequestId | None = None  # names the engine's request (resp-ID), as on chat
 
     unsupported = {
         "background": (None, False), "conversation": (None,), "prompt": (None,), "context_management": (None,),
@@ -245,8 +248,6 @@ class ResponsesRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
             raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys")
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError("tool_choice needs tools")
         return self
 
     @property
@@ -256,26 +257,30 @@ class ResponsesRequest(_Strict):
         return list(self.input)
 
     @property
-    def stores(self) -> bool:
-        return self.store is not False
-
-    @property
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
 
-    def message_fields(self, items: list[ResponseInputItem], num_earlier: int, start: int) -> list[str]:
-        """Per message of chat_body(items[start:]), where `items` are the previous response's
-        conversation (`num_earlier` items) and then the input: the field a client would fix."""
-        fields = []
-        for origin in chat_messages(self.instructions, items[start:])[1]:
+    def message_fields(self, items: list[ResponseInputItem], num_earlier: int, start: int) -> dict[str, str]:
+        """For chat_body(items[start:]), where `items` are the previous response's conversation
+        (`num_earlier` items) and then the input: each chat message's path (`messages.3`, and
+        `messages.3.tool_calls` for an assistant turn's calls) -> the field a client would fix."""
+
+        def field_of(origin: int | None) -> str:
             at = None if origin is None else origin + start - num_earlier
-            fields.append("instructions" if at is None else "previous_response_id" if at < 0
-                          else "input" if isinstance(self.input, str) else f"input.{at}")
+            return ("instructions" if at is None else "previous_response_id" if at < 0
+                    else "input" if isinstance(self.input, str) else f"input.{at}")
+
+        fields = {}
+        for k, (first, first_call) in enumerate(chat_messages(self.instructions, items[start:])[1]):
+            fields[f"messages.{k}"] = field_of(first)
+            if first_call is not None:
+                fields[f"messages.{k}.tool_calls"] = field_of(first_call)
         return fields
 
-    def chat_body(self, items: list[ResponseInputItem]) -> dict[str, Any]:
+    def chat_body(self, items: list[ResponseInputItem], request_id: str) -> dict[str, Any]:
         """The /v1/chat/completions body this request is, over `items` (the input, after the
-        previous response's conversation and what truncation dropped)."""
+        previous response's conversation and what truncation dropped), its engine requests named
+        after `request_id`."""
         body: dict[str, Any] = {
             "model": self.model, "messages": chat_messages(self.instructions, items)[0],
             "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
@@ -286,6 +291,7 @@ class ResponsesRequest(_Strict):
         for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "top_k", "min_p",
                      "repetition_penalty", "seed", "priority", "cache_salt"):
             body[name] = getattr(self, name)
+        body["request_id"] = request_id
         if self.wants_logprobs:
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
@@ -299,32 +305,34 @@ class ResponsesRequest(_Strict):
         return {key: value for key, value in body.items() if value is not None}
 
 
-def chat_messages(instructions: str | None,
-                  items: list[ResponseInputItem]) -> tuple[list[dict[str, Any]], list[int | None]]:
+def chat_messages(instructions: str | None, items: list[ResponseInputItem]
+                  ) -> tuple[list[dict[str, Any]], list[tuple[int | None, int | None]]]:
     """Chat messages of `instructions` (a system message first) and the input items: an earlier
     response's message and function calls are one assistant turn, as its chat would have been.
-    Beside them, the index of the item each message starts with (None: the instructions)."""
+    Beside them, per message, the index of the item it starts with (None: the instructions) and
+    of its first function_call item (None: it has none)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    origins: list[int | None] = [None] * len(messages)
+    origins: list[tuple[int | None, int | None]] = [(None, None)] * len(messages)
     for index, item in enumerate(items):
         last = messages[-1] if messages else None
-        if item.type == "message" and item.role == "assistant":
-            if last is not None and last["role"] == "assistant":
-                last["content"] = (last["content"] or "") + item.text
-                continue
-            messages.append({"role": "assistant", "content": item.text})
-        elif item.type == "message":
-            messages.append({"role": item.role, "content": item.text})
-        elif item.type == "function_call":
+        if item.type == "function_call":
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             if last is not None and last["role"] == "assistant":
+                if "tool_calls" not in last:
+                    origins[-1] = (origins[-1][0], index)
                 last.setdefault("tool_calls", []).append(call)
-                continue
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((index, index))
+        elif item.type == "message" and item.role == "assistant" and last is not None and last["role"] == "assistant":
+            last["content"] = (last["content"] or "") + item.text
         else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-        origins.append(index)
+            if item.type == "message":
+                messages.append({"role": item.role, "content": item.text})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            origins.append((index, None))
     return messages, origins
 
 
@@ -341,21 +349,23 @@ _CHAT_PARAMS = (
     ("response_format", "text.format"),
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
+    ("logprobs", "top_logprobs"),
     ("tool_choice.function.name", "tool_choice.name"),
     ("messages", "input"),
 )
 
 
-def renamed(error: APIError, message_fields: list[str] | None = None) -> APIError:
+def renamed(error: APIError, message_fields: dict[str, str] | None = None) -> APIError:
     """A 400 the chat pipeline raised, with the fields named as the Responses request names them;
-    `message_fields`: the field each chat message came from (ResponsesRequest.message_fields)."""
+    `message_fields`: where each chat message came from (ResponsesRequest.message_fields)."""
     param = error.param
     if param is None:
         return error
     new = param
-    message = re.fullmatch(r"messages\.(\d+)(\..*)?", param)
-    if message is not None and message_fields is not None and int(message.group(1)) < len(message_fields):
-        new = message_fields[int(message.group(1))]
+    message = re.match(r"messages\.\d+(\.tool_calls)?", param)
+    if message is not None and message_fields:
+        path = message.group(0)
+        new = message_fields.get(path) or message_fields.get(path.removesuffix(".tool_calls"), new)
     elif param.startswith("tools.") and ".function." in param:
         new = param.replace(".function.", ".", 1)
     else:
@@ -373,23 +383,48 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# What a stored item costs beyond its text (the model object, its fields): a rough allowance, so
+# that a store of many short items is bounded too.
+_ITEM_OVERHEAD_BYTES = 512
+
+
 @dataclass
 class StoredResponse:
     body: dict[str, Any]  # the response object, as GET returns it
-    input_items: list[ResponseInputItem]  # this request's own input (the previous response's is stored there)
-    previous_id: str | None
+    # Every item a response continuing this one comes after: the conversation before it, its own
+    # input, its output. Whole, so that continuing needs this response alone (the items of the
+    # conversation before it are shared with the response that holds them, not copied).
+    conversation: list[ResponseInputItem]
+    size: int = 0  # bytes it holds, roughly (ResponseStore bounds their sum)
+
+    @classmethod
+    def of(cls, body: dict[str, Any], before: list[ResponseInputItem],
+           own_input: list[ResponseInputItem]) -> "StoredResponse":
+        output = [ResponseInputItem.model_validate(_as_input(item)) for item in body["output"]]
+        conversation = [*before, *own_input, *output]
+        # Counted whole, shared items too: an ancestor dropped from the store leaves its items
+        # alive in this conversation.
+        size = len(json.dumps(body)) + sum(_ITEM_OVERHEAD_BYTES + len(item.text) + len(item.arguments or "")
+                                           for item in conversation)
+        return cls(body, conversation, size)
 
 
 class ResponseStore:
-    """Responses kept for previous_response_id and GET / DELETE: at most `capacity`, the least
-    recently used dropped first (continuing a conversation uses its whole chain)."""
+    """Responses kept for previous_response_id and GET / DELETE: at most `capacity` of them and
+    about `max_bytes` in all, the least recently used dropped first."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.size = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._responses)
+
+    @property
+    def keeps(self) -> bool:
+        return self.capacity > 0 and self.max_bytes > 0
 
     def get(self, response_id: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
@@ -397,35 +432,34 @@ class ResponseStore:
             self._responses.move_to_end(response_id)
         return stored
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
-            return
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """False if it is too large to keep (or nothing is kept)."""
+        if not self.keeps or stored.size > self.max_bytes:
+            return False
+        self.delete(response_id)
         self._responses[response_id] = stored
-        self._responses.move_to_end(response_id)
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+        self.size += stored.size
+        while len(self._responses) > self.capacity or self.size > self.max_bytes:
+            _, dropped = self._responses.popitem(last=False)
+            self.size -= dropped.size
+        return True
 
     def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
+        stored = self._responses.pop(response_id, None)
+        if stored is None:
+            return False
+        self.size -= stored.size
+        return True
 
     def conversation(self, response_id: str) -> list[ResponseInputItem]:
-        """The items a response continuing `response_id` comes after: every input and output of
-        its chain, oldest first. A 400 naming previous_response_id if one is not stored."""
-        chain: list[StoredResponse] = []
-        at: str | None = response_id
-        while at is not None:
-            stored = self.get(at)
-            if stored is None:
-                which = "" if at == response_id else f" (it continues {at!r}, which is no longer stored)"
-                raise bad_request(f"previous_response_id: the response {response_id!r} is not stored on this "
-                                  f"server{which}", param="previous_response_id", code="previous_response_not_found")
-            chain.append(stored)
-            at = stored.previous_id
-        items: list[ResponseInputItem] = []
-        for stored in reversed(chain):
-            items += stored.input_items
-            items += [ResponseInputItem.model_validate(_as_input(item)) for item in stored.body["output"]]
-        return items
+        """The items a response continuing `response_id` comes after; a 400 naming
+        previous_response_id if it is not stored."""
+        stored = self.get(response_id)
+        if stored is None:
+            raise bad_request(f"previous_response_id: the response {response_id!r} is not stored on this server "
+                              "(sent with store false, deleted, or dropped as the least recently used)",
+                              param="previous_response_id", code="previous_response_not_found")
+        return stored.conversation
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
@@ -446,11 +480,15 @@ class ResponseBuilder:
     model: str
     temperature: float
     top_p: float
+    stored: bool  # whether it will be kept (store left true, and the server keeps responses)
     created_at: int = field(default_factory=lambda: int(time.time()))
-    output: list[dict[str, Any]] = field(default_factory=list)
-    _sequence: int = 0
-    _message: dict[str, Any] | None = None  # the message item being streamed
-    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> its item
+    output: list[dict[str, Any]] = field(default_factory=list, init=False)
+    _sequence: int = field(default=0, init=False)
+    _message: dict[str, Any] | None = field(default=None, init=False)  # the message item being streamed
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)  # tool-call index -> its item
+    # Logprobs of tokens that added no text yet: they go to the message that text opens (a call's
+    # tokens have none in this API).
+    _pending_logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
 
     def envelope(self, status: str, gen: Generation | None = None, finish_reason: str | None = None) -> dict[str, Any]:
         request = self.request
@@ -467,9 +505,10 @@ class ResponseBuilder:
             "max_tool_calls": request.max_tool_calls, "model": self.model, "output": list(self.output),
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
-            "prompt_cache_key": request.prompt_cache_key, "reasoning": {"effort": None, "summary": None},
+            "prompt_cache_key": request.prompt_cache_key, "prompt_cache_retention": request.prompt_cache_retention,
+            "reasoning": {"effort": None, "summary": None},
             "safety_identifier": request.safety_identifier, "service_tier": "default",
-            "store": request.stores, "temperature": self.temperature,
+            "store": self.stored, "temperature": self.temperature,
             "text": {"format": text_format.as_echo() if text_format is not None else {"type": "text"}},
             "tool_choice": tool_choice or ("auto" if request.tools else "none"),
             "tools": [tool.as_echo() for tool in request.tools or []],
@@ -481,26 +520,27 @@ class ResponseBuilder:
 
     def whole(self, gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
         """The finished response (not streamed), from the chat format's final message."""
-        choice = gen.choices[0]
-        final = fmt.choice_final(choice)
+        final = fmt.choice_final(gen.choices[0])
         message, finish = final["message"], final["finish_reason"]
         status = _status(finish)
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
-            logprobs = (final.get("logprobs") or {}).get("content") or []
+            # With calls, the logprobs cover their tokens too, which this API gives no place.
+            logprobs = [] if calls else (final.get("logprobs") or {}).get("content") or []
             self.output.append({"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant",
                                 "content": [_text_part(message.get("content") or "", logprobs)]})
-        for call in calls:
+        for n, call in enumerate(calls):
+            last = n == len(calls) - 1  # the one output_tokens may have cut short
             self.output.append(_function_call(call["id"], call["function"]["name"], call["function"]["arguments"],
-                                              "completed"))
-        return self.envelope(_status(finish), gen, finish)
+                                              status if last else "completed"))
+        return self.envelope(status, gen, finish)
 
     def _event(self, kind: str, obfuscate: bool = False, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         if obfuscate:
             body["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(12) + 4)
-        return f"event: {kind}\n" + _sse(body)
+        return sse_event(body, kind)
 
     async def events(self, gen: Generation, fmt: CompletionFormat,
                      on_done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
@@ -508,7 +548,7 @@ class ResponseBuilder:
         come, then completed, incomplete (cut at max_output_tokens) or failed. `on_done` gets the
         finished response before its last event goes out (a client may continue it at once)."""
         options = self.request.stream_options
-        obfuscate = bool(options and options.include_obfuscation)
+        obfuscate = options is None or options.include_obfuscation is not False
         yield self._event("response.created", response=self.envelope("in_progress"))
         yield self._event("response.in_progress", response=self.envelope("in_progress"))
         finish: str | None = None
@@ -520,35 +560,48 @@ class ResponseBuilder:
                 continue
             out = entry["delta"]
             entries = (entry.get("logprobs") or {}).get("content") or []
-            if out.get("content") or (entries and not self._calls):
-                for event in self._text(out.get("content") or "", entries, obfuscate):
+            if out.get("content"):
+                for event in self._text(out["content"], entries, obfuscate):
                     yield event
+            elif out.get("tool_calls"):
+                self._pending_logprobs = []
+            elif self._message is not None:
+                self._message["content"][0]["logprobs"] += entries
+            else:
+                self._pending_logprobs += entries
             for call in out.get("tool_calls") or []:
                 for event in self._call(call, obfuscate):
                     yield event
             finish = entry["finish_reason"] or finish
-        if gen.error is not None:
-            error = failure(gen)
-            body = self.envelope("failed")
-            body["error"] = {"code": error.code or "server_error", "message": error.message}
-            yield self._event("response.failed", response=body)
+        if gen.error is not None or finish == "abort":
+            yield self._failed(gen)
             return
         status = _status(finish)
-        for event in self._close_message(status):
-            yield event
-        for call in self._calls.values():
-            yield self._event("response.function_call_arguments.done", item_id=call["id"],
-                              output_index=self.output.index(call), name=call["name"], arguments=call["arguments"])
-            call["status"] = "completed"
-            yield self._event("response.output_item.done", output_index=self.output.index(call), item=call)
         if not self.output:  # nothing generated (an end-of-text first): an empty message, as whole() gives
             for event in self._text("", [], obfuscate):
                 yield event
-            for event in self._close_message(status):
-                yield event
-        final = self.envelope(_status(finish), gen, finish)
+        for event in self._close_message(status if not self._calls else "completed"):
+            yield event
+        calls = list(self._calls.values())
+        for n, call in enumerate(calls):
+            yield self._event("response.function_call_arguments.done", item_id=call["id"],
+                              output_index=self.output.index(call), name=call["name"], arguments=call["arguments"])
+            call["status"] = status if n == len(calls) - 1 else "completed"
+            yield self._event("response.output_item.done", output_index=self.output.index(call), item=call)
+        final = self.envelope(status, gen, finish)
         on_done(final)
         yield self._event(f"response.{final['status']}", response=final)
+
+    def _failed(self, gen: Generation) -> str:
+        """response.failed, with the error in OpenAI's codes (conveyor's own in the message)."""
+        error = gen.error if gen.error is not None else EngineStoppedError("the request was aborted before its end")
+        for item in self.output:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        body = self.envelope("failed")
+        code = "invalid_prompt" if isinstance(error, NoAllowedTokenError) else "server_error"
+        body["error"] = {"code": code, "message": _failure_message(error)}
+        return self._event("response.failed", response=body)
 
     def _text(self, text: str, logprobs: list[dict[str, Any]], obfuscate: bool) -> list[str]:
         events = []
@@ -561,6 +614,7 @@ class ResponseBuilder:
             self._message["content"].append(_text_part("", []))
             events.append(self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
                                       content_index=0, part=_text_part("", [])))
+        logprobs, self._pending_logprobs = self._pending_logprobs + logprobs, []
         part = self._message["content"][0]
         part["text"] += text
         part["logprobs"] += logprobs
@@ -600,6 +654,16 @@ class ResponseBuilder:
         return events
 
 
+def _failure_message(error: BaseException) -> str:
+    """What a failed stream says: the engine's own text only for the request's own constraints,
+    as the non-streamed answers do (conveyor/api/responses.py, failure)."""
+    if isinstance(error, NoAllowedTokenError):
+        return str(error)
+    if isinstance(error, EngineStoppedError):
+        return "the server is shutting down"
+    return INTERNAL_ERROR
+
+
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
@@ -616,7 +680,8 @@ def _status(finish_reason: str | None) -> str:
 
 def _usage(gen: Generation) -> dict[str, Any]:
     chat = usage(gen)
-    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+    return {"input_tokens": chat["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat["total_tokens"]}
 

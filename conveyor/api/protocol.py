@@ -41,6 +41,20 @@ def _valid_unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # text that reaches the tokenizer
 
+# The limits of fields several request bodies share (OpenAI's ranges; vLLM's for its extensions).
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence and frequency
+TopK = Annotated[int, Field(ge=-1)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# vLLM's: cached prompt blocks are shared only between requests that send the same salt.
+CacheSalt = Annotated[str, Field(min_length=1)]
+# vLLM's: the response's id is made from it (a request in flight with the same id is a 400).
+RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+
 
 def _integral(value: Any) -> Any:
     """2.0 -> 2, also inside lists; 2.5 stays a float (which a strict int field refuses)."""
@@ -130,11 +144,11 @@ _UNSUPPORTED_VLLM: dict[str, tuple[Any, ...]] = {
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
@@ -148,22 +162,20 @@ class _Sampling(_Strict):
     return_tokens_as_token_ids: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: NumLogprobs | None = None
     skip_special_tokens: bool | None = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # Default: true for completions; for chat, the BOS a template did not already write (llama.cpp's).
     add_special_tokens: bool | None = None
     user: str | None = None  # an end-user id for the caller's bookkeeping; it changes no output
-    # vLLM's: cached prompt blocks are shared only between requests that send the same salt.
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: CacheSalt | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower is served sooner
-    # vLLM's: the response's id is made from it (a request in flight with the same id is a 400).
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    request_id: RequestId | None = None
     bad_words: list[str] | None = None  # vLLM's: words that must not be generated
 
     # Structured outputs (conveyor/api/structured.py): OpenAI's, and vLLM's new and older fields.
@@ -243,7 +255,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt scored, nothing generated (OpenAI)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: NumLogprobs | None = None
     echo: bool | None = False  # the prompt comes first in the text (and its logprobs, with logprobs)
     best_of: int | None = None
     # Fill in the middle: the text is what comes between the prompt and this (a code model's
@@ -278,7 +290,15 @@ class CompletionRequest(_Sampling):
         return self.prompt_logprobs
 
 
-_NOT_TEXT = "only text content is supported by this server"
+def text_parts_only(parts: Any, kinds: tuple[str, ...]) -> Any:
+    """A 400 naming the first content part that is not text (an image, audio, a file), before
+    the parts' own model says only that its type is wrong."""
+    for index, part in enumerate(parts if isinstance(parts, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise ValueError(f"only text content is supported by this server (content part {index} is of type "
+                             f"{kind!r})")
+    return parts
 
 
 class ContentPart(_Strict):
@@ -321,11 +341,7 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, parts: Any) -> Any:
-        for index, part in enumerate(parts if isinstance(parts, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"{_NOT_TEXT} (content part {index} is of type {kind!r})")
-        return parts
+        return text_parts_only(parts, ("text",))
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -345,7 +361,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool | None = True
     # vLLM's (as transformers'): the reply continues the last message, which the caller began.
     continue_final_message: bool | None = False
@@ -453,8 +469,8 @@ class EmbeddingRequest(_Strict):
     add_special_tokens: bool = True
     priority: int | None = None
     normalize: bool | None = None  # None: the server's (--pooling-type, on by default)
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
-    cache_salt: str | None = Field(None, min_length=1)  # as on completions
+    request_id: RequestId | None = None
+    cache_salt: CacheSalt | None = None  # as on completions
 
     # vLLM's, at the values that say what is done anyway: float32 numbers, little-endian (this CPU's)
     unsupported = {"embed_dtype": (None, "float32"), "endianness": (None, "native", "little"),

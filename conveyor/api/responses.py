@@ -12,7 +12,7 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from conveyor.api.errors import INTERNAL_ERROR, APIError, bad_request, server_error, unavailable
 from conveyor.api.detokenizer import token_text
@@ -143,16 +143,18 @@ def _envelope(gen: Generation, fmt: CompletionFormat, obj: str, choices: list) -
     return {"id": gen.id, "object": obj, "created": gen.created, "model": fmt.model, "choices": choices}
 
 
-def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def sse_event(data: dict[str, Any] | str, event: str | None = None) -> str:
+    """One Server-Sent Event; `event` names its type (the Responses API's events are named)."""
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[str]:
+async def stream_events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[str]:
     def chunk(choices: list, **extra: Any) -> str:
         body = {**_envelope(gen, fmt, fmt.chunk_object, choices), **extra}
         if include_usage:
             body["usage"] = None
-        return _sse(body)
+        return sse_event(body)
 
     started: set[int] = set()  # choices whose first chunk went out
     async for choice, delta, logprobs in gen.updates():  # one chunk per token, its text empty or not
@@ -170,10 +172,10 @@ async def _events(gen: Generation, fmt: CompletionFormat, include_usage: bool) -
                 extra["prompt_token_ids"] = choice.prompt_ids
         yield chunk([entry], **extra)
     if gen.error is not None:
-        yield _sse(failure(gen).body())
+        yield sse_event(failure(gen).body())
     elif include_usage:
-        yield _sse({**_envelope(gen, fmt, fmt.chunk_object, []), "usage": usage(gen)})
-    yield _sse("[DONE]")
+        yield sse_event({**_envelope(gen, fmt, fmt.chunk_object, []), "usage": usage(gen)})
+    yield sse_event("[DONE]")
 
 
 class SSEResponse(StreamingResponse):
@@ -194,22 +196,17 @@ class SSEResponse(StreamingResponse):
                 self.on_close()
 
 
-def stream_response(gen: Generation, fmt: CompletionFormat, include_usage: bool,
-                    on_close: Callable[[], None]) -> SSEResponse:
-    return SSEResponse(_events(gen, fmt, include_usage), on_close)
 
 
-async def full_response(request: Request, gen: Generation, fmt: CompletionFormat) -> JSONResponse | None:
-    """Collect the whole answer; None if the client disconnected first (its requests are aborted)."""
-    if not await run_to_end(request, gen):
-        return None
+def whole_body(gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
+    """The answer of a generation run to its end (not streamed)."""
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])
     if isinstance(fmt, ChatFormat) and gen.choices and gen.choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(gen.choices[0])  # vLLM: once, beside the choices
     if not fmt.prompt_ids_in_choice and fmt.return_token_ids and gen.choices:
         body["prompt_token_ids"] = gen.choices[0].prompt_ids
     body["usage"] = usage(gen)
-    return JSONResponse(body)
+    return body
 
 
 async def run_to_end(request: Request, gen: Generation) -> bool:

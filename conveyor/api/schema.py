@@ -176,6 +176,15 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["auto", "disabled"]
     metadata: dict[str, str]
+    background: bool
+    max_tool_calls: int | None
+    prompt_cache_key: str | None
+    prompt_cache_retention: str | None
+    reasoning: dict[str, None]
+    safety_identifier: str | None
+    service_tier: str
+    top_logprobs: int
+    user: str | None
 
 
 class DeletedResponse(BaseModel):

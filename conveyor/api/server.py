@@ -17,7 +17,9 @@ import uvicorn
 from conveyor.api.app import ServerState, build_app
 from conveyor.api.metrics import Metrics
 from conveyor.api.openai_responses import ResponseStore
-from conveyor.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES, EngineConfig
+from conveyor.config import (
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_MAX_STORED_RESPONSES_BYTES, EngineConfig,
+)
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
@@ -90,6 +92,7 @@ def run_server(
     max_waiting_requests: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_stored_responses_bytes: int = DEFAULT_MAX_STORED_RESPONSES_BYTES,
     shutdown_grace_s: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
@@ -128,7 +131,7 @@ def run_server(
                         sampling_defaults=model_defaults(config.generation_config,
                                                          engine_client.tokenizer.recommended_sampling),
                         log_requests=log_requests, max_log_len=max_log_len,
-                        responses=ResponseStore(max_stored_responses))
+                        responses=ResponseStore(max_stored_responses, max_stored_responses_bytes))
     app = build_app(state)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level or log_level, access_log=access_log, timeout_graceful_shutdown=5,

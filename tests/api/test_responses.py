@@ -17,6 +17,7 @@ from conveyor.api.app import ServerState, build_app
 from conveyor.api.generation import Choice
 from conveyor.api.metrics import Metrics
 from conveyor.api.openai_responses import ResponseInputItem, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse
+from conveyor.api.responses import ChatFormat
 from conveyor.api.tools import ToolCallFormat, plan_tools
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import AsyncEngine
@@ -116,6 +117,65 @@ def test_streamed_events_add_up_to_the_whole_response(client):
     assert client.responses.retrieve(final.id).output_text == final.output_text  # stored when streamed too
 
 
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The events of a Responses stream, each checked to name its type in its `event:` line."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        head, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def test_every_event_and_response_is_what_the_sdk_types_say(http):
+    """Validated strictly against the openai SDK's own models (a lenient client would not notice
+    a missing field), streamed and not, with text, a function call, logprobs and a cut."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    any_event = TypeAdapter(ResponseStreamEvent)
+    asks = [dict(input="Say hello.", max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=2),
+            dict(input="Weather in Oslo?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                 max_output_tokens=4),
+            dict(input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", max_output_tokens=40)]
+    for ask in asks:
+        whole = http.post("/v1/responses", json={"model": MODEL, "temperature": 0, **ask}).json()
+        Response.model_validate(whole, strict=True)
+        streamed = http.post("/v1/responses", json={"model": MODEL, "temperature": 0, "stream": True, **ask})
+        events = sse_events(streamed.text)
+        for event in events:
+            any_event.validate_python(event, strict=True)
+        final = events[-1]["response"]
+        assert [i["type"] for i in final["output"]] == [i["type"] for i in whole["output"]]
+        assert [i.get("arguments") for i in final["output"]] == [i.get("arguments") for i in whole["output"]]
+        assert final["status"] == whole["status"]
+        assert [i["status"] for i in final["output"]] == [i["status"] for i in whole["output"]]
+        # Each stored response is the one POST answered, field for field.
+        assert http.get(f"/v1/responses/{whole['id']}").json() == whole
+    # A call cut at max_output_tokens is incomplete, so an agent will not run its broken arguments.
+    cut = http.post("/v1/responses", json={"model": MODEL, "temperature": 0, **asks[1]}).json()
+    assert cut["status"] == "incomplete" and cut["output"][0]["status"] == "incomplete"
+
+
+def test_request_id_names_the_engines_request(app, monkeypatch):
+    http, state = app
+    seen: list[str] = []
+    add = state.engine.add_request
+
+    async def recording(request_id: str, *args: Any, **kwargs: Any) -> None:
+        seen.append(request_id)
+        await add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(state.engine, "add_request", recording)
+    reply = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                             "request_id": "mine-1"})
+    assert reply.status_code == 200 and seen == ["resp-mine-1-0"]
+    assert reply.json()["id"].startswith("resp_")  # the response's own id: a caller's cannot overwrite another's
+    unnamed = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}).json()
+    assert seen[1] == f"resp-{unnamed['id'].removeprefix('resp_')}-0"  # the log's id is the response's
+
+
 def test_previous_response_id_continues_the_conversation(client, http):
     first = create(client, input="Pick a colour.", max_output_tokens=12)
     second = create(client, input="Why that one?", previous_response_id=first.id, max_output_tokens=12)
@@ -136,7 +196,10 @@ def test_previous_response_id_continues_the_conversation(client, http):
     assert http.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response", "deleted": True}
     assert http.get(f"/v1/responses/{first.id}").status_code == 404
     assert http.delete(f"/v1/responses/{first.id}").status_code == 404
-    error = error_of(http, input="Hi", previous_response_id=second.id)
+    # A stored response holds its whole conversation: the one it continued may go.
+    after = create(client, input="Thanks.", previous_response_id=second.id, max_output_tokens=4)
+    assert after.usage.input_tokens == third.usage.input_tokens
+    error = error_of(http, input="Hi", previous_response_id=first.id)
     assert error["param"] == "previous_response_id" and first.id in error["message"]
     unstored = create(client, input="Hi", store=False, max_output_tokens=2)
     assert not unstored.store and http.get(f"/v1/responses/{unstored.id}").status_code == 404
@@ -248,7 +311,7 @@ def test_truncation_auto_drops_the_oldest_turns(client, http):
     (dict(input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"}), "tool_choice.name"),
     (dict(input="Hi", tool_choice="required"), "tool_choice"),
     (dict(input="Hi", max_output_tokens=CONTEXT), "max_output_tokens"),
-    (dict(input="Hi", include=["reasoning.encrypted_content"]), "include.0"),
+    (dict(input="Hi", include=["file_search_call.results"]), "include.0"),
     (dict(input="Hi", conversation="conv_1"), "conversation"),
     (dict(input="Hi", frobnicate=1), "frobnicate"),
     (dict(input="Hi", stream_options={"include_obfuscation": False}), "stream_options"),
@@ -259,10 +322,13 @@ def test_bad_requests_are_400_naming_the_field(http, body, param):
 
 
 def test_store_refused_where_none_are_kept(app):
-    _, state = app
+    http, state = app
     capacity, state.responses.capacity = state.responses.capacity, 0
     try:
-        assert error_of(app[0], input="Hi", store=True)["param"] == "store"
+        assert error_of(http, input="Hi", store=True)["param"] == "store"
+        kept = len(state.responses)
+        unasked = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}).json()
+        assert unasked["store"] is False and len(state.responses) == kept  # it says what was done
     finally:
         state.responses.capacity = capacity
 
@@ -280,29 +346,35 @@ def _item(text: str) -> ResponseInputItem:
     return ResponseInputItem.model_validate({"role": "user", "content": text})
 
 
-def _stored(text: str, previous: str | None) -> StoredResponse:
+def _stored(text: str, before: list[ResponseInputItem], extra: str = "") -> StoredResponse:
     output = [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
-               "content": [{"type": "output_text", "text": text.upper(), "annotations": [], "logprobs": []}]}]
-    return StoredResponse({"output": output}, [_item(text)], previous)
+               "content": [{"type": "output_text", "text": text.upper() + extra, "annotations": [], "logprobs": []}]}]
+    return StoredResponse.of({"output": output}, before, [_item(text)])
 
 
-def test_the_store_drops_the_least_recently_used_and_says_which_link_is_gone():
+def test_the_store_keeps_whole_conversations_within_its_count_and_bytes():
     from conveyor.api.errors import APIError
 
-    store = ResponseStore(2)
-    store.put("a", _stored("one", None))
-    store.put("b", _stored("two", "a"))
-    assert [i.text for i in store.conversation("b")] == ["one", "ONE", "two", "TWO"]
-    store.put("c", _stored("three", None))  # the walk from "b" used "a" last: "b" goes
-    assert len(store) == 2 and store.get("b") is None and store.get("a") is not None
-    store.put("b", _stored("two", "a"))
-    store.delete("a")
+    store = ResponseStore(3, 10**6)
+    store.put("a", _stored("one", []))
+    store.put("b", _stored("two", store.conversation("a")))
+    store.put("c", _stored("three", store.conversation("b")))
+    assert [i.text for i in store.conversation("c")] == ["one", "ONE", "two", "TWO", "three", "THREE"]
+    # A fourth drops the least recently used ("a"): "c" goes on without it, its conversation whole.
+    store.put("d", _stored("four", store.conversation("c")))
+    assert store.get("a") is None and len(store) == 3
+    assert [i.text for i in store.conversation("d")][:2] == ["one", "ONE"]
     with pytest.raises(APIError) as gone:
-        store.conversation("b")
-    assert gone.value.param == "previous_response_id" and "continues 'a'" in gone.value.message
-    nothing = ResponseStore(0)
-    nothing.put("a", _stored("one", None))
-    assert len(nothing) == 0
+        store.conversation("a")
+    assert gone.value.param == "previous_response_id" and gone.value.code == "previous_response_not_found"
+    # Bytes: a response past the whole budget is not kept, and a large one drops the oldest.
+    small = ResponseStore(100, 8192)
+    assert small.put("x", _stored("x", []))
+    assert not small.put("huge", _stored("y", [], extra="z" * 5000)) and small.get("huge") is None
+    assert small.put("big", _stored("y", [], extra="z" * 3000))
+    assert small.get("x") is None and small.get("big") is not None and small.size <= 8192
+    assert small.delete("big") and small.size == 0 and not small.delete("big")
+    assert not ResponseStore(0, 4096).put("a", _stored("one", [])) and not ResponseStore(8, 0).keeps
 
 
 class _Detok:
@@ -310,36 +382,64 @@ class _Detok:
 
 
 class _FakeGen:
-    """A Generation whose one choice writes `pieces`, for the auto tool format without a model."""
+    """A Generation whose one choice writes `pieces` and ends with `finish`, without a model."""
 
-    def __init__(self, pieces: list[str]) -> None:
-        self.choices = [Choice(0, _Detok(), None)]  # type: ignore[arg-type]
-        self.pieces, self.error = pieces, None
+    def __init__(self, pieces: list[str], finish: str = "stop", logprobs: bool = False) -> None:
+        self.choices = [Choice(0, _Detok(), 0 if logprobs else None)]  # type: ignore[arg-type]
+        self.pieces, self.finish, self.error = pieces, finish, None
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = 5, 0, len(pieces)
 
     async def updates(self):
+        from conveyor.api.generation import TokenLogprob
+
         choice = self.choices[0]
         for n, piece in enumerate(self.pieces):
             choice.text += piece
             if n == len(self.pieces) - 1:
-                choice.finish_reason = "stop"
-            yield choice, piece, []
+                choice.finish_reason = self.finish
+            entries = [TokenLogprob(piece, piece.encode(), -0.5, [], 0)] if choice.num_logprobs is not None else []
+            yield choice, piece, entries
 
 
-def test_auto_tool_calls_stream_as_text_then_a_function_call_item():
+def _stream(request: dict[str, Any], gen: _FakeGen) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import asyncio
 
-    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
-    request = ResponsesRequest.model_validate({"input": "x", "tools": [tool], "stream": True})
-    fmt = ToolCallFormat("m", plan_tools(request.chat_body(request.items)["tools"], None))
-    builder = ResponseBuilder(request, "resp_1", "m", 1.0, 1.0)
-    gen = _FakeGen(["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>'])
+    parsed = ResponsesRequest.model_validate({"input": "x", "stream": True, **request})
+    chat_tools = parsed.chat_body(parsed.items, "r").get("tools")
+    plan = plan_tools(chat_tools, parsed.chat_body(parsed.items, "r").get("tool_choice")) if chat_tools else None
+    fmt = ToolCallFormat("m", plan) if plan is not None else ChatFormat("m")
+    builder = ResponseBuilder(parsed, "resp_1", "m", 1.0, 1.0, stored=True)
     done: list[dict[str, Any]] = []
 
     async def run() -> list[str]:
         return [event async for event in builder.events(gen, fmt, done.append)]  # type: ignore[arg-type]
 
-    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
+    return sse_events("".join(asyncio.run(run()))), done
+
+
+def test_an_aborted_stream_fails_and_is_not_kept():
+    events, done = _stream({}, _FakeGen(["Hel", "lo"], finish="abort"))
+    assert events[-1]["type"] == "response.failed" and not done
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["output"][0]["status"] == "incomplete"
+
+
+def test_a_named_calls_logprobs_open_no_message_and_a_cut_call_is_incomplete():
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    events, done = _stream({"tools": [tool], "tool_choice": {"type": "function", "name": "f"},
+                            "include": ["message.output_text.logprobs"]},
+                           _FakeGen(['{"a"', ': 1'], finish="length", logprobs=True))
+    (final,) = done
+    assert [item["type"] for item in final["output"]] == ["function_call"]
+    assert final["status"] == "incomplete" and final["output"][0]["status"] == "incomplete"
+    assert "response.output_text.delta" not in [e["type"] for e in events]
+
+
+def test_auto_tool_calls_stream_as_text_then_a_function_call_item():
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    gen = _FakeGen(["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>'])
+    events, done = _stream({"tools": [tool]}, gen)
     kinds = [e["type"] for e in events]
     assert kinds == ["response.created", "response.in_progress",
                      "response.output_item.added", "response.content_part.added",
@@ -367,9 +467,13 @@ def test_a_chat_messages_error_names_the_input_item_it_came_from():
     items = earlier + request.items
     # system, the earlier user and assistant, the user, the assistant's text and call as one, the tool turn
     fields = request.message_fields(items, len(earlier), 0)
-    assert fields == ["instructions", "previous_response_id", "previous_response_id", "input.0", "input.1", "input.3"]
+    assert fields == {"messages.0": "instructions", "messages.1": "previous_response_id",
+                      "messages.2": "previous_response_id", "messages.3": "input.0", "messages.4": "input.1",
+                      "messages.4.tool_calls": "input.2", "messages.5": "input.3"}
     error = renamed(bad_request("messages.4.tool_calls: not rendered", param="messages.4.tool_calls"), fields)
-    assert error.param == "input.1" and error.message == "input.1: not rendered"
-    assert request.message_fields(items, len(earlier), 2)[1:] == ["input.0", "input.1", "input.3"]
+    assert error.param == "input.2" and error.message == "input.2: not rendered"
+    assert renamed(bad_request("x", param="messages.4.content"), fields).param == "input.1"
+    assert list(request.message_fields(items, len(earlier), 2).values())[1:] == ["input.0", "input.1", "input.2",
+                                                                                 "input.3"]
     assert renamed(bad_request("x", param="response_format.json_schema.schema")).param == "text.format.schema"
     assert renamed(bad_request("x", param="tools.2.function.parameters")).param == "tools.2.parameters"
