@@ -282,7 +282,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise renamed(exc) from None
 
     @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=RESPONSE_ERRORS)
-    async def get_response(response_id: str) -> dict[str, Any]:
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        for name in request.query_params:  # OpenAI's stream / starting_after replay a background run's events
+            raise bad_request(f"{name} is not supported by this server: a stored response is returned whole",
+                              param=name, code="unsupported_parameter")
         stored = state.responses.get(response_id)
         if stored is None:
             raise not_stored(response_id)

@@ -80,11 +80,15 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
-    # Of a union's alternatives, the one that failed on the value, not on its type, says most.
-    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    # Union members show up in the path (e.g. stop.str): keep only the field names the client sent.
-    loc = [p for p in loc if not _is_type_tag(p)]
+    def path(error: Any) -> list[str]:
+        # Union members show up in the path (e.g. stop.str): keep only the field names the client sent.
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
+
+    # Of a union's alternatives, the one that failed on the value, not on its type, says most; else
+    # the one that got furthest into the value (input.0.content, not input's text alternative).
+    value_errors = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    first = value_errors[0] if value_errors else max(errors, key=lambda e: len(path(e)))
+    loc = path(first)
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":

@@ -85,7 +85,9 @@ class ResponseInputItem(_Strict):
     output: Text | list[ResponseContent] | None = None
 
     # The SDK's fields of a call or its output that this server has no use for, at their off values.
-    unsupported = {"phase": (None,), "namespace": (None,), "caller": (None,), "async": (None, False)}
+    # (`async_` is how the SDK's model_dump() spells `async`.)
+    unsupported = {"phase": (None,), "namespace": (None,), "caller": (None,), "async": (None, False),
+                   "async_": (None, False)}
 
     @field_validator("content", "output", mode="before")
     @classmethod
@@ -116,6 +118,15 @@ class ResponseFunctionTool(_Strict):
     """A function the model may call (the Responses shape: name and parameters at the top)."""
 
     type: Literal["function"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, kind: Any) -> Any:
+        if kind != "function":
+            raise ValueError(f"only function tools are supported by this server, not {kind!r} (OpenAI's hosted "
+                             "tools run on OpenAI's servers)")
+        return kind
+
     name: Text = Field(min_length=1)
     description: Text | None = None
     parameters: dict[str, Any] | None = None
@@ -499,7 +510,8 @@ class ResponseBuilder:
         done = status in ("completed", "incomplete")
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "completed_at": int(time.time()) if done else None, "error": None,
+            "background": False, "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": request.max_tool_calls, "model": self.model, "output": list(self.output),
@@ -510,7 +522,7 @@ class ResponseBuilder:
             "safety_identifier": request.safety_identifier, "service_tier": "default",
             "store": self.stored, "temperature": self.temperature,
             "text": {"format": text_format.as_echo() if text_format is not None else {"type": "text"}},
-            "tool_choice": tool_choice or ("auto" if request.tools else "none"),
+            "tool_choice": tool_choice or "auto",
             "tools": [tool.as_echo() for tool in request.tools or []],
             "top_logprobs": request.top_logprobs or 0, "top_p": self.top_p,
             "truncation": request.truncation or "disabled",

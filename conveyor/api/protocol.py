@@ -9,6 +9,7 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -318,6 +319,18 @@ class ToolCall(_Strict):
     type: Literal["function"]
     function: ToolCallFunction
 
+    def as_template_input(self) -> dict[str, Any]:
+        """With its arguments as the object their JSON text holds, as transformers' templates
+        expect them (they write `arguments | tojson`; a string would be quoted again, and the model
+        then copies the doubly encoded form), and as vLLM and llama.cpp pass them. Text that is
+        not JSON stays text."""
+        call = self.model_dump()
+        try:
+            call["function"]["arguments"] = json.loads(self.function.arguments) if self.function.arguments else {}
+        except json.JSONDecodeError:
+            pass
+        return call
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -350,7 +363,7 @@ class ChatMessage(_Strict):
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.tool_calls:  # [] is no calls (some clients send it so), as vLLM takes it
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)

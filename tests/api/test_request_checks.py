@@ -122,12 +122,20 @@ def test_a_malformed_tool_call_is_a_400_naming_it(tool_http, path, calls, param)
 
 
 def test_a_well_formed_tool_call_is_rendered(tool_http):
-    body = chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    """Its arguments reach the template as the object their JSON text holds (as vLLM and
+    llama.cpp pass them): `arguments | tojson` writes them once, not as a quoted string."""
+    paris = {**CALL, "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    not_json = {**CALL, "id": "call_2", "function": {"name": "f", "arguments": "city=Paris"}}
+    body = chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [paris]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                 {"role": "assistant", "content": None, "tool_calls": [not_json]},
+                 {"role": "tool", "tool_call_id": "call_2", "content": "43"}])
     assert tool_http.post(CHAT, json=body).status_code == 200
     del body["max_tokens"]
     tokens = tool_http.post(TOKENIZE, json=body).json()["tokens"]
-    assert '<tool_call>f "{}"</tool_call>' in tool_http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    prompt = tool_http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert '<tool_call>f {"city": "Paris"}</tool_call>' in prompt
+    assert '<tool_call>f "city=Paris"</tool_call>' in prompt  # not JSON: written as the text it is
 
 
 def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():

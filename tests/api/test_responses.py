@@ -206,7 +206,7 @@ def test_previous_response_id_continues_the_conversation(client, http):
     assert error_of(http, input="Hi", previous_response_id="resp_nope")["code"] == "previous_response_not_found"
 
 
-def test_function_calls_and_their_outputs(client):
+def test_function_calls_and_their_outputs(client, http):
     ask = "What is the weather in Oslo?"
     named = create(client, input=ask, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
                    max_output_tokens=32)
@@ -239,6 +239,11 @@ def test_function_calls_and_their_outputs(client):
             {"role": "tool", "tool_call_id": call.call_id, "content": "-3 C, snow"}]
     chat = chat_text(client, turn, tools=[AS_CHAT_TOOL], max_tokens=16)
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    # The call's arguments are in the prompt as the JSON they are, not a quoted string of it.
+    tokens = http.post("/tokenize", json={"messages": turn}).json()
+    prompt = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    arguments = json.dumps(json.loads(call.arguments))  # as the template's tojson writes the object
+    assert f'"arguments": {arguments}' in prompt, prompt
     assert answer.output_text == (chat.choices[0].message.content or "")
     # Sent back by hand (stateless, as the SDK dumps the items) it is the same prompt.
     manual = create(client, tools=[WEATHER], max_output_tokens=16, store=False,
@@ -316,9 +321,31 @@ def test_truncation_auto_drops_the_oldest_turns(client, http):
     (dict(input="Hi", frobnicate=1), "frobnicate"),
     (dict(input="Hi", stream_options={"include_obfuscation": False}), "stream_options"),
     (dict(input="Hi", metadata={str(i): "x" for i in range(17)}), "metadata"),
+    # A wrong type deep in an item is named where it is, not as input's text alternative.
+    (dict(input=[{"role": "user", "content": 5}]), "input.0.content"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]), "input.0.arguments"),
+    (dict(input=["hi", "there"]), "input.0"),
 ])
 def test_bad_requests_are_400_naming_the_field(http, body, param):
     assert error_of(http, **body)["param"] == param
+
+
+def test_a_stored_response_is_returned_whole_and_get_takes_no_options(client, http):
+    made = create(client, input="Hi", max_output_tokens=2)
+    assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    replay = http.get(f"/v1/responses/{made.id}", params={"stream": "true"})
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
+
+
+def test_a_function_call_dumped_by_the_sdk_goes_back_as_it_is(client):
+    named = create(client, input="Weather in Oslo?", tools=[WEATHER], max_output_tokens=32,
+                   tool_choice={"type": "function", "name": "get_weather"})
+    call = named.output[0]
+    for dumped in (call.model_dump(), call.model_dump(by_alias=True), call.model_dump(exclude_none=True)):
+        again = create(client, tools=[WEATHER], max_output_tokens=4, store=False, input=[
+            {"role": "user", "content": "Weather in Oslo?"}, dumped,
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        assert again.status in ("completed", "incomplete")
 
 
 def test_store_refused_where_none_are_kept(app):
