@@ -156,7 +156,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           f"used dropped first; 0 keeps none (default {DEFAULT_MAX_STORED_RESPONSES})")
     srv.add_argument("--max-stored-responses-memory", type=_memory, default=DEFAULT_MAX_STORED_RESPONSES_BYTES,
                      metavar="SIZE", help="the most memory stored /v1/responses take, roughly (their text); past it "
-                                          "the least recently used are dropped (default 256MiB)")
+                                          "the least recently used are dropped (default "
+                                          f"{DEFAULT_MAX_STORED_RESPONSES_BYTES // 2**20}MiB)")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $CONVEYOR_API_KEY)")
     srv.add_argument("--allowed-origins", type=_origins, default=["*"], metavar="ORIGINS",

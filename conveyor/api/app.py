@@ -1,5 +1,5 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
-/v1/models, /tokenize, /detokenize, /version, /health, /metrics."""
+Anthropic's /v1/messages, /v1/models, /tokenize, /detokenize, /version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -37,11 +37,13 @@ from conveyor.api.schema import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    AnthropicReply,
     DeletedResponse,
     EmbeddingResponse,
     Health,
     RESPONSE_ERRORS,
     ResponseObject,
+    TokenCount,
     METRICS_RESPONSES,
     MODEL_ERRORS,
     ModelCard,
@@ -52,6 +54,7 @@ from conveyor.api.schema import (
     generation_responses,
     install_openapi,
 )
+from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest, renamed_param
 from conveyor.api.openai_responses import (
     ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted, not_stored, renamed, turn_starts,
 )
@@ -141,8 +144,10 @@ def build_app(state: ServerState) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key alone, in x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
@@ -265,8 +270,10 @@ def build_app(state: ServerState) -> FastAPI:
                                   gen.params.top_p, stored=body.store is not False and store.keeps)
 
         def keep(response: dict[str, Any]) -> None:
-            if builder.stored:
-                store.put(response_id, StoredResponse.of(response, earlier, body.items))
+            """Store it, and say in it whether it was (one past the byte budget alone is not)."""
+            if builder.stored and not store.put(response_id, StoredResponse.of(response, earlier, body.items)):
+                log.warning("%s: not stored, larger than --max-stored-responses-memory", response_id)
+                response["store"] = False
 
         def whole() -> dict[str, Any]:
             if gen.choices[0].finish_reason == "abort":  # the drain's grace ran out: not an answer to keep
@@ -275,11 +282,36 @@ def build_app(state: ServerState) -> FastAPI:
             keep(response)
             return response
 
-        events = builder.events(gen, fmt, keep) if body.stream else None
+        events = builder.events(gen, fmt, keep, lambda: _aborted(state)) if body.stream else None
         try:
             return await _answer(request, state, gen, [prompt], events, whole, prompt_field="input")
         except APIError as exc:
             raise renamed(exc) from None
+
+    @v1.post("/messages", responses=generation_responses(AnthropicReply))
+    async def anthropic_messages(request: Request) -> Response:
+        """Anthropic's Messages API, served as the chat it is (conveyor/api/anthropic_messages.py)."""
+        body = parse(MessagesRequest, await _read_json(request, state))
+        gen, prompt, fmt = await _messages_generation(state, body)
+        builder = MessageBuilder(_name(state, body.model))
+
+        def whole() -> dict[str, Any]:
+            if gen.choices[0].finish_reason == "abort":
+                raise _aborted(state)
+            return builder.whole(gen, fmt)
+
+        events = builder.events(gen, fmt, lambda: _aborted(state)) if body.stream else None
+        try:
+            return await _answer(request, state, gen, [prompt], events, whole, prompt_field="messages")
+        except APIError as exc:
+            raise _renamed_for_messages(exc) from None
+
+    @v1.post("/messages/count_tokens", response_model=TokenCount, responses=TOKENIZER_ERRORS)
+    async def anthropic_count_tokens(request: Request) -> dict[str, Any]:
+        """The input tokens a /v1/messages request would take (max_tokens not needed)."""
+        body = parse(CountTokensRequest, await _read_json(request, state))
+        _, prompt, _ = await _messages_generation(state, body.model_copy(update={"max_tokens": 1}))
+        return {"input_tokens": len(prompt)}
 
     @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=RESPONSE_ERRORS)
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -350,6 +382,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     install_openapi(app, {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
                           "/v1/embeddings": (EmbeddingRequest,), "/v1/responses": (ResponsesRequest,),
+                          "/v1/messages": (MessagesRequest,), "/v1/messages/count_tokens": (CountTokensRequest,),
                           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
                           "/detokenize": (DetokenizeRequest,)}, lambda: served_limits(state))
     return app
@@ -619,6 +652,23 @@ def _aborted(state: ServerState) -> APIError:
     return server_error("the request was aborted inside the engine")
 
 
+def _renamed_for_messages(error: APIError) -> APIError:
+    new = renamed_param(error.param)
+    if new != error.param and error.param is not None and new is not None:
+        error.message, error.param = error.message.replace(error.param, new), new
+    return error
+
+
+async def _messages_generation(state: ServerState,
+                               body: CountTokensRequest) -> tuple[Generation, list[int], CompletionFormat]:
+    """The chat an Anthropic Messages request amounts to."""
+    try:
+        chat = parse(ChatCompletionRequest, body.chat_body(body.request_id or uuid.uuid4().hex))
+        return await _chat_generation(state, chat, "msg")
+    except APIError as exc:
+        raise _renamed_for_messages(exc) from None
+
+
 async def _responses_generation(state: ServerState, body: ResponsesRequest, earlier: list[Any],
                                 request_id: str) -> tuple[Generation, list[int], CompletionFormat]:
     """The chat a Responses request amounts to, over the previous response's conversation and its
@@ -629,9 +679,9 @@ async def _responses_generation(state: ServerState, body: ResponsesRequest, earl
     room = body.max_output_tokens or 1
     starts = [0, *turn_starts(items)] if body.truncation == "auto" else [0]
     if len(starts) > 1 and state.max_prompt_chars is not None:
-        chars_from = [0] * (len(items) + 1)
+        chars_from = [0] * (len(items) + 1)  # the text from each item on (as _check_chat_size counts it)
         for i in range(len(items) - 1, -1, -1):
-            chars_from[i] = chars_from[i + 1] + len(items[i].text) + len(items[i].arguments or "")
+            chars_from[i] = chars_from[i + 1] + len(items[i].text)
         starts = [s for s in starts if chars_from[s] <= state.max_prompt_chars] or starts[-1:]
 
     async def attempt(start: int) -> tuple[tuple[Generation, list[int], CompletionFormat] | None, APIError | None]:
@@ -646,8 +696,10 @@ async def _responses_generation(state: ServerState, body: ResponsesRequest, earl
         if len(prompt) + room <= state.capacity:
             return (gen, prompt, fmt), None
         blamed = "max_output_tokens" if body.max_output_tokens and len(prompt) < state.capacity else "input"
-        hint = " (truncation 'auto' drops the oldest turns)" if blamed == "input" and len(starts) == 1 else ""
-        return None, bad_request(f"the input ({len(prompt)} tokens) plus max_output_tokens ({room}) cannot fit the "
+        auto = body.truncation == "auto"
+        what = "the input from its last user turn on" if auto and start else "the input"
+        hint = " (truncation 'auto' drops the oldest turns)" if blamed == "input" and not auto else ""
+        return None, bad_request(f"{what} ({len(prompt)} tokens) plus max_output_tokens ({room}) cannot fit the "
                                  f"maximum model length of {state.capacity} tokens{hint}", param=blamed,
                                  code=CONTEXT_LENGTH_EXCEEDED)
 

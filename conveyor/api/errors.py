@@ -84,11 +84,32 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
         # Union members show up in the path (e.g. stop.str): keep only the field names the client sent.
         return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
 
+    def wrong_type(error: Any) -> bool:
+        # A literal compared with something that is not a string (an object where a mode's name
+        # would go) is as much a wrong type as a string where an object should be.
+        kind = str(error.get("type", ""))
+        return kind.endswith("_type") or (kind == "literal_error" and not isinstance(error.get("input"), str))
+
     # Of a union's alternatives, the one that failed on the value, not on its type, says most; else
-    # the one that got furthest into the value (input.0.content, not input's text alternative).
-    value_errors = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    first = value_errors[0] if value_errors else max(errors, key=lambda e: len(path(e)))
-    loc = path(first)
+    # the one that got furthest into the value (input.0.content, not input's text alternative);
+    # alternatives that got as far along different paths are named by the path they share.
+    value_errors = [e for e in errors if not wrong_type(e)]
+    if value_errors:
+        first, loc = value_errors[0], path(value_errors[0])
+    else:
+        def alternative(error: Any) -> tuple[str, ...]:
+            return tuple(str(p) for p in error.get("loc", ()) if _is_type_tag(str(p)))
+
+        depth = max(len(path(e)) for e in errors)
+        deepest = [e for e in errors if len(path(e)) == depth]
+        first, loc = deepest[0], path(deepest[0])
+        for other in deepest[1:]:
+            if alternative(other) == alternative(first):
+                continue  # two faults of one alternative (two bad items): the first is named
+            shared = 0
+            while shared < len(loc) and loc[shared] == path(other)[shared]:
+                shared += 1
+            loc = loc[:shared]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
@@ -101,28 +122,47 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]") or "[" in part
+    """A union member's tag in an error's path: a type (str, list[int], function-after[...]) or a
+    model's class name (the API's own field names are all snake_case)."""
+    return (part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]") or "[" in part
+            or (part[:1].isupper() and part.isidentifier()))
+
+
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API: its errors take Anthropic's envelope
+# Anthropic's error types for our statuses (its 529 "overloaded" is our 503).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
+
+
+def respond(request: Request, error: APIError) -> JSONResponse:
+    """The error as the endpoint's API spells it: OpenAI's `{"error": {...}}`, or on Anthropic's
+    Messages API `{"type": "error", "error": {"type", "message", ...}}`."""
+    if not request.url.path.startswith(ANTHROPIC_PATH):
+        return error.response()
+    body = error.body()
+    body["error"]["type"] = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return JSONResponse({"type": "error", **body}, status_code=error.status, headers=error.headers)
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
         chat = request.url.path.endswith("/chat/completions")
-        return invalid(exc, chat).response()
+        return respond(request, invalid(exc, chat))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, from_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None))
-        return err.response()
+        return respond(request, err)
 
     # Not `exception_handler(Exception)`: Starlette answers those from ServerErrorMiddleware, which
     # then re-raises to the server, and the server closes the keep-alive connection.

@@ -57,6 +57,15 @@ def decode_json(raw: bytes) -> Any:
     raise bad_request("the JSON nests too deeply", code="too_deeply_nested")
 
 
+def strict_json(text: str) -> Any:
+    """What a JSON text inside a request holds, read as the body is (no NaN or Infinity, no float
+    past its range); ValueError for anything else, nesting too deep included."""
+    try:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply") from None
+
+
 def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number (Python's decoder reads it; JSON has no such value)")
 

@@ -25,14 +25,14 @@ from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from conveyor.api.errors import INTERNAL_ERROR, APIError, bad_request
+from conveyor.api.errors import APIError, bad_request
 from conveyor.api.generation import Generation
-from conveyor.errors import EngineStoppedError, NoAllowedTokenError
+from conveyor.errors import NoAllowedTokenError
 from conveyor.api.protocol import (
     CacheSalt, MinP, NumLogprobs, Penalty, RepetitionPenalty, RequestId, Seed, Temperature, Text, TopK, TopP, _Strict,
     text_parts_only,
 )
-from conveyor.api.responses import CompletionFormat, sse_event, usage
+from conveyor.api.responses import CompletionFormat, failure, sse_event, usage
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value: output_text's logprobs
 MAX_METADATA_KEYS = 16  # OpenAI's bound
@@ -274,7 +274,7 @@ class ResponsesRequest(_Strict):
     def message_fields(self, items: list[ResponseInputItem], num_earlier: int, start: int) -> dict[str, str]:
         """For chat_body(items[start:]), where `items` are the previous response's conversation
         (`num_earlier` items) and then the input: each chat message's path (`messages.3`, and
-        `messages.3.tool_calls` for an assistant turn's calls) -> the field a client would fix."""
+        `messages.3.tool_calls.0` for an assistant turn's calls) -> the field a client would fix."""
 
         def field_of(origin: int | None) -> str:
             at = None if origin is None else origin + start - num_earlier
@@ -282,10 +282,12 @@ class ResponsesRequest(_Strict):
                     else "input" if isinstance(self.input, str) else f"input.{at}")
 
         fields = {}
-        for k, (first, first_call) in enumerate(chat_messages(self.instructions, items[start:])[1]):
+        for k, (first, calls) in enumerate(chat_messages(self.instructions, items[start:])[1]):
             fields[f"messages.{k}"] = field_of(first)
-            if first_call is not None:
-                fields[f"messages.{k}.tool_calls"] = field_of(first_call)
+            for j, call in enumerate(calls):
+                fields[f"messages.{k}.tool_calls.{j}"] = field_of(call)
+            if calls:
+                fields[f"messages.{k}.tool_calls"] = field_of(calls[0])
         return fields
 
     def chat_body(self, items: list[ResponseInputItem], request_id: str) -> dict[str, Any]:
@@ -317,25 +319,24 @@ class ResponsesRequest(_Strict):
 
 
 def chat_messages(instructions: str | None, items: list[ResponseInputItem]
-                  ) -> tuple[list[dict[str, Any]], list[tuple[int | None, int | None]]]:
+                  ) -> tuple[list[dict[str, Any]], list[tuple[int | None, list[int]]]]:
     """Chat messages of `instructions` (a system message first) and the input items: an earlier
     response's message and function calls are one assistant turn, as its chat would have been.
     Beside them, per message, the index of the item it starts with (None: the instructions) and
-    of its first function_call item (None: it has none)."""
+    those of its function_call items, one per tool call."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    origins: list[tuple[int | None, int | None]] = [(None, None)] * len(messages)
+    origins: list[tuple[int | None, list[int]]] = [(None, [])] * len(messages)
     for index, item in enumerate(items):
         last = messages[-1] if messages else None
         if item.type == "function_call":
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             if last is not None and last["role"] == "assistant":
-                if "tool_calls" not in last:
-                    origins[-1] = (origins[-1][0], index)
                 last.setdefault("tool_calls", []).append(call)
+                origins[-1][1].append(index)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                origins.append((index, index))
+                origins.append((index, [index]))
         elif item.type == "message" and item.role == "assistant" and last is not None and last["role"] == "assistant":
             last["content"] = (last["content"] or "") + item.text
         else:
@@ -343,7 +344,7 @@ def chat_messages(instructions: str | None, items: list[ResponseInputItem]
                 messages.append({"role": item.role, "content": item.text})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-            origins.append((index, None))
+            origins.append((index, []))
     return messages, origins
 
 
@@ -373,10 +374,12 @@ def renamed(error: APIError, message_fields: dict[str, str] | None = None) -> AP
     if param is None:
         return error
     new = param
-    message = re.match(r"messages\.\d+(\.tool_calls)?", param)
+    message = re.match(r"messages\.\d+(\.tool_calls(\.\d+)?)?", param)
     if message is not None and message_fields:
         path = message.group(0)
-        new = message_fields.get(path) or message_fields.get(path.removesuffix(".tool_calls"), new)
+        while path not in message_fields and "." in path.removeprefix("messages."):
+            path = path.rsplit(".", 1)[0]  # the closest enclosing path that names an input item
+        new = message_fields.get(path, new)
     elif param.startswith("tools.") and ".function." in param:
         new = param.replace(".function.", ".", 1)
     else:
@@ -399,36 +402,37 @@ def _item_id(prefix: str) -> str:
 _ITEM_OVERHEAD_BYTES = 512
 
 
+def _item_bytes(item: ResponseInputItem) -> int:
+    return _ITEM_OVERHEAD_BYTES + len(item.text) + len(item.arguments or "")
+
+
 @dataclass
 class StoredResponse:
     body: dict[str, Any]  # the response object, as GET returns it
     # Every item a response continuing this one comes after: the conversation before it, its own
-    # input, its output. Whole, so that continuing needs this response alone (the items of the
-    # conversation before it are shared with the response that holds them, not copied).
+    # input, its output. Whole, so that continuing needs this response alone; the items of the
+    # conversation before it are the very objects the response holding them has, not copies.
     conversation: list[ResponseInputItem]
-    size: int = 0  # bytes it holds, roughly (ResponseStore bounds their sum)
+    body_bytes: int
 
     @classmethod
     def of(cls, body: dict[str, Any], before: list[ResponseInputItem],
            own_input: list[ResponseInputItem]) -> "StoredResponse":
-        output = [ResponseInputItem.model_validate(_as_input(item)) for item in body["output"]]
-        conversation = [*before, *own_input, *output]
-        # Counted whole, shared items too: an ancestor dropped from the store leaves its items
-        # alive in this conversation.
-        size = len(json.dumps(body)) + sum(_ITEM_OVERHEAD_BYTES + len(item.text) + len(item.arguments or "")
-                                           for item in conversation)
-        return cls(body, conversation, size)
+        output = [_as_input(item) for item in body["output"]]
+        return cls(body, [*before, *own_input, *output], len(json.dumps(body)))
 
 
 class ResponseStore:
     """Responses kept for previous_response_id and GET / DELETE: at most `capacity` of them and
-    about `max_bytes` in all, the least recently used dropped first."""
+    about `max_bytes` in all, the least recently used dropped first. An item several stored
+    conversations share is counted once."""
 
     def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.size = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._holders: dict[int, int] = {}  # id(item) -> stored responses holding it (each holds it alive)
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -444,23 +448,35 @@ class ResponseStore:
         return stored
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """False if it is too large to keep (or nothing is kept)."""
-        if not self.keeps or stored.size > self.max_bytes:
+        """False if it is not kept: nothing is, or it alone is past the byte budget."""
+        new_bytes = stored.body_bytes + sum(_item_bytes(i) for i in stored.conversation if id(i) not in self._holders)
+        if not self.keeps or new_bytes > self.max_bytes:
             return False
         self.delete(response_id)
         self._responses[response_id] = stored
-        self.size += stored.size
+        self._count(stored, +1)
         while len(self._responses) > self.capacity or self.size > self.max_bytes:
-            _, dropped = self._responses.popitem(last=False)
-            self.size -= dropped.size
+            self._count(self._responses.popitem(last=False)[1], -1)
         return True
 
     def delete(self, response_id: str) -> bool:
         stored = self._responses.pop(response_id, None)
         if stored is None:
             return False
-        self.size -= stored.size
+        self._count(stored, -1)
         return True
+
+    def _count(self, stored: StoredResponse, sign: int) -> None:
+        self.size += sign * stored.body_bytes
+        for item in stored.conversation:
+            holders = self._holders.get(id(item), 0) + sign
+            if holders == 0:
+                del self._holders[id(item)]
+                self.size -= _item_bytes(item)
+            else:
+                if holders == 1 and sign > 0:
+                    self.size += _item_bytes(item)
+                self._holders[id(item)] = holders
 
     def conversation(self, response_id: str) -> list[ResponseInputItem]:
         """The items a response continuing `response_id` comes after; a 400 naming
@@ -473,12 +489,14 @@ class ResponseStore:
         return stored.conversation
 
 
-def _as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as the input item that sends it back."""
+def _as_input(item: dict[str, Any]) -> ResponseInputItem:
+    """An output item as the input item that sends it back: built, not validated (the model's own
+    output may hold what a client's input may not, such as a lone surrogate in a call's arguments;
+    sent back, the chat's validation refuses it by name)."""
     if item["type"] == "message":
-        return {"type": "message", "role": "assistant", "content": [
-            {"type": "output_text", "text": part["text"]} for part in item["content"]]}
-    return {key: item[key] for key in ("type", "call_id", "name", "arguments")}
+        parts = [ResponseContent.model_construct(type="output_text", text=part["text"]) for part in item["content"]]
+        return ResponseInputItem.model_construct(type="message", role="assistant", content=parts)
+    return ResponseInputItem.model_construct(**{key: item[key] for key in ("type", "call_id", "name", "arguments")})
 
 
 @dataclass
@@ -491,7 +509,7 @@ class ResponseBuilder:
     model: str
     temperature: float
     top_p: float
-    stored: bool  # whether it will be kept (store left true, and the server keeps responses)
+    stored: bool  # whether it is to be kept (store left true, and the server keeps responses)
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list, init=False)
     _sequence: int = field(default=0, init=False)
@@ -520,7 +538,7 @@ class ResponseBuilder:
             "prompt_cache_key": request.prompt_cache_key, "prompt_cache_retention": request.prompt_cache_retention,
             "reasoning": {"effort": None, "summary": None},
             "safety_identifier": request.safety_identifier, "service_tier": "default",
-            "store": self.stored, "temperature": self.temperature,
+            "store": self.stored and status != "failed", "temperature": self.temperature,
             "text": {"format": text_format.as_echo() if text_format is not None else {"type": "text"}},
             "tool_choice": tool_choice or "auto",
             "tools": [tool.as_echo() for tool in request.tools or []],
@@ -533,19 +551,8 @@ class ResponseBuilder:
     def whole(self, gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
         """The finished response (not streamed), from the chat format's final message."""
         final = fmt.choice_final(gen.choices[0])
-        message, finish = final["message"], final["finish_reason"]
-        status = _status(finish)
-        calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
-            # With calls, the logprobs cover their tokens too, which this API gives no place.
-            logprobs = [] if calls else (final.get("logprobs") or {}).get("content") or []
-            self.output.append({"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant",
-                                "content": [_text_part(message.get("content") or "", logprobs)]})
-        for n, call in enumerate(calls):
-            last = n == len(calls) - 1  # the one output_tokens may have cut short
-            self.output.append(_function_call(call["id"], call["function"]["name"], call["function"]["arguments"],
-                                              status if last else "completed"))
-        return self.envelope(status, gen, finish)
+        self.output = _output_items(final)
+        return self.envelope(_status(final["finish_reason"]), gen, final["finish_reason"])
 
     def _event(self, kind: str, obfuscate: bool = False, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -554,11 +561,12 @@ class ResponseBuilder:
             body["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(12) + 4)
         return sse_event(body, kind)
 
-    async def events(self, gen: Generation, fmt: CompletionFormat,
-                     on_done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+    async def events(self, gen: Generation, fmt: CompletionFormat, on_done: Callable[[dict[str, Any]], None],
+                     aborted: Callable[[], APIError]) -> AsyncIterator[str]:
         """The streamed response: created, in_progress, each output item's events as its tokens
         come, then completed, incomplete (cut at max_output_tokens) or failed. `on_done` gets the
-        finished response before its last event goes out (a client may continue it at once)."""
+        finished response before its last event goes out (a client may continue it at once; it
+        may set `store`); `aborted` says what an abort before the end is."""
         options = self.request.stream_options
         obfuscate = options is None or options.include_obfuscation is not False
         yield self._event("response.created", response=self.envelope("in_progress"))
@@ -586,7 +594,7 @@ class ResponseBuilder:
                     yield event
             finish = entry["finish_reason"] or finish
         if gen.error is not None or finish == "abort":
-            yield self._failed(gen)
+            yield self._failed(failure(gen) if gen.error is not None else aborted(), gen)
             return
         status = _status(finish)
         if not self.output:  # nothing generated (an end-of-text first): an empty message, as whole() gives
@@ -600,19 +608,27 @@ class ResponseBuilder:
                               output_index=self.output.index(call), name=call["name"], arguments=call["arguments"])
             call["status"] = status if n == len(calls) - 1 else "completed"
             yield self._event("response.output_item.done", output_index=self.output.index(call), item=call)
+        # The finished response is the one whole() gives (and what is kept), under the ids streamed.
+        streamed, self.output = self.output, _output_items(fmt.choice_final(gen.choices[0]))
+        for item in self.output:
+            same = next((s for s in streamed if s["type"] == item["type"]), None)
+            if same is not None:
+                streamed.remove(same)
+                item["id"] = same["id"]
+                if item["type"] == "function_call":
+                    item["call_id"] = same["call_id"]
         final = self.envelope(status, gen, finish)
         on_done(final)
         yield self._event(f"response.{final['status']}", response=final)
 
-    def _failed(self, gen: Generation) -> str:
+    def _failed(self, error: APIError, gen: Generation) -> str:
         """response.failed, with the error in OpenAI's codes (conveyor's own in the message)."""
-        error = gen.error if gen.error is not None else EngineStoppedError("the request was aborted before its end")
         for item in self.output:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"
         body = self.envelope("failed")
-        code = "invalid_prompt" if isinstance(error, NoAllowedTokenError) else "server_error"
-        body["error"] = {"code": code, "message": _failure_message(error)}
+        code = "invalid_prompt" if isinstance(gen.error, NoAllowedTokenError) else "server_error"
+        body["error"] = {"code": code, "message": error.message}
         return self._event("response.failed", response=body)
 
     def _text(self, text: str, logprobs: list[dict[str, Any]], obfuscate: bool) -> list[str]:
@@ -666,14 +682,22 @@ class ResponseBuilder:
         return events
 
 
-def _failure_message(error: BaseException) -> str:
-    """What a failed stream says: the engine's own text only for the request's own constraints,
-    as the non-streamed answers do (conveyor/api/responses.py, failure)."""
-    if isinstance(error, NoAllowedTokenError):
-        return str(error)
-    if isinstance(error, EngineStoppedError):
-        return "the server is shutting down"
-    return INTERNAL_ERROR
+def _output_items(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The output items of a chat format's final choice: a message of its text (if any, or if
+    there is nothing else), then its calls; the last call is what max_output_tokens cut short."""
+    message, finish = final["message"], final["finish_reason"]
+    status = _status(finish)
+    calls = message.get("tool_calls") or []
+    items = []
+    if message.get("content") or not calls:
+        # With calls, the logprobs cover their tokens too, which this API gives no place.
+        logprobs = [] if calls else (final.get("logprobs") or {}).get("content") or []
+        items.append({"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant",
+                      "content": [_text_part(message.get("content") or "", logprobs)]})
+    for n, call in enumerate(calls):
+        items.append(_function_call(call["id"], call["function"]["name"], call["function"]["arguments"],
+                                    status if n == len(calls) - 1 else "completed"))
+    return items
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:

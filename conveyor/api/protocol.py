@@ -9,7 +9,6 @@ unknown field is refused as OpenAI does ("Unrecognized request argument supplied
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -18,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from conveyor.api.errors import APIError, bad_request, from_validation
+from conveyor.api.limits import strict_json
 from conveyor.sampling.params import SamplingParams
 from conveyor.structured.spec import GrammarSpec
 
@@ -323,12 +323,14 @@ class ToolCall(_Strict):
         """With its arguments as the object their JSON text holds, as transformers' templates
         expect them (they write `arguments | tojson`; a string would be quoted again, and the model
         then copies the doubly encoded form), and as vLLM and llama.cpp pass them. Text that is
-        not JSON stays text."""
+        not a JSON object stays text."""
         call = self.model_dump()
         try:
-            call["function"]["arguments"] = json.loads(self.function.arguments) if self.function.arguments else {}
-        except json.JSONDecodeError:
-            pass
+            arguments = strict_json(self.function.arguments) if self.function.arguments.strip() else {}
+        except ValueError:
+            return call
+        if isinstance(arguments, dict):  # a template writes other JSON no better than the text itself
+            call["function"]["arguments"] = arguments
         return call
 
 

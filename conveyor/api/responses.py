@@ -196,8 +196,6 @@ class SSEResponse(StreamingResponse):
                 self.on_close()
 
 
-
-
 def whole_body(gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
     """The answer of a generation run to its end (not streamed)."""
     body = _envelope(gen, fmt, fmt.object_name, [fmt.choice_final(c) for c in gen.choices])

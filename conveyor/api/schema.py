@@ -187,6 +187,23 @@ class ResponseObject(BaseModel):
     user: str | None
 
 
+class AnthropicReply(BaseModel):
+    """Anthropic's message (/v1/messages): content blocks, its stop reason, usage."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"]
@@ -507,6 +524,32 @@ def _responses_items(schemas: dict[str, Any]) -> None:
         {"properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}, "required": ["schema"]}]
 
 
+def _messages_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
+    """Anthropic's Messages API: the served model, the context, and which fields each kind of
+    content block takes (ContentBlock's validator)."""
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        props = schemas[name]["properties"]
+        _set(props, "model", enum=list(limits.model_names))
+        _set(props, "max_tokens", maximum=limits.capacity - 1)
+        _set(props, "stop_sequences", maxItems=_MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
+        _describe(props, "tool_choice", "needs tools; a tool it names must be one of them")
+        _describe(props, "tools", "with distinct names")
+    absent, text = {"type": "null"}, {"type": "string"}
+    fields = ("text", "id", "name", "input", "tool_use_id", "content", "is_error")
+
+    def only(kind: str, *taken: str, **typed: Any) -> dict[str, Any]:
+        props = {"type": {"const": kind}, **{f: absent for f in fields if f not in taken}, **typed}
+        return {"properties": props, "required": ["type", *typed]}
+
+    schemas["ContentBlock"]["anyOf"] = [
+        only("text", "text", text=text),
+        only("tool_use", "id", "name", "input", id=text, name=text, input={"type": "object"}),
+        only("tool_result", "tool_use_id", "content", "is_error", tool_use_id=text)]
+    schemas["AnthropicToolChoice"]["anyOf"] = [
+        {"properties": {"type": {"enum": ["auto", "any", "none"]}, "name": absent}},
+        {"properties": {"type": {"const": "tool"}, "name": text}, "required": ["name"]}]
+
+
 def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     """Writes `limits` into the request bodies' schemas (components/schemas, by model name)."""
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -515,6 +558,7 @@ def state_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     _embedding_limits(schemas["EmbeddingRequest"], limits)
     _responses_limits(schemas["ResponsesRequest"], limits)
     _responses_items(schemas)
+    _messages_limits(schemas, limits)
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         _chat_limits(schemas[name], limits)
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):

@@ -124,7 +124,7 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
             body = json.loads(match.group(1))
         except json.JSONDecodeError:
             continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
             continue
         arguments = body.get("arguments", body.get("parameters", {}))
         calls.append(ToolCall(body["name"], arguments if isinstance(arguments, str)

@@ -46,8 +46,9 @@ async def _answer(call: Any) -> Any:
     return await call
 
 
-def _abort_when_added(worker: WorkerHandle, request_id: str, _: asyncio.Future) -> None:
-    worker.tell("abort", request_id)
+def _abort_when_added(worker: WorkerHandle, request_id: str, added: asyncio.Future) -> None:
+    if not added.cancelled() and added.exception() is None:  # a refused add placed nothing to abort
+        worker.tell("abort", request_id)
 
 
 class RayEngineClient:

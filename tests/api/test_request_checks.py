@@ -3,6 +3,8 @@ on an in-process app over an engine with a fake runner and the default model's t
 weights, so each check costs milliseconds."""
 from __future__ import annotations
 
+import json
+
 from typing import Any, Iterator
 
 import pytest
@@ -136,6 +138,21 @@ def test_a_well_formed_tool_call_is_rendered(tool_http):
     prompt = tool_http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert '<tool_call>f {"city": "Paris"}</tool_call>' in prompt
     assert '<tool_call>f "city=Paris"</tool_call>' in prompt  # not JSON: written as the text it is
+
+
+@pytest.mark.parametrize("arguments", ["[" * 100000 + "]" * 100000, '{"a": 1' + "0" * 5000 + "}", "NaN",
+                                       '{"x": 1e999}', '"abc"', "null", "[1, 2]"])
+def test_tool_call_arguments_that_are_no_json_object_are_rendered_as_their_text(tool_http, arguments):
+    """Only a JSON object reaches the template parsed; anything else (too deep, digits past
+    Python's limit, NaN, a string) stays the text it is, never a 500."""
+    call = {**CALL, "function": {"name": "f", "arguments": arguments}}
+    body = chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    del body["max_tokens"]
+    reply = tool_http.post(TOKENIZE, json=body)
+    assert reply.status_code == 200, reply.text[:300]
+    prompt = tool_http.post("/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]
+    assert "<tool_call>f " + json.dumps(arguments) in prompt
 
 
 def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():

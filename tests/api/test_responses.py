@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conveyor.api.app import ServerState, build_app
+from conveyor.api.errors import APIError
 from conveyor.api.generation import Choice
 from conveyor.api.metrics import Metrics
 from conveyor.api.openai_responses import ResponseInputItem, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse
@@ -348,6 +349,16 @@ def test_a_function_call_dumped_by_the_sdk_goes_back_as_it_is(client):
         assert again.status in ("completed", "incomplete")
 
 
+def test_a_response_past_the_stores_memory_says_it_was_not_stored(app):
+    http, state = app
+    budget, state.responses.max_bytes = state.responses.max_bytes, 2000
+    try:
+        reply = http.post("/v1/responses", json={"model": MODEL, "input": "Hi " * 200, "max_output_tokens": 2}).json()
+        assert reply["store"] is False and http.get(f"/v1/responses/{reply['id']}").status_code == 404
+    finally:
+        state.responses.max_bytes = budget
+
+
 def test_store_refused_where_none_are_kept(app):
     http, state = app
     capacity, state.responses.capacity = state.responses.capacity, 0
@@ -402,6 +413,19 @@ def test_the_store_keeps_whole_conversations_within_its_count_and_bytes():
     assert small.get("x") is None and small.get("big") is not None and small.size <= 8192
     assert small.delete("big") and small.size == 0 and not small.delete("big")
     assert not ResponseStore(0, 4096).put("a", _stored("one", [])) and not ResponseStore(8, 0).keeps
+    # A conversation's items are counted once, however many of its responses are kept: a chain of
+    # twenty turns costs what its items do, not twenty times its growing conversation.
+    chain = ResponseStore(100, 10**7)
+    before: list[ResponseInputItem] = []
+    for turn in range(20):
+        chain.put(str(turn), _stored(f"turn {turn} " + "x" * 1000, before))
+        before = chain.conversation(str(turn))
+    bodies = sum(stored.body_bytes for stored in chain._responses.values())
+    items = sum(512 + len(item.text) for item in before)
+    assert chain.size == bodies + items
+    for turn in range(20):
+        chain.delete(str(turn))
+    assert chain.size == 0 and not chain._holders
 
 
 class _Detok:
@@ -415,6 +439,12 @@ class _FakeGen:
         self.choices = [Choice(0, _Detok(), 0 if logprobs else None)]  # type: ignore[arg-type]
         self.pieces, self.finish, self.error = pieces, finish, None
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = 5, 0, len(pieces)
+
+    def finished(self) -> "_FakeGen":
+        """As after its updates ran (for a whole response)."""
+        choice = self.choices[0]
+        choice.text, choice.finish_reason = "".join(self.pieces), self.finish
+        return self
 
     async def updates(self):
         from conveyor.api.generation import TokenLogprob
@@ -439,7 +469,8 @@ def _stream(request: dict[str, Any], gen: _FakeGen) -> tuple[list[dict[str, Any]
     done: list[dict[str, Any]] = []
 
     async def run() -> list[str]:
-        return [event async for event in builder.events(gen, fmt, done.append)]  # type: ignore[arg-type]
+        aborted = lambda: APIError(503, "the server is shutting down")  # noqa: E731
+        return [event async for event in builder.events(gen, fmt, done.append, aborted)]  # type: ignore[arg-type]
 
     return sse_events("".join(asyncio.run(run()))), done
 
@@ -477,8 +508,24 @@ def test_auto_tool_calls_stream_as_text_then_a_function_call_item():
     final = events[-1]["response"]
     assert done == [final]
     assert [item["type"] for item in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == "Sure. "
+    assert final["output"][0]["content"][0]["text"] == "Sure."  # as the whole response has it
     assert json.loads(final["output"][1]["arguments"]) == {"city": "Oslo"} and final["output"][1]["name"] == "get_weather"
+
+
+def test_a_streamed_auto_call_ends_as_the_whole_response_would():
+    """The streamed text before a call is as written, the whole response's as the call parser
+    leaves it; the finished response (and what is kept) is the whole one, under the ids streamed."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    pieces = ["Sure.  ", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', " Done."]
+    events, done = _stream({"tools": [tool]}, _FakeGen(pieces))
+    final = done[0]
+    parsed = ResponsesRequest.model_validate({"input": "x", "tools": [tool]})
+    fmt = ToolCallFormat("m", plan_tools(parsed.chat_body(parsed.items, "r")["tools"], None))
+    whole = ResponseBuilder(parsed, "resp_1", "m", 1.0, 1.0, stored=True).whole(_FakeGen(pieces).finished(), fmt)
+    assert [(i["type"], i.get("content"), i.get("arguments")) for i in final["output"]] == \
+        [(i["type"], i.get("content"), i.get("arguments")) for i in whole["output"]]
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert [i["id"] for i in final["output"]] == added
 
 
 def test_a_chat_messages_error_names_the_input_item_it_came_from():
@@ -496,11 +543,12 @@ def test_a_chat_messages_error_names_the_input_item_it_came_from():
     fields = request.message_fields(items, len(earlier), 0)
     assert fields == {"messages.0": "instructions", "messages.1": "previous_response_id",
                       "messages.2": "previous_response_id", "messages.3": "input.0", "messages.4": "input.1",
-                      "messages.4.tool_calls": "input.2", "messages.5": "input.3"}
+                      "messages.4.tool_calls.0": "input.2", "messages.4.tool_calls": "input.2", "messages.5": "input.3"}
     error = renamed(bad_request("messages.4.tool_calls: not rendered", param="messages.4.tool_calls"), fields)
     assert error.param == "input.2" and error.message == "input.2: not rendered"
+    assert renamed(bad_request("x", param="messages.4.tool_calls.0.function.name"), fields).param == "input.2"
     assert renamed(bad_request("x", param="messages.4.content"), fields).param == "input.1"
     assert list(request.message_fields(items, len(earlier), 2).values())[1:] == ["input.0", "input.1", "input.2",
-                                                                                 "input.3"]
+                                                                                 "input.2", "input.3"]
     assert renamed(bad_request("x", param="response_format.json_schema.schema")).param == "text.format.schema"
     assert renamed(bad_request("x", param="tools.2.function.parameters")).param == "tools.2.parameters"

@@ -1,0 +1,201 @@
+"""Anthropic's Messages API (/v1/messages) through the official anthropic client on the real
+Qwen2.5-Coder-0.5B-Instruct, in-process over the real engine: the same text as the chat it amounts
+to, streamed events that add up to the whole message, tool_use and tool_result blocks, stop
+sequences, JSON output, token counting, x-api-key, and errors in Anthropic's envelope naming the
+field at fault."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from conveyor.api.app import ServerState, build_app
+from conveyor.api.metrics import Metrics
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.errors import ModelLoadError
+
+anthropic = pytest.importorskip("anthropic")
+
+MODEL = "qwen2.5-coder-0.5b"
+GREEDY = {"temperature": 0}  # sent in extra_body: newer anthropic clients no longer take sampling fields
+WEATHER = {"name": "get_weather", "description": "Current weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                            "required": ["city"], "additionalProperties": False}}
+AS_CHAT_TOOL = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                                 "parameters": WEATHER["input_schema"]}}
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[tuple[TestClient, ServerState]]:
+    from conveyor.runner.model_runner import load_model
+
+    config = EngineConfig.from_kwargs(model=MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
+    try:
+        loaded = load_model(config)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [MODEL], Metrics(MODEL))
+    with TestClient(build_app(state)) as http:
+        yield http, state
+
+
+@pytest.fixture(scope="module")
+def http(app: tuple[TestClient, ServerState]) -> TestClient:
+    return app[0]
+
+
+@pytest.fixture(scope="module")
+def client(http: TestClient) -> Any:
+    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=http, max_retries=0)
+
+
+def create(client: Any, **kwargs: Any) -> Any:
+    return client.messages.create(model=MODEL, extra_body=GREEDY, **kwargs)
+
+
+def chat(http: TestClient, messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "temperature": 0, **fields})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_message_is_the_chat_it_amounts_to(client, http):
+    message = create(client, max_tokens=24, system="Answer in one short sentence.",
+                     messages=[{"role": "user", "content": "What is a Python tuple?"}])
+    same = chat(http, [{"role": "system", "content": "Answer in one short sentence."},
+                       {"role": "user", "content": "What is a Python tuple?"}], max_tokens=24)
+    choice = same["choices"][0]
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == choice["message"]["content"]
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[choice["finish_reason"]]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == same["usage"]["prompt_tokens"]
+    assert usage.output_tokens == same["usage"]["completion_tokens"]
+    assert message.id.startswith("msg_") and message.role == "assistant" and message.model == MODEL
+    # System as text blocks, content as text blocks: the same prompt.
+    blocks = create(client, max_tokens=24, system=[{"type": "text", "text": "Answer in one short "},
+                                                   {"type": "text", "text": "sentence."}],
+                    messages=[{"role": "user", "content": [{"type": "text", "text": "What is a Python tuple?"}]}])
+    assert blocks.content[0].text == message.content[0].text
+
+
+def test_streamed_events_add_up_to_the_whole_message(client):
+    ask = dict(max_tokens=16, messages=[{"role": "user", "content": "Name three sorting algorithms."}])
+    whole = create(client, **ask)
+    with client.messages.stream(model=MODEL, extra_body=GREEDY, **ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert kinds[1] == "content_block_start" and "content_block_stop" in kinds
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_tool_use_and_its_result(client, http):
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    named = create(client, max_tokens=40, messages=ask, tools=[WEATHER],
+                   tool_choice={"type": "tool", "name": "get_weather"})
+    (call,) = named.content
+    assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
+    assert named.stop_reason == "tool_use"
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    same = chat(http, ask, max_tokens=40, tools=[AS_CHAT_TOOL],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert json.loads(same["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == call.input
+    # Streamed: the input arrives as input_json_delta parts that add up to it.
+    with client.messages.stream(model=MODEL, extra_body=GREEDY, max_tokens=40, messages=ask, tools=[WEATHER],
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    parts = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(parts) > 1 and json.loads("".join(parts)) == call.input == final.content[0].input
+    # The result goes back as a tool_result block: the prompt is the chat's with a tool turn.
+    turns = [*ask, {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in named.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "-3 C, snow"}]}]
+    answer = create(client, max_tokens=16, messages=turns, tools=[WEATHER])
+    same = chat(http, [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 C, snow"}], max_tokens=16, tools=[AS_CHAT_TOOL])
+    usage = answer.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == same["usage"]["prompt_tokens"]
+    counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER])
+    assert counted.input_tokens == same["usage"]["prompt_tokens"]
+    # "any" is the chat's "required": some tool is called.
+    anyone = create(client, max_tokens=40, messages=ask, tools=[WEATHER], tool_choice={"type": "any"})
+    assert [block.type for block in anyone.content] == ["tool_use"]
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(client):
+    ask = dict(max_tokens=24, messages=[{"role": "user", "content": "List the weekdays, comma-separated."}])
+    text = create(client, **ask).content[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    assert stop.strip()
+    cut = create(client, stop_sequences=[stop], **ask)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+
+
+def test_json_output_follows_the_schema(client):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    message = create(client, max_tokens=40, messages=[{"role": "user", "content": "Bob is 30. Give him as JSON."}],
+                     output_config={"format": {"type": "json_schema", "schema": person}})
+    jsonschema.validate(json.loads(message.content[0].text), person)
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(messages=[{"role": "user", "content": "Hi"}]), "max_tokens"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages.0.content.0.type"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "web_search_20250305",
+                                                                             "name": "web_search"}]),
+     "tools.0.type"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], thinking={"type": "enabled",
+                                                                                "budget_tokens": 1024}),
+     "thinking.type"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER], tool_choice={"type": "tool"}),
+     "tool_choice"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], temperature=1.5), "temperature"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+          output_config={"format": {"type": "json_schema", "schema": {"type": "frob"}}}),
+     "output_config.format.schema"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
+          tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}]),
+     "messages.0.content.0"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], frobnicate=1), "frobnicate"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], max_tokens_to_sample=3), "max_tokens_to_sample"),
+    (dict(max_tokens=10**6, messages=[{"role": "user", "content": "Hi"}]), "max_tokens"),
+])
+def test_errors_are_anthropics_envelope_naming_the_field(http, body, param):
+    reply = http.post("/v1/messages", json={"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == param and error["error"]["message"]
+
+
+def test_the_key_goes_in_x_api_key_or_as_a_bearer(app):
+    http, state = app
+    state.api_key = "sekret"
+    try:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        refused = http.post("/v1/messages", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        assert http.post("/v1/messages", json=body, headers={"x-api-key": "sekret"}).status_code == 200
+        assert http.post("/v1/messages", json=body, headers={"authorization": "Bearer sekret"}).status_code == 200
+        assert http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
+    finally:
+        state.api_key = None
+
+
+def test_the_engine_is_idle_after_all_of_it(app):
+    engine = app[1].engine.engine
+    assert not engine.has_unfinished_requests and not engine.scheduler.kv.block_tables
