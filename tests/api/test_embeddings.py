@@ -166,15 +166,18 @@ def test_a_request_id_in_use_is_refused_without_harm_to_its_holder(http) -> None
     """vLLM's rule: a request_id in flight is a 400 for the second request; the first one, whose
     inputs are still computing, is served whole. (An id is in flight while its input of the same
     index is: the first's input 0 is long, so that the second, of one input, meets it.)"""
+    from tests.api.conftest import metric
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(http.post, EMBEDDINGS, json={"input": [[21] * 6000] + [[22 + i] * 1500 for i in range(11)],
                                                          "request_id": "same"})
         deadline = time.monotonic() + 30
-        while True:  # the second arrives while the first is in flight
-            second = http.post(EMBEDDINGS, json={"input": "x", "request_id": "same"})
-            if second.status_code == 400 or first.done():
-                break
-            assert time.monotonic() < deadline
+        # The second is sent once the first is running (sent before, it would be served: no id is
+        # in flight yet); its 6,000-token input 0 then takes seconds to compute.
+        while metric(http.get("/metrics").text, "conveyor:num_requests_running") < 1:
+            assert time.monotonic() < deadline and not first.done()
+            time.sleep(0.01)
+        second = http.post(EMBEDDINGS, json={"input": "x", "request_id": "same"})
         assert second.status_code == 400 and second.json()["error"]["param"] == "request_id", second.text
         reply = first.result()
     assert reply.status_code == 200 and len(reply.json()["data"]) == 12
