@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from conveyor.api.errors import APIError
+from conveyor.api.chat_translation import chat_deltas
+from conveyor.api.errors import APIError, anthropic_error_type
 from conveyor.api.generation import Generation
+from conveyor.api.limits import strict_json
 from conveyor.api.protocol import RequestId, Text, TopK, TopP, _Strict
 from conveyor.api.responses import CompletionFormat, failure, sse_event
+from conveyor.api.tools import ToolCallFormat
 
 class CacheControl(_Strict):
     """A prompt-caching breakpoint: this server's prefix cache matches every request's blocks
@@ -29,24 +32,28 @@ class CacheControl(_Strict):
     ttl: Literal["5m", "1h"] | None = None
 
 
+NonEmptyText = Annotated[Text, Field(min_length=1)]  # Anthropic: "text content blocks must be non-empty"
+
+
 class TextBlock(_Strict):
     type: Literal["text"]
-    text: Text
+    text: NonEmptyText
     cache_control: CacheControl | None = None
     citations: list[Any] | None = None  # an earlier answer's, sent back: the text is what the model reads
 
 
 class ToolResultText(_Strict):
     type: Literal["text"]
-    text: Text
+    text: NonEmptyText
     cache_control: CacheControl | None = None
+    citations: list[Any] | None = None
 
 
 class ContentBlock(_Strict):
     """A block of a message: text, a tool call an earlier answer made (tool_use), or its result."""
 
     type: Literal["text", "tool_use", "tool_result"]
-    text: Text | None = None
+    text: NonEmptyText | None = None
     id: str | None = Field(None, min_length=1)  # tool_use
     name: Text | None = Field(None, min_length=1)
     input: dict[str, Any] | None = None
@@ -85,8 +92,24 @@ class ContentBlock(_Strict):
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
-    content: Text | list[ContentBlock]
+    role: Literal["user", "assistant", "system"]  # the SDK's SystemMessageParam: a system message in place
+    content: NonEmptyText | Annotated[list[ContentBlock], Field(min_length=1)]
+
+    @property
+    def blocks(self) -> list[ContentBlock]:
+        if isinstance(self.content, str):
+            return [ContentBlock.model_validate({"type": "text", "text": self.content})]
+        return self.content
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> "AnthropicMessage":
+        """Anthropic's rules: a tool_use is an assistant's and a tool_result a user's."""
+        kinds = [block.type for block in self.blocks]
+        if "tool_use" in kinds and self.role != "assistant":
+            raise ValueError(f"a {self.role} message holds no tool_use block: only an assistant's calls are")
+        if "tool_result" in kinds and self.role != "user":
+            raise ValueError(f"a {self.role} message holds no tool_result block: only a user's are")
+        return self
 
 
 class AnthropicTool(_Strict):
@@ -101,8 +124,9 @@ class AnthropicTool(_Strict):
     @classmethod
     def _custom_only(cls, kind: Any) -> Any:
         if kind not in (None, "custom"):
-            raise ValueError(f"only custom (function) tools are supported by this server, not {kind!r} "
-                             "(Anthropic's server tools run on Anthropic's servers)")
+            raise ValueError(f"only custom tools (a name and an input_schema) are supported by this server, not "
+                             f"{kind!r}: Anthropic's own tool types (web search, code execution, bash, text editor, "
+                             "computer use, ...) are not served")
         return kind
 
     def as_chat_tool(self) -> dict[str, Any]:
@@ -117,7 +141,7 @@ class AnthropicTool(_Strict):
 
 class AnthropicToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
+    name: Text | None = Field(None, min_length=1)
     disable_parallel_tool_use: bool | None = None
 
     @model_validator(mode="after")
@@ -151,66 +175,77 @@ class AnthropicMetadata(_Strict):
 
 
 class CountTokensRequest(_Strict):
-    """Anthropic's POST /v1/messages/count_tokens body: a Messages request without max_tokens
-    (taken if sent, as llama.cpp's server takes it)."""
+    """Anthropic's POST /v1/messages/count_tokens body: what the prompt is made of."""
 
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
     system: Text | list[TextBlock] | None = None
-    stop_sequences: list[Text] | None = None
-    stream: bool | None = False
-    temperature: float | None = Field(None, ge=0.0, le=1.0)  # Anthropic's range
-    top_p: TopP | None = None
-    top_k: TopK | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     output_config: OutputConfig | None = None
     thinking: ThinkingConfig | None = None
-    metadata: AnthropicMetadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: CacheControl | None = None
-    request_id: RequestId | None = None  # vLLM's, as on chat: names the engine's request
 
-    unsupported = {"container": (None,), "mcp_servers": (None, []), "context_management": (None,),
-                   "diagnostics": (None,), "inference_geo": (None,), "speed": (None, "standard")}
+    unsupported = {"mcp_servers": (None, []), "context_management": (None,)}
 
     def system_text(self) -> str | None:
         if isinstance(self.system, list):
             return "".join(block.text for block in self.system)
         return self.system
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """Chat messages: each tool_result a tool message (before the user's text beside it, as
-        Anthropic orders them), each tool_use a call of the assistant turn it is in."""
+    def continues(self) -> bool:
+        """Whether the reply continues the last message, an assistant's text (Anthropic's prefill)."""
+        last = self.messages[-1]
+        return last.role == "assistant" and all(block.type == "text" for block in last.blocks)
+
+    def chat_messages(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Chat messages, and where each came from (`messages.3` and `messages.3.tool_calls.0`,
+        the chat's paths -> the Messages request's, for chat_translation.renamed). Consecutive
+        turns of one role are one turn, as Anthropic combines them; each tool_result is a tool
+        message, before the user's text beside it; each tool_use a call of its assistant turn."""
         system = self.system_text()
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-        for message in self.messages:
-            blocks = ([ContentBlock.model_validate({"type": "text", "text": message.content})]
-                      if isinstance(message.content, str) else message.content)
-            text = "".join(block.text or "" for block in blocks if block.type == "text")
-            if message.role == "assistant":
-                calls = [{"id": b.id, "type": "function", "function": {"name": b.name,
-                                                                       "arguments": json.dumps(b.input)}}
-                         for b in blocks if b.type == "tool_use"]
-                turn: dict[str, Any] = {"role": "assistant", "content": text or None}
-                if calls:
-                    turn["tool_calls"] = calls
-                messages.append(turn)
+        messages: list[dict[str, Any]] = []
+        fields: dict[str, str] = {}
+
+        def add(message: dict[str, Any], field: str) -> None:
+            fields[f"messages.{len(messages)}"] = field
+            messages.append(message)
+
+        if system:
+            add({"role": "system", "content": system}, "system")
+        for i, message in enumerate(self.messages):
+            if message.role == "system":
+                add({"role": "system", "content": "".join(b.text or "" for b in message.blocks)}, f"messages.{i}")
                 continue
-            messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.result_text}
-                         for b in blocks if b.type == "tool_result"]
-            if text or not any(b.type == "tool_result" for b in blocks):
-                messages.append({"role": "user", "content": text})
-        return messages
+            for b, block in enumerate(message.blocks):
+                if block.type == "tool_result":
+                    add({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.result_text},
+                        f"messages.{i}.content.{b}")
+            text = "".join(block.text or "" for block in message.blocks if block.type == "text")
+            calls = [(b, block) for b, block in enumerate(message.blocks) if block.type == "tool_use"]
+            if message.role == "user" and not text:
+                continue
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == message.role and "tool_calls" not in last:
+                last["content"] = ((last["content"] or "") + "\n" + text) if last["content"] else text or None
+            else:
+                add({"role": message.role, "content": text or (None if calls else "")}, f"messages.{i}")
+            if calls:
+                turn = messages[-1]
+                at = len(turn.setdefault("tool_calls", []))
+                fields.setdefault(f"messages.{len(messages) - 1}.tool_calls", f"messages.{i}.content.{calls[0][0]}")
+                for j, (b, block) in enumerate(calls):
+                    fields[f"messages.{len(messages) - 1}.tool_calls.{at + j}"] = f"messages.{i}.content.{b}"
+                    turn["tool_calls"].append({"id": block.id, "type": "function", "function": {
+                        "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        return messages, fields
 
     def chat_body(self, request_id: str) -> dict[str, Any]:
         """The /v1/chat/completions body this request is; its engine requests named after `request_id`."""
+        continues = self.continues()
         body: dict[str, Any] = {
-            "model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_tokens,
-            "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "stream": self.stream, "request_id": request_id,
-            "user": self.metadata.user_id if self.metadata is not None else None,
+            "model": self.model, "messages": self.chat_messages()[0], "request_id": request_id,
+            "add_generation_prompt": not continues, "continue_final_message": continues,
         }
         if self.tools:
             body["tools"] = [tool.as_chat_tool() for tool in self.tools]
@@ -221,37 +256,44 @@ class CountTokensRequest(_Strict):
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.json_schema}}
-        return {key: value for key, value in body.items() if value is not None}
+        return body
 
 
 class MessagesRequest(CountTokensRequest):
     """Anthropic's POST /v1/messages body."""
 
     max_tokens: int = Field(ge=1)  # required, as Anthropic's
+    stop_sequences: list[Text] | None = None
+    stream: bool | None = False
+    # Anthropic's ranges; newer clients send them in extra_body (the API deprecates them).
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    request_id: RequestId | None = None  # vLLM's, as on chat: names the engine's request
+
+    unsupported = {"container": (None,), "mcp_servers": (None, []), "context_management": (None,),
+                   "diagnostics": (None,), "inference_geo": (None,), "speed": (None, "standard")}
+
+    def chat_body(self, request_id: str) -> dict[str, Any]:
+        body = super().chat_body(request_id)
+        body.update(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+                    top_p=self.top_p, top_k=self.top_k, stream=self.stream,
+                    user=self.metadata.user_id if self.metadata is not None else None)
+        return {key: value for key, value in body.items() if value is not None}
 
 
-# The chat pipeline's field names, and what the same field is called in a Messages request.
-_CHAT_PARAMS = (
-    ("response_format.json_schema.schema", "output_config.format.schema"),
-    ("response_format", "output_config.format"),
-    ("tool_choice.function.name", "tool_choice.name"),
-    ("stop", "stop_sequences"),
+# The chat pipeline's fields, as a Messages request names them (chat_translation.renamed).
+CHAT_FIELDS = (
+    (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
+    (r"^response_format(\.json_schema)?", "output_config.format"),
+    (r"^tool_choice\.function\.name", "tool_choice.name"),
+    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^stop$", "stop_sequences"),
+    (r"^continue_final_message$", "messages"),
 )
-
-
-def renamed_param(param: str | None) -> str | None:
-    """A chat field's name as a Messages request names it (messages.N stays: they line up but for
-    a tool_result, which the chat holds as a message of its own)."""
-    if param is None:
-        return None
-    if param.startswith("tools.") and ".function.parameters" in param:
-        return param.replace(".function.parameters", ".input_schema", 1)
-    if param.startswith("tools.") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    for old, new in _CHAT_PARAMS:
-        if param == old or param.startswith(old + "."):
-            return new + param[len(old):]
-    return param
 
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -259,14 +301,15 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 @dataclass
 class MessageBuilder:
-    """The message answered and, streamed, its events, from what the chat format makes of each
-    token (as ResponseBuilder does for the Responses API)."""
+    """The message answered and, streamed, its events, from the chat format's deltas (as
+    ResponseBuilder does for the Responses API)."""
 
     model: str
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     _blocks: list[dict[str, Any]] = field(default_factory=list, init=False)
     _open: int | None = field(default=None, init=False)  # index of the block being streamed
     _calls: dict[int, int] = field(default_factory=dict, init=False)  # tool-call index -> block index
+    _started: bool = field(default=False, init=False)
 
     def _stop(self, gen: Generation, finish: str | None) -> tuple[str | None, str | None]:
         choice = gen.choices[0]
@@ -279,10 +322,12 @@ class MessageBuilder:
         return {"input_tokens": gen.prompt_tokens - gen.cached_tokens, "output_tokens": gen.completion_tokens,
                 "cache_read_input_tokens": gen.cached_tokens, "cache_creation_input_tokens": 0}
 
-    def envelope(self, content: list[dict[str, Any]], gen: Generation | None = None,
-                 finish: str | None = None) -> dict[str, Any]:
-        stop_reason, stop_sequence = self._stop(gen, finish) if gen is not None else (None, None)
-        usage = self._usage(gen) if gen is not None else {"input_tokens": 0, "output_tokens": 0}
+    def envelope(self, content: list[dict[str, Any]], gen: Generation, finish: str | None = None,
+                 done: bool = True) -> dict[str, Any]:
+        stop_reason, stop_sequence = self._stop(gen, finish) if done else (None, None)
+        usage = self._usage(gen)
+        if not done:
+            usage["output_tokens"] = 0
         return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
@@ -294,34 +339,37 @@ class MessageBuilder:
                     for call in message.get("tool_calls") or []]
         return self.envelope(content, gen, finish)
 
+    def _message_start(self, gen: Generation) -> list[str]:
+        """message_start, once: after the first token, when the prompt's cached tokens are known."""
+        if self._started:
+            return []
+        self._started = True
+        return [sse_event({"type": "message_start", "message": self.envelope([], gen, done=False)}, "message_start")]
+
     async def events(self, gen: Generation, fmt: CompletionFormat,
                      aborted: Callable[[], APIError]) -> AsyncIterator[str]:
         """message_start, each content block's start, deltas and stop, message_delta (the stop
         reason, usage), message_stop; or an error event if the engine fails the request or aborts
-        it before its end (`aborted` says what that is)."""
-        started = self.envelope([], None)
-        started["usage"] = {"input_tokens": gen.prompt_tokens, "output_tokens": 0}
-        yield sse_event({"type": "message_start", "message": started}, "message_start")
+        it before its end (`aborted` says what that is). A named tool call's input streams as it
+        is generated; other calls come whole, and one whose arguments are no JSON object is text."""
+        streams_calls = isinstance(fmt, ToolCallFormat) and fmt.plan.mode == "named"
         finish: str | None = None
-        first = True
-        async for choice, delta, logprobs in gen.updates():
-            entry = fmt.choice_delta(choice, delta, logprobs, first=first)
-            first = False
-            if entry is None:
-                continue
-            out = entry["delta"]
-            if out.get("content"):
-                for event in self._text(out["content"]):
+        async for delta in chat_deltas(gen, fmt):
+            for event in self._message_start(gen):
+                yield event
+            if delta.text:
+                for event in self._text(delta.text):
                     yield event
-            for call in out.get("tool_calls") or []:
-                for event in self._call(call):
+            for call in delta.calls:
+                for event in self._call(call, streams_calls):
                     yield event
-            finish = entry["finish_reason"] or finish
+            finish = delta.finish or finish
+        for event in self._message_start(gen):
+            yield event
         if gen.error is not None or finish == "abort":
             error = failure(gen) if gen.error is not None else aborted()
-            kind = "overloaded_error" if error.status == 503 else "invalid_request_error" if error.status == 400 \
-                else "api_error"
-            yield sse_event({"type": "error", "error": {"type": kind, "message": error.message}}, "error")
+            yield sse_event({"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}},
+                            "error")
             return
         for event in self._close():
             yield event
@@ -351,18 +399,25 @@ class MessageBuilder:
                                  "delta": {"type": "text_delta", "text": text}}, "content_block_delta"))
         return events
 
-    def _call(self, delta: dict[str, Any]) -> list[str]:
-        events = []
+    def _call(self, delta: dict[str, Any], streamed: bool) -> list[str]:
         function = delta.get("function") or {}
+        arguments = function.get("arguments") or ""
         if delta["index"] not in self._calls:
-            events += self._close()
+            if not streamed:  # whole: as whole() gives it, a tool_use block or, no JSON object, text
+                block = _tool_use(delta["id"], function.get("name", ""), arguments)
+                if block["type"] == "text":
+                    return self._text(block["text"])
+                arguments = json.dumps(block["input"], ensure_ascii=False)
+            events = self._close()
             events.append(self._start({"type": "tool_use", "id": _tool_use_id(delta["id"]),
                                        "name": function.get("name", ""), "input": {}}))
             assert self._open is not None
             self._calls[delta["index"]] = self._open
-        if function.get("arguments"):
+        else:
+            events = []
+        if arguments:
             events.append(sse_event({"type": "content_block_delta", "index": self._calls[delta["index"]],
-                                     "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}},
+                                     "delta": {"type": "input_json_delta", "partial_json": arguments}},
                                     "content_block_delta"))
         return events
 
@@ -372,13 +427,17 @@ def _tool_use_id(call_id: str) -> str:
 
 
 def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    """A tool_use block; arguments cut short (max_tokens) are not an object, and go as {}."""
+    """A tool_use block of a call; its arguments read strictly (no NaN, no float past its range:
+    the answer must be JSON). Arguments that are no JSON object (cut at max_tokens, or a model's
+    odd call) are not a call's input: the call goes back as the text the model wrote."""
     try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
+        parsed = strict_json(arguments)
+    except ValueError:
         parsed = None
-    return {"type": "tool_use", "id": _tool_use_id(call_id), "name": name,
-            "input": parsed if isinstance(parsed, dict) else {}}
+    if not isinstance(parsed, dict):
+        text = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return {"type": "text", "text": text}
+    return {"type": "tool_use", "id": _tool_use_id(call_id), "name": name, "input": parsed}
 
 
-__all__ = ["MessageBuilder", "MessagesRequest", "renamed_param"]
+__all__ = ["CHAT_FIELDS", "CountTokensRequest", "MessageBuilder", "MessagesRequest"]

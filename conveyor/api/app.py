@@ -54,9 +54,12 @@ from conveyor.api.schema import (
     generation_responses,
     install_openapi,
 )
-from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest, renamed_param
+from conveyor.api.chat_translation import renamed
+from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
+from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
 from conveyor.api.openai_responses import (
-    ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted, not_stored, renamed, turn_starts,
+    CHAT_FIELDS as RESPONSES_CHAT_FIELDS, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted,
+    not_stored, turn_starts,
 )
 from conveyor.api.responses import (
     ChatFormat, CompletionFormat, SSEResponse, run_to_end, stream_events, whole_body,
@@ -286,7 +289,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             return await _answer(request, state, gen, [prompt], events, whole, prompt_field="input")
         except APIError as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, RESPONSES_CHAT_FIELDS) from None
 
     @v1.post("/messages", responses=generation_responses(AnthropicReply))
     async def anthropic_messages(request: Request) -> Response:
@@ -304,13 +307,19 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             return await _answer(request, state, gen, [prompt], events, whole, prompt_field="messages")
         except APIError as exc:
-            raise _renamed_for_messages(exc) from None
+            raise renamed(exc, MESSAGES_CHAT_FIELDS) from None
 
     @v1.post("/messages/count_tokens", response_model=TokenCount, responses=TOKENIZER_ERRORS)
     async def anthropic_count_tokens(request: Request) -> dict[str, Any]:
         """The input tokens a /v1/messages request would take (max_tokens not needed)."""
         body = parse(CountTokensRequest, await _read_json(request, state))
-        _, prompt, _ = await _messages_generation(state, body.model_copy(update={"max_tokens": 1}))
+        try:
+            chat = parse(ChatCompletionRequest, body.chat_body(uuid.uuid4().hex))
+            _check_model(state, chat.model)
+            tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            prompt = await asyncio.to_thread(_chat_prompt, state, chat, tools)
+        except APIError as exc:
+            raise renamed(exc, MESSAGES_CHAT_FIELDS, body.chat_messages()[1]) from None
         return {"input_tokens": len(prompt)}
 
     @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=RESPONSE_ERRORS)
@@ -394,18 +403,26 @@ def served_limits(state: ServerState) -> ServedLimits:
     vocab = getattr(tokenizer, "vocab_size", None)
     variables: frozenset[str] | None = None
     renders_tools: bool | None = None
+    shortest_chat: int | None = None
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         try:
             variables = tokenizer.template_variables()
             probe = [{"role": "user", "content": "x"}]
             tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
             renders_tools = tokenizer.apply_chat_template(probe, tools=[tool]) != tokenizer.apply_chat_template(probe)
+            # The fewest tokens a chat prompt takes: one message of one character (less one, for a
+            # character that is no token), answered or continued.
+            rendered = [tokenizer.apply_chat_template([{"role": role, "content": "x"}], add_generation_prompt=True)
+                        for role in ("user", "system")]
+            rendered.append(tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}],
+                                                          add_generation_prompt=False, continue_final_message=True))
+            shortest_chat = min(len(tokenizer.encode_chat(text, None)) for text in rendered) - 1
         except (InvalidRequestError, ValueError):  # a template that refuses the probe: state nothing of it
-            variables = renders_tools = None
+            variables = renders_tools = shortest_chat = None
     infill = None if tokenizer is None else getattr(tokenizer, "infill", None) is not None
     return ServedLimits(tuple(state.model_names), state.capacity, vocab, state.max_prompt_chars,
                         state.max_num_seqs, state.priority_scheduling, variables, renders_tools, infill,
-                        state.engine.embedding_size)
+                        state.engine.embedding_size, shortest_chat)
 
 
 async def _read_json(request: Request, state: ServerState) -> Any:
@@ -615,25 +632,33 @@ def _max_tokens(state: ServerState, requested: int | None, prompts: list[list[in
     return min(state.capacity - longest, recommended)
 
 
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+    """A chat request's rendered prompt, truncated as asked (`tools`: its plan_tools)."""
+    messages = [m.as_template_input() for m in body.messages]
+    _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
+    prompt = _render_chat(state, messages, bool(body.add_generation_prompt), body.add_special_tokens, tools,
+                          bool(body.continue_final_message), body.chat_template_kwargs)
+    return _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
+
+
 async def _chat_generation(state: ServerState, body: ChatCompletionRequest,
                            prefix: str) -> tuple[Generation, list[int], CompletionFormat]:
     """A chat request's rendered prompt, its Generation (not yet handed to the engine) and the
-    format its answer takes (tool calls or plain)."""
+    format its answer takes (tool calls or plain). Every refusal is an APIError (an engine's
+    InvalidRequestError too), so that the Responses and Messages APIs can name their own fields."""
     _check_model(state, body.model)
-    messages = [m.as_template_input() for m in body.messages]
-    _check_chat_size(state, messages, body.truncate_prompt_tokens is not None)
-    tools = plan_tools(body.tools, body.tool_choice)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     asked = requested_grammar(body)
     if tools is not None and tools.spec is not None and asked is not None:
         raise bad_request(f"{asked[1]} cannot be combined with tool_choice {tools.mode!r}", param=asked[1])
     grammar = await _grammar(state, (tools.spec, tools.param) if tools and tools.spec else asked)
-    prompt = await asyncio.to_thread(_render_chat, state, messages, bool(body.add_generation_prompt),
-                                     body.add_special_tokens,
-                                     tools, bool(body.continue_final_message), body.chat_template_kwargs)
-    prompt = _truncate(state, [prompt], body.truncate_prompt_tokens)[0]
+    prompt = await asyncio.to_thread(_chat_prompt, state, body, tools)
     requested = body.max_completion_tokens or body.max_tokens
-    params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar,
-                                  state.sampling_defaults)
+    try:
+        params = body.sampling_params(_max_tokens(state, requested, [prompt], chat=True), body.num_logprobs, grammar,
+                                      state.sampling_defaults)
+    except InvalidRequestError as exc:
+        raise invalid(exc, chat=True) from None
     gen = Generation(state.engine, state.tokenizer, params, body.num_logprobs, prefix,
                      bool(body.return_tokens_as_token_ids), body.request_id)
     name = _name(state, body.model)
@@ -652,21 +677,14 @@ def _aborted(state: ServerState) -> APIError:
     return server_error("the request was aborted inside the engine")
 
 
-def _renamed_for_messages(error: APIError) -> APIError:
-    new = renamed_param(error.param)
-    if new != error.param and error.param is not None and new is not None:
-        error.message, error.param = error.message.replace(error.param, new), new
-    return error
-
-
 async def _messages_generation(state: ServerState,
-                               body: CountTokensRequest) -> tuple[Generation, list[int], CompletionFormat]:
+                               body: MessagesRequest) -> tuple[Generation, list[int], CompletionFormat]:
     """The chat an Anthropic Messages request amounts to."""
     try:
         chat = parse(ChatCompletionRequest, body.chat_body(body.request_id or uuid.uuid4().hex))
         return await _chat_generation(state, chat, "msg")
     except APIError as exc:
-        raise _renamed_for_messages(exc) from None
+        raise renamed(exc, MESSAGES_CHAT_FIELDS, body.chat_messages()[1]) from None
 
 
 async def _responses_generation(state: ServerState, body: ResponsesRequest, earlier: list[Any],
@@ -689,7 +707,7 @@ async def _responses_generation(state: ServerState, body: ResponsesRequest, earl
             chat = parse(ChatCompletionRequest, body.chat_body(items[start:], request_id))
             gen, prompt, fmt = await _chat_generation(state, chat, "resp")
         except APIError as exc:
-            error = renamed(exc, body.message_fields(items, len(earlier), start))
+            error = renamed(exc, RESPONSES_CHAT_FIELDS, body.message_fields(items, len(earlier), start))
             if exc.code != CONTEXT_LENGTH_EXCEEDED:
                 raise error from None
             return None, error

@@ -134,14 +134,20 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
 
 
+def anthropic_error_type(error: APIError) -> str:
+    return _ANTHROPIC_TYPES.get(error.status, "api_error")
+
+
 def respond(request: Request, error: APIError) -> JSONResponse:
     """The error as the endpoint's API spells it: OpenAI's `{"error": {...}}`, or on Anthropic's
-    Messages API `{"type": "error", "error": {"type", "message", ...}}`."""
+    Messages API `{"type": "error", "error": {"type", "message", ...}}`, a full queue as its 529
+    (overloaded), which its clients retry."""
     if not request.url.path.startswith(ANTHROPIC_PATH):
         return error.response()
     body = error.body()
-    body["error"]["type"] = _ANTHROPIC_TYPES.get(error.status, "api_error")
-    return JSONResponse({"type": "error", **body}, status_code=error.status, headers=error.headers)
+    body["error"]["type"] = anthropic_error_type(error)
+    status = 529 if error.code == "server_overloaded" else error.status
+    return JSONResponse({"type": "error", **body}, status_code=status, headers=error.headers)
 
 
 def install_handlers(app: FastAPI) -> None:

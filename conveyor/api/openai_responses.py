@@ -15,7 +15,6 @@ GET or DELETE it. Nothing is written to disk, and a restart forgets every respon
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
 import uuid
@@ -25,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from conveyor.api.chat_translation import chat_deltas
 from conveyor.api.errors import APIError, bad_request
 from conveyor.api.generation import Generation
 from conveyor.errors import NoAllowedTokenError
@@ -354,43 +354,16 @@ def turn_starts(items: list[ResponseInputItem]) -> list[int]:
     return [i for i, item in enumerate(items) if i and item.type == "message" and item.role == "user"]
 
 
-# The chat pipeline's field names, and what the same field is called in a Responses request.
-_CHAT_PARAMS = (
-    ("response_format.json_schema.schema", "text.format.schema"),
-    ("response_format.json_schema", "text.format"),
-    ("response_format", "text.format"),
-    ("max_completion_tokens", "max_output_tokens"),
-    ("max_tokens", "max_output_tokens"),
-    ("logprobs", "top_logprobs"),
-    ("tool_choice.function.name", "tool_choice.name"),
-    ("messages", "input"),
+# The chat pipeline's fields, as a Responses request names them (chat_translation.renamed).
+CHAT_FIELDS = (
+    (r"^response_format\.json_schema\.schema", "text.format.schema"),
+    (r"^response_format(\.json_schema)?", "text.format"),
+    (r"^max_(completion_)?tokens", "max_output_tokens"),
+    (r"^logprobs", "top_logprobs"),
+    (r"^tool_choice\.function\.name", "tool_choice.name"),
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^messages(\..*)?$", "input"),
 )
-
-
-def renamed(error: APIError, message_fields: dict[str, str] | None = None) -> APIError:
-    """A 400 the chat pipeline raised, with the fields named as the Responses request names them;
-    `message_fields`: where each chat message came from (ResponsesRequest.message_fields)."""
-    param = error.param
-    if param is None:
-        return error
-    new = param
-    message = re.match(r"messages\.\d+(\.tool_calls(\.\d+)?)?", param)
-    if message is not None and message_fields:
-        path = message.group(0)
-        while path not in message_fields and "." in path.removeprefix("messages."):
-            path = path.rsplit(".", 1)[0]  # the closest enclosing path that names an input item
-        new = message_fields.get(path, new)
-    elif param.startswith("tools.") and ".function." in param:
-        new = param.replace(".function.", ".", 1)
-    else:
-        for old, responses_name in _CHAT_PARAMS:
-            if param == old or param.startswith(old + "."):
-                new = responses_name if old == "messages" else responses_name + param[len(old):]
-                break
-    if new != param:
-        error.message = error.message.replace(param, new)
-        error.param = new
-    return error
 
 
 def _item_id(prefix: str) -> str:
@@ -572,27 +545,20 @@ class ResponseBuilder:
         yield self._event("response.created", response=self.envelope("in_progress"))
         yield self._event("response.in_progress", response=self.envelope("in_progress"))
         finish: str | None = None
-        first = True
-        async for choice, delta, logprobs in gen.updates():
-            entry = fmt.choice_delta(choice, delta, logprobs, first=first)
-            first = False
-            if entry is None:
-                continue
-            out = entry["delta"]
-            entries = (entry.get("logprobs") or {}).get("content") or []
-            if out.get("content"):
-                for event in self._text(out["content"], entries, obfuscate):
+        async for delta in chat_deltas(gen, fmt):
+            if delta.text:
+                for event in self._text(delta.text, delta.logprobs, obfuscate):
                     yield event
-            elif out.get("tool_calls"):
+            elif delta.calls:
                 self._pending_logprobs = []
             elif self._message is not None:
-                self._message["content"][0]["logprobs"] += entries
+                self._message["content"][0]["logprobs"] += delta.logprobs
             else:
-                self._pending_logprobs += entries
-            for call in out.get("tool_calls") or []:
+                self._pending_logprobs += delta.logprobs
+            for call in delta.calls:
                 for event in self._call(call, obfuscate):
                     yield event
-            finish = entry["finish_reason"] or finish
+            finish = delta.finish or finish
         if gen.error is not None or finish == "abort":
             yield self._failed(failure(gen) if gen.error is not None else aborted(), gen)
             return
@@ -731,5 +697,5 @@ def not_stored(response_id: str) -> APIError:
                     code="not_found")
 
 
-__all__ = ["ResponseBuilder", "ResponseStore", "ResponsesRequest", "StoredResponse", "deleted", "not_stored",
-           "renamed", "turn_starts"]
+__all__ = ["CHAT_FIELDS", "ResponseBuilder", "ResponseStore", "ResponsesRequest", "StoredResponse", "deleted",
+           "not_stored", "turn_starts"]

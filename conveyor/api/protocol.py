@@ -390,7 +390,7 @@ class ChatCompletionRequest(_Sampling):
 
     tools: list[Any] | None = None  # conveyor/api/tools.py
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # one call is made either way, which both values allow
+    parallel_tool_calls: bool | None = None  # false: an "auto" output's first call only (tools.py)
 
     unsupported = {
         **_UNSUPPORTED_VLLM,

@@ -286,6 +286,7 @@ class ServedLimits:
     renders_tools: bool | None = None  # False: tool_choice "auto", and tools beside "none", are refused
     infill: bool | None = None  # False: no fill-in-the-middle tokens, a nonempty suffix is refused
     embedding_size: int | None = None  # the only `dimensions` an embedding request may ask for
+    shortest_chat: int | None = None  # the fewest tokens a rendered chat prompt takes
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -528,12 +529,23 @@ def _messages_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     """Anthropic's Messages API: the served model, the context, and which fields each kind of
     content block takes (ContentBlock's validator)."""
     for name in ("MessagesRequest", "CountTokensRequest"):
-        props = schemas[name]["properties"]
+        schema = schemas[name]
+        props = schema["properties"]
         _set(props, "model", enum=list(limits.model_names))
-        _set(props, "max_tokens", maximum=limits.capacity - 1)
-        _set(props, "stop_sequences", maxItems=_MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
         _describe(props, "tool_choice", "needs tools; a tool it names must be one of them")
         _describe(props, "tools", "with distinct names")
+        # A tool_choice needs tools; and where the chat template renders no tools, tools need a
+        # tool_choice that constrains the output ("any", a tool): left out it is "auto", and
+        # beside "none" they would reach the model only through the template.
+        rules = _only_if("tool_choice", {"tools": {"type": "array", "minItems": 1}}, required=("tools",))
+        if limits.renders_tools is False:
+            served = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
+            rules |= _only_if("tools", {"tool_choice": served}, required=("tool_choice",))
+        schema["dependentSchemas"] = rules
+    props = schemas["MessagesRequest"]["properties"]
+    _set(props, "max_tokens", maximum=limits.capacity - max(1, limits.shortest_chat or 0))
+    _describe(props, "max_tokens", "with the prompt, at most the model's length")
+    _set(props, "stop_sequences", maxItems=_MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
     absent, text = {"type": "null"}, {"type": "string"}
     fields = ("text", "id", "name", "input", "tool_use_id", "content", "is_error")
 
@@ -545,6 +557,16 @@ def _messages_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
         only("text", "text", text=text),
         only("tool_use", "id", "name", "input", id=text, name=text, input={"type": "object"}),
         only("tool_result", "tool_use_id", "content", "is_error", tool_use_id=text)]
+    # Which blocks each role's content holds (AnthropicMessage's validator).
+    def content_of(*kinds: str) -> dict[str, Any]:
+        return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"properties": {"type": {"enum": list(kinds)}}}}]}
+
+    # A template that renders no tools renders no calls either: a tool_use block would be a 400.
+    calls = ("tool_use",) if limits.renders_tools is not False else ()
+    schemas["AnthropicMessage"]["anyOf"] = [
+        {"properties": {"role": {"const": "user"}, "content": content_of("text", "tool_result")}},
+        {"properties": {"role": {"const": "assistant"}, "content": content_of("text", *calls)}},
+        {"properties": {"role": {"const": "system"}, "content": content_of("text")}}]
     schemas["AnthropicToolChoice"]["anyOf"] = [
         {"properties": {"type": {"enum": ["auto", "any", "none"]}, "name": absent}},
         {"properties": {"type": {"const": "tool"}, "name": text}, "required": ["name"]}]

@@ -23,6 +23,7 @@ from typing import Any
 
 from conveyor.api.errors import bad_request
 from conveyor.api.generation import Choice, TokenLogprob
+from conveyor.api.limits import strict_json
 from conveyor.api.responses import ChatFormat, _chat_logprobs
 from conveyor.api.structured import refuse_unknown_keys
 from conveyor.errors import InvalidRequestError
@@ -51,6 +52,7 @@ class ToolPlan:
     spec: GrammarSpec | None = None
     param: str = "tools"
     function_name: str | None = None  # of a named tool_choice
+    parallel: bool = True  # parallel_tool_calls false: an "auto" output's first call is its only one
 
 
 def _parameters(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
@@ -74,8 +76,15 @@ def _parameters(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
     return name, closed_objects(params) if strict else params
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ToolPlan | None:
     """What the request's tools and tool_choice ask for; 400s name the offending field."""
+    plan = _plan(tools, tool_choice)
+    if plan is not None and parallel_tool_calls is False:
+        plan.parallel = False
+    return plan
+
+
+def _plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", param="tool_choice")
@@ -114,15 +123,16 @@ def _schema_spec(schema: dict[str, Any], param: str) -> GrammarSpec:
 
 
 def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    """(the text outside the calls, the calls) of `<tool_call>{json}</tool_call>` blocks; a block
-    that is not a JSON object with a name stays in the text."""
+    """(the text before the first call, the calls) of `<tool_call>{json}</tool_call>` blocks, as
+    vLLM's hermes parser takes them: text after a call is not content. A block that is not a JSON
+    object with a name (read strictly: no NaN, no float past its range) stays in the text."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     at = 0
     for match in _HERMES_CALL.finditer(text):
         try:
-            body = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            body = strict_json(match.group(1))
+        except ValueError:
             continue
         if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
             continue
@@ -131,8 +141,9 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
                               else json.dumps(arguments, ensure_ascii=False)))
         kept.append(text[at:match.start()])
         at = match.end()
-    kept.append(text[at:])
-    return "".join(kept).strip(), calls
+    if not calls:
+        return text, calls
+    return kept[0], calls
 
 
 class ToolCallFormat(ChatFormat):
@@ -161,7 +172,9 @@ class ToolCallFormat(ChatFormat):
                 return text, []  # cut short (finish_reason "length"): what was generated
         if self.plan.mode == "auto":
             content, calls = parse_hermes(text)
-            return (content or None) if calls else text, calls
+            if not self.plan.parallel:
+                calls = calls[:1]
+            return (content if content.strip() else None) if calls else text, calls
         return text, []
 
     def _finish_reason(self, choice: Choice, calls: list[ToolCall]) -> str | None:

@@ -173,6 +173,10 @@ def test_json_output_follows_the_schema(client):
     (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], frobnicate=1), "frobnicate"),
     (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], max_tokens_to_sample=3), "max_tokens_to_sample"),
     (dict(max_tokens=10**6, messages=[{"role": "user", "content": "Hi"}]), "max_tokens"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": "Hi"}], stop_sequences=[""]), "stop_sequences"),
+    (dict(max_tokens=4, messages=[{"role": "user", "content": []}]), "messages.0.content"),
+    (dict(max_tokens=4, messages=[{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "1"}]}]), "messages.0"),
 ])
 def test_errors_are_anthropics_envelope_naming_the_field(http, body, param):
     reply = http.post("/v1/messages", json={"model": MODEL, **body})
@@ -180,6 +184,46 @@ def test_errors_are_anthropics_envelope_naming_the_field(http, body, param):
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == param and error["error"]["message"]
+
+
+def test_a_last_assistant_message_is_continued_as_anthropics_prefill(client, http):
+    ask = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is"}]
+    message = create(client, max_tokens=8, messages=ask)
+    same = chat(http, ask, max_tokens=8, add_generation_prompt=False, continue_final_message=True)
+    assert message.content[0].text == same["choices"][0]["message"]["content"]
+
+
+def test_turns_are_combined_as_anthropic_combines_them(client):
+    """Consecutive turns of one role are one; a system message in place is taken too."""
+    def count(messages: list[dict[str, Any]], **kwargs: Any) -> int:
+        return client.messages.count_tokens(model=MODEL, messages=messages, **kwargs).input_tokens
+
+    assert count([{"role": "user", "content": "Hello."}, {"role": "user", "content": "Who are you?"}]) == \
+        count([{"role": "user", "content": "Hello.\nWho are you?"}])
+    assert count([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == \
+        count([{"role": "user", "content": "Hi"}], system="Be brief.")
+
+
+def test_a_call_whose_arguments_are_no_object_goes_back_as_text():
+    from conveyor.api.anthropic_messages import _tool_use
+
+    assert _tool_use("call_1", "f", '{"a": 1}') == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}}
+    for arguments in ('{"a": NaN}', '{"a": 1e999}', '"x"', '{"a": '):
+        block = _tool_use("call_1", "f", arguments)
+        assert block["type"] == "text" and arguments in json.loads(block["text"])["arguments"]
+
+
+def test_a_full_queue_is_anthropics_529():
+    from starlette.requests import Request
+
+    from conveyor.api.errors import respond, unavailable
+
+    def scope(path: str) -> Request:
+        return Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""})
+
+    reply = respond(scope("/v1/messages"), unavailable("the waiting queue is full"))
+    assert reply.status_code == 529 and json.loads(reply.body)["error"]["type"] == "overloaded_error"
+    assert respond(scope("/v1/chat/completions"), unavailable("the waiting queue is full")).status_code == 503
 
 
 def test_the_key_goes_in_x_api_key_or_as_a_bearer(app):
@@ -199,3 +243,27 @@ def test_the_key_goes_in_x_api_key_or_as_a_bearer(app):
 def test_the_engine_is_idle_after_all_of_it(app):
     engine = app[1].engine.engine
     assert not engine.has_unfinished_requests and not engine.scheduler.kv.block_tables
+
+
+def test_a_chat_message_error_names_the_block_it_came_from():
+    """The chat's messages do not line up with Anthropic's (a system message first, a tool
+    message per tool_result, combined turns): an error names what the client sent."""
+    from conveyor.api.anthropic_messages import CHAT_FIELDS, CountTokensRequest
+    from conveyor.api.chat_translation import renamed
+    from conveyor.api.errors import bad_request
+
+    request = CountTokensRequest.model_validate({"system": "Be brief.", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                     {"type": "text", "text": "And tomorrow?"}]}]})
+    messages, fields = request.chat_messages()
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    assert fields == {"messages.0": "system", "messages.1": "messages.0", "messages.2": "messages.1",
+                      "messages.2.tool_calls": "messages.1.content.1", "messages.2.tool_calls.0": "messages.1.content.1",
+                      "messages.3": "messages.2.content.0",
+                      "messages.4": "messages.2"}
+    error = renamed(bad_request("x", param="messages.2.tool_calls.0.function.name"), CHAT_FIELDS, fields)
+    assert error.param == "messages.1.content.1"
+    assert renamed(bad_request("x", param="tools.0.function.parameters"), CHAT_FIELDS).param == "tools.0.input_schema"

@@ -42,7 +42,7 @@ CONTENT_DEPENDENT = [
     (r"previous_response_id", r"is not stored"),  # described: a response this server stores
     (r"prompt|input", r"is empty"),  # a text the tokenizer reads as no token at all (a lone control character)
     # A field the chat template drops (a Responses function_call item is an assistant's tool_calls).
-    (r"messages\.\d+\.(name|tool_calls)|input(\.\d+)?|previous_response_id", r"does not render"),
+    (r"messages\.\d+(\.(name|tool_calls|content\.\d+))?|input(\.\d+)?|previous_response_id", r"does not render"),
     (r"continue_final_message", r"does not appear in the rendered chat"),
     (r"bad_words", r"tokens in all"),
     (r"min_tokens", r"max_tokens"),  # described: at most max_tokens

@@ -508,7 +508,7 @@ def test_auto_tool_calls_stream_as_text_then_a_function_call_item():
     final = events[-1]["response"]
     assert done == [final]
     assert [item["type"] for item in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == "Sure."  # as the whole response has it
+    assert final["output"][0]["content"][0]["text"] == "Sure. "  # the text before the call, as written
     assert json.loads(final["output"][1]["arguments"]) == {"city": "Oslo"} and final["output"][1]["name"] == "get_weather"
 
 
@@ -529,8 +529,12 @@ def test_a_streamed_auto_call_ends_as_the_whole_response_would():
 
 
 def test_a_chat_messages_error_names_the_input_item_it_came_from():
+    from conveyor.api.chat_translation import renamed as renamed_by
     from conveyor.api.errors import bad_request
-    from conveyor.api.openai_responses import renamed
+    from conveyor.api.openai_responses import CHAT_FIELDS
+
+    def renamed(error, fields=None):
+        return renamed_by(error, CHAT_FIELDS, fields)
 
     request = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
         {"role": "user", "content": "Weather?"},

@@ -14,16 +14,31 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "strict": True, 
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def test_hermes_parser_extracts_calls_and_keeps_the_rest():
+def test_hermes_parser_extracts_calls_and_keeps_the_text_before_them():
+    """As vLLM's hermes parser: the content is the text before the first call, as written (so the
+    streamed deltas add up to it); text after a call is not content. NaN is not JSON."""
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
-           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.'
     content, calls = parse_hermes(text)
-    assert content == "Let me check."
+    assert content == "Let me check.\n"
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>')[1] == []
+    assert parse_hermes('<tool_call>{"name": "", "arguments": {}}</tool_call>')[1] == []
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len({c.id for c in calls}) == 2
     assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     unterminated = parse_hermes('<tool_call>{"name": "f", "arguments": {"a": 1}}')[1]
     assert [(c.name, c.arguments) for c in unterminated] == [("f", '{"a": 1}')]
+
+
+def test_parallel_tool_calls_false_keeps_an_auto_outputs_first_call():
+    fmt = ToolCallFormat("m", plan_tools([TOOL], "auto", parallel_tool_calls=False))
+    choice = Choice(0, _Detok(), None)  # type: ignore[arg-type]
+    choice.text = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>' \
+                  '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'
+    choice.finish_reason = "stop"
+    (call,) = fmt.choice_final(choice)["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "A"}
+    assert len(fmt.choice_delta(choice, "", None)["delta"]["tool_calls"]) == 1
 
 
 def test_plans():
@@ -60,5 +75,5 @@ def test_auto_stream_holds_back_a_possible_call_and_sends_it_whole():
     (call,) = last["delta"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     final = fmt.choice_final(choice)
-    assert final["message"]["content"] == "Sure." and final["message"]["tool_calls"][0]["type"] == "function"
+    assert final["message"]["content"] == "Sure. " and final["message"]["tool_calls"][0]["type"] == "function"
     assert final["finish_reason"] == "tool_calls" and final["stop_reason"] is None
