@@ -10,6 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -122,3 +123,26 @@ def tiny_server(tmp_path_factory):
                        "--max-request-bytes", str(TINY_MAX_REQUEST_BYTES), "--num-threads", "1")
     yield srv
     srv.stop()
+
+
+def in_process_app(model: str, **engine: int) -> Iterator[tuple[Any, Any]]:
+    """(TestClient, ServerState) of the app over a real engine on `model`, in this process (a
+    module fixture's body); skips when the model cannot be loaded."""
+    from fastapi.testclient import TestClient
+
+    from conveyor.api.app import ServerState, build_app
+    from conveyor.api.metrics import Metrics
+    from conveyor.config import EngineConfig
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.errors import ModelLoadError
+    from conveyor.runner.model_runner import load_model
+
+    config = EngineConfig.from_kwargs(model=model, **engine)
+    try:
+        loaded = load_model(config)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [model], Metrics(model))
+    with TestClient(build_app(state)) as http:
+        yield http, state

@@ -12,12 +12,9 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState, build_app
-from conveyor.api.metrics import Metrics
-from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ModelLoadError
+from conveyor.api.app import ServerState
+from tests.api.conftest import in_process_app
+
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -32,16 +29,7 @@ AS_CHAT_TOOL = {"type": "function", "function": {"name": WEATHER["name"], "descr
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[TestClient, ServerState]]:
-    from conveyor.runner.model_runner import load_model
-
-    config = EngineConfig.from_kwargs(model=MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
-    try:
-        loaded = load_model(config)
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [MODEL], Metrics(MODEL))
-    with TestClient(build_app(state)) as http:
-        yield http, state
+    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

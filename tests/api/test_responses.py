@@ -13,17 +13,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState, build_app
+from conveyor.api.app import ServerState
+from tests.api.conftest import in_process_app
+
 from conveyor.api.errors import APIError
 from conveyor.api.generation import Choice
-from conveyor.api.metrics import Metrics
 from conveyor.api.openai_responses import ResponseInputItem, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse
 from conveyor.api.responses import ChatFormat
 from conveyor.api.tools import ToolCallFormat, plan_tools
-from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ModelLoadError
 
 MODEL = "qwen2.5-coder-0.5b"
 CONTEXT = 512  # short, so that truncation is cheap to reach
@@ -36,16 +33,7 @@ AS_CHAT_TOOL = {"type": "function", "function": {**{k: v for k, v in WEATHER.ite
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[TestClient, ServerState]]:
-    from conveyor.runner.model_runner import load_model
-
-    config = EngineConfig.from_kwargs(model=MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=CONTEXT)
-    try:
-        loaded = load_model(config)
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [MODEL], Metrics(MODEL))
-    with TestClient(build_app(state)) as http:
-        yield http, state
+    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=CONTEXT)
 
 
 @pytest.fixture(scope="module")
