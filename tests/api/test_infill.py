@@ -8,12 +8,8 @@ from typing import Any, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState, build_app
-from conveyor.api.metrics import Metrics
-from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.llm_engine import LLMEngine
-from conveyor.errors import ModelLoadError
+from tests.api.conftest import in_process_app
+
 
 MODEL = "qwen2.5-coder-0.5b"
 COMPLETIONS = "/v1/completions"
@@ -23,15 +19,7 @@ SUFFIX = "\n\n\nprint(area_of_circle(2.0))\n"
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[TestClient]:
-    from conveyor.runner.model_runner import load_model
-
-    config = EngineConfig.from_kwargs(model=MODEL, num_kv_blocks=64, max_num_seqs=4)
-    try:
-        loaded = load_model(config)
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [MODEL], Metrics(MODEL))
-    with TestClient(build_app(state)) as client:
+    for client, _ in in_process_app(MODEL, num_kv_blocks=64, max_num_seqs=4):
         yield client
 
 

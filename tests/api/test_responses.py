@@ -14,13 +14,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conveyor.api.app import ServerState
-from tests.api.conftest import in_process_app
 
 from conveyor.api.errors import APIError
 from conveyor.api.generation import Choice
 from conveyor.api.openai_responses import ResponseInputItem, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse
 from conveyor.api.responses import ChatFormat
 from conveyor.api.tools import ToolCallFormat, plan_tools
+from tests.api.conftest import in_process_app
 
 MODEL = "qwen2.5-coder-0.5b"
 CONTEXT = 512  # short, so that truncation is cheap to reach
