@@ -281,14 +281,7 @@ class ResponsesRequest(_Strict):
             return ("instructions" if at is None else "previous_response_id" if at < 0
                     else "input" if isinstance(self.input, str) else f"input.{at}")
 
-        fields = {}
-        for k, (first, calls) in enumerate(chat_messages(self.instructions, items[start:])[1]):
-            fields[f"messages.{k}"] = field_of(first)
-            for j, call in enumerate(calls):
-                fields[f"messages.{k}.tool_calls.{j}"] = field_of(call)
-            if calls:
-                fields[f"messages.{k}.tool_calls"] = field_of(calls[0])
-        return fields
+        return {path: field_of(origin) for path, origin in chat_messages(self.instructions, items[start:])[1].items()}
 
     def chat_body(self, items: list[ResponseInputItem], request_id: str) -> dict[str, Any]:
         """The /v1/chat/completions body this request is, over `items` (the input, after the
@@ -318,33 +311,38 @@ class ResponsesRequest(_Strict):
         return {key: value for key, value in body.items() if value is not None}
 
 
-def chat_messages(instructions: str | None, items: list[ResponseInputItem]
-                  ) -> tuple[list[dict[str, Any]], list[tuple[int | None, list[int]]]]:
+def chat_messages(instructions: str | None,
+                  items: list[ResponseInputItem]) -> tuple[list[dict[str, Any]], dict[str, int | None]]:
     """Chat messages of `instructions` (a system message first) and the input items: an earlier
     response's message and function calls are one assistant turn, as its chat would have been.
-    Beside them, per message, the index of the item it starts with (None: the instructions) and
-    those of its function_call items, one per tool call."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    origins: list[tuple[int | None, list[int]]] = [(None, [])] * len(messages)
+    Beside them, where each came from: a chat path (`messages.3`, `messages.3.tool_calls.0`, and
+    `messages.3.tool_calls` for the first call) -> the index of its item (None: the instructions)."""
+    messages: list[dict[str, Any]] = []
+    origins: dict[str, int | None] = {}
+
+    def add(message: dict[str, Any], origin: int | None) -> None:
+        origins[f"messages.{len(messages)}"] = origin
+        messages.append(message)
+
+    if instructions:
+        add({"role": "system", "content": instructions}, None)
     for index, item in enumerate(items):
         last = messages[-1] if messages else None
         if item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-                origins[-1][1].append(index)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                origins.append((index, [index]))
+            if last is None or last["role"] != "assistant":
+                add({"role": "assistant", "content": None}, index)
+            calls = messages[-1].setdefault("tool_calls", [])
+            path = f"messages.{len(messages) - 1}.tool_calls"
+            origins.setdefault(path, index)
+            origins[f"{path}.{len(calls)}"] = index
+            calls.append({"id": item.call_id, "type": "function",
+                          "function": {"name": item.name, "arguments": item.arguments}})
         elif item.type == "message" and item.role == "assistant" and last is not None and last["role"] == "assistant":
             last["content"] = (last["content"] or "") + item.text
+        elif item.type == "message":
+            add({"role": item.role, "content": item.text}, index)
         else:
-            if item.type == "message":
-                messages.append({"role": item.role, "content": item.text})
-            else:
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-            origins.append((index, []))
+            add({"role": "tool", "tool_call_id": item.call_id, "content": item.text}, index)
     return messages, origins
 
 
