@@ -534,6 +534,7 @@ def _messages_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
         _set(props, "model", enum=list(limits.model_names))
         _describe(props, "tool_choice", "needs tools; a tool it names must be one of them")
         _describe(props, "tools", "with distinct names")
+        _describe(props, "output_config", "a format cannot be combined with tool_choice 'any' or a named tool")
         # A tool_choice needs tools; and where the chat template renders no tools, tools need a
         # tool_choice that constrains the output ("any", a tool): left out it is "auto", and
         # beside "none" they would reach the model only through the template.

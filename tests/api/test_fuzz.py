@@ -52,7 +52,7 @@ CONTENT_DEPENDENT = [
     (r"suffix|echo", r"suffix"),  # described: a suffix takes text prompts and no echo
     (r"stream_options", r"only allowed when stream is true"),  # described on chat
     (r"tools|tool_choice(\.function)?(\.name)?", r"needs tools|not in tools|renders the tools|duplicate"),  # described
-    (r"text\.format", r"cannot be combined with tool_choice"),  # described
+    (r"(text|output_config)\.format(\.schema)?", r"cannot be combined with tool_choice"),  # described
 ]
 
 
