@@ -6,7 +6,10 @@
 - `"auto"` (the default when tools are given) lets the model choose, and needs a chat template
   that renders the tools (the model's own, or `conveyor serve --chat-template FILE`); calls in the
   Hermes/Qwen format `<tool_call>{"name": ..., "arguments": ...}</tool_call>` are parsed out of the
-  text. A template that ignores the tools is a 400, as vLLM refuses "auto" without a tool parser.
+  text, and so is an answer that is nothing but such an object (or a list of them), bare or in a
+  ```json fence, naming a tool of the request: small Qwen2.5 models answer so, without the tags
+  their template asks for. A template that ignores the tools is a 400, as vLLM refuses "auto"
+  without a tool parser.
 - `"none"` renders the tools (if the template does) and constrains nothing.
 
 Calls come back as `tool_calls` (id, type "function", function.name, function.arguments as a
@@ -31,6 +34,7 @@ from conveyor.structured.spec import GrammarSpec, closed_objects
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCED = re.compile(r"\s*```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```\s*", re.DOTALL)
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -53,6 +57,10 @@ class ToolPlan:
     param: str = "tools"
     function_name: str | None = None  # of a named tool_choice
     parallel: bool = True  # parallel_tool_calls false: an "auto" output's first call is its only one
+
+    @property
+    def names(self) -> set[str]:
+        return {tool["function"]["name"] for tool in self.tools}
 
 
 def _parameters(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
@@ -146,6 +154,42 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return kept[0], calls
 
 
+def parse_bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but calls: a JSON object `{"name": <one of names>,
+    "arguments": {...}}` or a list of them, bare or in a ```json fence, as small Qwen2.5 models
+    answer with tools rendered (without the <tool_call> tags their template asks for). Anything
+    else, or one object that is not such a call, is no call: the answer stays text."""
+    fenced = _FENCED.fullmatch(text)
+    body_text = (fenced.group(1) if fenced else text).strip()
+    if not body_text.startswith(("{", "[")):
+        return []
+    try:
+        body = strict_json(body_text)
+    except ValueError:
+        return []
+    calls = []
+    for item in body if isinstance(body, list) and body else [body]:
+        if not isinstance(item, dict) or not set(item) <= {"name", "arguments", "parameters"}:
+            return []
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if item.get("name") not in names or not isinstance(arguments, dict):
+            return []
+        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _may_be_bare_calls(text: str) -> bool:
+    """Whether an "auto" output begun so may turn out to be nothing but calls (parse_bare_calls),
+    so that none of it can go out as content yet."""
+    start = text.lstrip()
+    if not start or start[0] in "{[":
+        return True
+    if not start.startswith("```"):
+        return "```".startswith(start)
+    first_line, newline, _ = start.partition("\n")
+    return not newline or first_line.strip() in ("```", "```json")
+
+
 class ToolCallFormat(ChatFormat):
     """Chat responses whose output is (or may contain) tool calls."""
 
@@ -172,6 +216,9 @@ class ToolCallFormat(ChatFormat):
                 return text, []  # cut short (finish_reason "length"): what was generated
         if self.plan.mode == "auto":
             content, calls = parse_hermes(text)
+            if not calls:
+                calls = parse_bare_calls(text, self.plan.names)
+                content = "" if calls else text
             if not self.plan.parallel:
                 calls = calls[:1]
             return (content if content.strip() else None) if calls else text, calls
@@ -220,7 +267,9 @@ class ToolCallFormat(ChatFormat):
                     out["content"] = rest
                 finish = self._finish_reason(choice, calls)
             elif self.plan.mode in ("auto", "none"):
-                safe = _safe_content_end(choice.text) if self.plan.mode == "auto" else len(choice.text)
+                safe = len(choice.text)
+                if self.plan.mode == "auto":
+                    safe = 0 if sent == 0 and _may_be_bare_calls(choice.text) else _safe_content_end(choice.text)
                 if safe > sent:
                     out["content"] = choice.text[sent:safe]
                     self._sent[choice.index] = safe

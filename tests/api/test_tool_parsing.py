@@ -8,7 +8,7 @@ import pytest
 
 from conveyor.api.errors import APIError
 from conveyor.api.generation import Choice
-from conveyor.api.tools import ToolCallFormat, parse_hermes, plan_tools
+from conveyor.api.tools import ToolCallFormat, parse_bare_calls, parse_hermes, plan_tools
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -77,3 +77,46 @@ def test_auto_stream_holds_back_a_possible_call_and_sends_it_whole():
     final = fmt.choice_final(choice)
     assert final["message"]["content"] == "Sure. " and final["message"]["tool_calls"][0]["type"] == "function"
     assert final["finish_reason"] == "tool_calls" and final["stop_reason"] is None
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+    ('\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```\n', [("get_weather", {"city": "Oslo"})]),
+    ('```\n{"name": "get_weather", "parameters": {}}\n```', [("get_weather", {})]),
+    ('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "arguments": {"city": "B"}}]',
+     [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]),
+    ('{"name": "get_time", "arguments": {}}', []),  # not a tool of the request
+    ('{"name": "get_weather", "arguments": {}, "id": 1}', []),  # not only a call
+    ('{"name": "get_weather", "arguments": "city=Paris"}', []),  # arguments not an object
+    ('[{"name": "get_weather", "arguments": {}}, {"a": 1}]', []),  # one item is no call: none is
+    ('The call: {"name": "get_weather", "arguments": {}}', []),  # not the whole answer
+    ('```python\n{"name": "get_weather", "arguments": {}}\n```', []),
+    ('{"name": "get_weather", "arguments": {"x": NaN}}', []),
+    ('[]', []),
+])
+def test_an_answer_that_is_only_calls_is_read_as_calls(text, calls):
+    assert [(c.name, json.loads(c.arguments)) for c in parse_bare_calls(text, {"get_weather"})] == calls
+
+
+def test_auto_stream_holds_back_an_answer_that_may_be_a_bare_call():
+    def stream(pieces: list[str]) -> tuple[list[dict], dict]:
+        fmt = ToolCallFormat("m", plan_tools([TOOL], "auto"))
+        choice = Choice(0, _Detok(), None)  # type: ignore[arg-type]
+        sent = []
+        for piece in pieces:
+            choice.text += piece
+            sent.append(fmt.choice_delta(choice, piece, None))
+        choice.finish_reason = "stop"
+        return [s for s in sent if s], fmt.choice_delta(choice, "", None)
+
+    sent, last = stream(["```json\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n```"])
+    assert sent == [] and "content" not in last["delta"] and last["finish_reason"] == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [{"city": "Oslo"}]
+    # JSON that is no call comes out whole at the end, as content.
+    sent, last = stream(["{", '"a": ', "1}"])
+    assert sent == [] and last["delta"]["content"] == '{"a": 1}' and last["finish_reason"] == "stop"
+    # Anything else streams as it comes, a code fence of another language too.
+    sent, _ = stream(["Hello", " there"])
+    assert [s["delta"]["content"] for s in sent] == ["Hello", " there"]
+    sent, _ = stream(["```py", "thon\nx = 1", "\n```"])
+    assert "".join(s["delta"].get("content", "") for s in sent) == "```python\nx = 1\n```"
