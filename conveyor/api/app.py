@@ -6,6 +6,7 @@ import asyncio
 import base64
 import dataclasses
 import functools
+import hashlib
 import hmac
 import logging
 import struct
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -45,6 +47,7 @@ from conveyor.api.schema import (
     ResponseObject,
     TokenCount,
     METRICS_RESPONSES,
+    OLLAMA_ERRORS,
     MODEL_ERRORS,
     ModelCard,
     ModelList,
@@ -57,6 +60,11 @@ from conveyor.api.schema import (
 from conveyor.api.chat_translation import renamed
 from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
 from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
+from conveyor.api.ollama import (
+    CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OllamaChatRequest, OllamaEmbedRequest,
+    OllamaGenerateRequest, OllamaLegacyEmbedRequest, OllamaPullRequest, OllamaReply, OllamaShowRequest, details,
+    model_info, modified_at, ndjson, ollama_parameters, served_name,
+)
 from conveyor.api.openai_responses import (
     CHAT_FIELDS as RESPONSES_CHAT_FIELDS, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted,
     not_stored, turn_starts,
@@ -104,6 +112,7 @@ class ServerState:
     # /v1/responses kept for previous_response_id and GET (--max-stored-responses; 0: none).
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES,
                                                                            DEFAULT_MAX_STORED_RESPONSES_BYTES))
+    model_digest: str | None = None  # the served file's sha256 (Ollama's /api/tags), once read
 
     @property
     def tokenizer(self) -> Any:
@@ -175,20 +184,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_prompt_sizes(state, data)
         body = parse(CompletionRequest, data)
         _check_model(state, body.model)
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        if body.suffix:
-            prompts = await asyncio.to_thread(_infill_prompts, state, body.prompt, body.suffix, add_special,
-                                              _kept(state, body.truncate_prompt_tokens))
-        else:
-            prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
-            prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
-        grammar = await _grammar(state, requested_grammar(body))
         echo_only = body.max_tokens == 0  # the engine makes one token, which the answer leaves out (vLLM's way)
-        params = body.sampling_params(_max_tokens(state, 1 if echo_only else body.max_tokens, prompts, chat=False),
-                                      body.logprobs, grammar, state.sampling_defaults)
-        if body.suffix and not params.ignore_eos:  # the middle also ends where the model pads it or starts a file
-            ends = [t for t in state.tokenizer.infill.ends if t not in params.stop_token_ids]
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *ends])
+        prompts, params = await _completion_params(state, body, 1 if echo_only else body.max_tokens, body.logprobs)
         if body.num_prompt_logprobs != body.prompt_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=body.num_prompt_logprobs)
         echo_source = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: decode them
@@ -223,27 +220,9 @@ def build_app(state: ServerState) -> FastAPI:
                                   "tokens", param="input", code=CONTEXT_LENGTH_EXCEEDED)
         params = SamplingParams.for_pooling(pooling, body.priority or 0, body.cache_salt)
         request_id = body.request_id or uuid.uuid4().hex
-        # In waves of a running batch's worth: a list of inputs longer than the waiting queue's bound
-        # (OpenAI takes 2,048) is served a wave after another rather than refused for good.
-        wave = state.max_num_seqs or len(prompts)
-        vectors: list[list[float]] = []
-        state.inflight += 1  # the whole request: a drain waits for its later waves too
-        try:
-            for start in range(0, len(prompts), wave):
-                # A later wave's ids hold a space, which a caller's request_id cannot: no two collide.
-                gen = Generation(state.engine, state.tokenizer, params, None, "embd",
-                                 request_id=request_id if not start else f"{request_id} +{start}")
-                release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input", new=not start)
-                try:
-                    if not await run_to_end(request, gen):
-                        return Response(status_code=499)
-                finally:
-                    release()
-                if any(c.embedding is None for c in gen.choices):  # aborted: the drain's grace ran out
-                    raise _aborted(state)
-                vectors += [cast(list[float], c.embedding) for c in gen.choices]
-        finally:
-            state.inflight -= 1
+        vectors = await _embed(request, state, prompts, params, request_id)
+        if vectors is None:
+            return Response(status_code=499)
         tokens = sum(len(p) for p in prompts)
         return JSONResponse({
             "id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": _name(state, body.model),
@@ -339,6 +318,152 @@ def build_app(state: ServerState) -> FastAPI:
         return deleted(response_id)
 
     app.include_router(v1)
+
+    # Ollama's API (conveyor/api/ollama.py), for the clients written against Ollama.
+    # Not in /openapi.json: Ollama publishes no schema of its own, and its clients read none.
+    api = APIRouter(prefix="/api", dependencies=[Depends(check_key)], include_in_schema=False)
+
+    @api.post("/chat", responses=OLLAMA_ERRORS)
+    async def ollama_chat(request: Request) -> Response:
+        body = parse(OllamaChatRequest, await _read_json(request, state))
+        name = _ollama_model(state, body.model)
+        reply = OllamaReply(body.model, chat=True)
+        if not body.messages:  # Ollama's way to load a model: it is loaded already
+            return JSONResponse(reply.loaded())
+        try:
+            chat = parse(ChatCompletionRequest, {**body.chat_body(uuid.uuid4().hex), "model": name})
+            gen, prompt, fmt = await _chat_generation(state, chat, "ollama")
+            _fit_num_ctx(state, gen, prompt, body.num_ctx, given_max=chat.max_tokens is not None)
+        except APIError as exc:
+            raise renamed(exc, OLLAMA_CHAT_FIELDS) from None
+        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "messages")
+
+    @api.post("/generate", responses=OLLAMA_ERRORS)
+    async def ollama_generate(request: Request) -> Response:
+        body = parse(OllamaGenerateRequest, await _read_json(request, state))
+        name = _ollama_model(state, body.model)
+        reply = OllamaReply(body.model, chat=False)
+        if body.loads_only:
+            return JSONResponse(reply.loaded())
+        request_id = uuid.uuid4().hex
+        try:
+            fmt: CompletionFormat
+            if body.raw or body.suffix:  # the prompt as it is, or placed by the model's fill-in-the-middle tokens
+                fields = body.sampling_fields()
+                num_logprobs = fields.pop("top_logprobs", 0) if fields.pop("logprobs", False) else None
+                context = _context_ids(state, body.context)
+                prompt_value: str | list[int] = body.prompt
+                if context:
+                    more = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, False) if body.prompt else [[]]
+                    prompt_value = context + more[0]
+                completion = parse(CompletionRequest, {"model": name, "prompt": prompt_value, "suffix": body.suffix,
+                                                       "request_id": request_id, **fields})
+                prompts, params = await _completion_params(state, completion, completion.max_tokens, num_logprobs,
+                                                           room_by_default=True)
+                prompt = prompts[0]
+                gen = Generation(state.engine, state.tokenizer, params, num_logprobs, "ollama", request_id=request_id)
+                fmt = ChatFormat(name)
+            else:
+                chat = parse(ChatCompletionRequest, {**body.chat_body(request_id), "model": name})
+                gen, prompt, fmt = await _chat_generation(state, chat, "ollama")
+                if body.context:
+                    prompt = _context_ids(state, body.context) + prompt
+                    if chat.max_tokens is None:  # the room the longer prompt leaves
+                        gen.params = dataclasses.replace(gen.params, max_tokens=_max_tokens(state, None, [prompt], chat=True))
+                reply.context = prompt
+            _fit_num_ctx(state, gen, prompt, body.num_ctx, given_max=body.options is not None and
+                         body.options.num_predict is not None and body.options.num_predict >= 0)
+        except APIError as exc:
+            raise renamed(exc, OLLAMA_GENERATE_FIELDS) from None
+        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "prompt")
+
+    @api.post("/embed", responses=OLLAMA_ERRORS)
+    async def ollama_embed(request: Request) -> Response:
+        body = parse(OllamaEmbedRequest, await _read_json(request, state))
+        _ollama_model(state, body.model)
+        started = time.perf_counter_ns()
+        width = state.engine.embedding_size
+        if body.dimensions is not None and body.dimensions != width:
+            raise bad_request(f"dimensions ({body.dimensions}): this model's embeddings have {width}, and it is not "
+                              "trained to be cut shorter", param="dimensions")
+        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, True, "input")
+        limit = _embedding_limit(state, body.options)
+        for i, ids in enumerate(prompts):
+            if len(ids) > limit and body.truncate is False:
+                where = "the input" if len(prompts) == 1 else f"input[{i}]"
+                raise bad_request(f"{where} ({len(ids)} tokens) is longer than the context of {limit} tokens (truncate: "
+                                  "true keeps its start)", param="input", code=CONTEXT_LENGTH_EXCEEDED)
+        prompts = [ids[:limit] for ids in prompts]  # Ollama's truncation keeps the start
+        params = SamplingParams.for_pooling(state.engine.default_pooling)
+        vectors = await _embed(request, state, prompts, params, uuid.uuid4().hex)
+        if vectors is None:
+            return Response(status_code=499)
+        return JSONResponse({"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
+                             "load_duration": 0, "prompt_eval_count": sum(len(p) for p in prompts)})
+
+    @api.post("/embeddings", responses=OLLAMA_ERRORS)
+    async def ollama_embeddings(request: Request) -> Response:
+        """Ollama's older endpoint: one prompt, its vector not normalized (as Ollama gives it)."""
+        body = parse(OllamaLegacyEmbedRequest, await _read_json(request, state))
+        _ollama_model(state, body.model)
+        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, True)
+        limit = _embedding_limit(state, body.options)
+        pooling = dataclasses.replace(state.engine.default_pooling, normalize=False)
+        vectors = await _embed(request, state, [prompts[0][:limit]], SamplingParams.for_pooling(pooling), uuid.uuid4().hex)
+        if vectors is None:
+            return Response(status_code=499)
+        return JSONResponse({"embedding": vectors[0]})
+
+    @api.get("/tags", responses=OLLAMA_ERRORS)
+    async def ollama_tags() -> dict[str, Any]:
+        facts = state.engine.model_facts
+        digest = await _model_digest(state)
+        return {"models": [{"name": name, "model": name, "modified_at": modified_at(facts, state.created),
+                            "size": facts.size_bytes if facts else 0, "digest": digest, "details": details(facts)}
+                           for name in state.model_names]}
+
+    @api.get("/ps", responses=OLLAMA_ERRORS)
+    async def ollama_running() -> dict[str, Any]:
+        facts = state.engine.model_facts
+        digest = await _model_digest(state)
+        return {"models": [{"name": name, "model": name, "size": facts.size_bytes if facts else 0, "digest": digest,
+                            "details": details(facts), "expires_at": None, "size_vram": 0,
+                            "context_length": state.capacity} for name in state.model_names]}
+
+    @api.post("/show", responses=OLLAMA_ERRORS)
+    async def ollama_show(request: Request) -> dict[str, Any]:
+        body = parse(OllamaShowRequest, await _read_json(request, state))
+        _ollama_model(state, body.asked, "model" if body.model else "name")
+        facts = state.engine.model_facts
+        tokenizer = state.tokenizer
+        template = getattr(tokenizer, "chat_template", None) or ""
+        capabilities = ["completion"]
+        if "tools" in template:
+            capabilities.append("tools")
+        if getattr(tokenizer, "infill", None) is not None:
+            capabilities.append("insert")
+        if state.engine.embedding_size:
+            capabilities.append("embedding")
+        return {"license": "", "modelfile": "", "parameters": ollama_parameters(state.sampling_defaults),
+                "template": template, "details": details(facts), "model_info": model_info(facts, state.capacity),
+                "capabilities": capabilities, "modified_at": modified_at(facts, state.created)}
+
+    @api.get("/version")
+    async def ollama_version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @api.post("/pull", responses=OLLAMA_ERRORS)
+    async def ollama_pull(request: Request) -> Response:
+        """The served model is there already; any other is not, and this server downloads nothing."""
+        body = parse(OllamaPullRequest, await _read_json(request, state))
+        if served_name(body.asked, state.model_names) is None:
+            raise APIError(404, f"{body.asked!r} is not served here, and this server downloads no model: it serves "
+                           f"{', '.join(state.model_names)}", param="model")
+        if body.stream is False:
+            return JSONResponse({"status": "success"})
+        return Response(ndjson({"status": "success"}), media_type=NDJSON)
+
+    app.include_router(api)
 
     # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
     tok = APIRouter(dependencies=[Depends(check_key)])
@@ -670,6 +795,129 @@ async def _chat_generation(state: ServerState, body: ChatCompletionRequest,
     return gen, prompt, fmt
 
 
+async def _completion_params(state: ServerState, body: CompletionRequest, max_tokens: int | None,
+                             num_logprobs: int | None, room_by_default: bool = False) -> tuple[list[list[int]], SamplingParams]:
+    """A completion request's prompts (fill-in-the-middle ones with a suffix) and sampling
+    parameters; `max_tokens` None: 16 (OpenAI's), or with `room_by_default` what room the prompt
+    leaves in the context."""
+    add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    if body.suffix:
+        texts = cast("str | list[str]", body.prompt)  # the request's check: a suffix comes after text
+        prompts = await asyncio.to_thread(_infill_prompts, state, texts, body.suffix, add_special,
+                                          _kept(state, body.truncate_prompt_tokens))
+    else:
+        prompts = await asyncio.to_thread(_tokenize_prompts, state, body.prompt, add_special)
+        prompts = _truncate(state, prompts, body.truncate_prompt_tokens)
+    grammar = await _grammar(state, requested_grammar(body))
+    params = body.sampling_params(_max_tokens(state, max_tokens, prompts, chat=room_by_default), num_logprobs, grammar,
+                                  state.sampling_defaults)
+    if body.suffix and not params.ignore_eos:  # the middle also ends where the model pads it or starts a file
+        ends = [t for t in state.tokenizer.infill.ends if t not in params.stop_token_ids]
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *ends])
+    return prompts, params
+
+
+async def _embed(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                 request_id: str) -> list[list[float]] | None:
+    """Each prompt's embedding (None: the client went away). In waves of a running batch's worth: a
+    list of inputs longer than the waiting queue's bound (OpenAI takes 2,048) is served a wave after
+    another rather than refused for good."""
+    wave = state.max_num_seqs or len(prompts)
+    vectors: list[list[float]] = []
+    state.inflight += 1  # the whole request: a drain waits for its later waves too
+    try:
+        for start in range(0, len(prompts), wave):
+            # A later wave's ids hold a space, which a caller's request_id cannot: no two collide.
+            gen = Generation(state.engine, state.tokenizer, params, None, "embd",
+                             request_id=request_id if not start else f"{request_id} +{start}")
+            release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input", new=not start)
+            try:
+                if not await run_to_end(request, gen):
+                    return None
+            finally:
+                release()
+            if any(c.embedding is None for c in gen.choices):  # aborted: the drain's grace ran out
+                raise _aborted(state)
+            vectors += [cast(list[float], c.embedding) for c in gen.choices]
+    finally:
+        state.inflight -= 1
+    return vectors
+
+
+NDJSON = "application/x-ndjson"
+
+
+def _ollama_model(state: ServerState, asked: str, field: str = "model") -> str:
+    """The served name an Ollama request's model means (a `:latest` tag taken), else a 404."""
+    name = served_name(asked, state.model_names)
+    if name is None:
+        raise APIError(404, f"model {asked!r} not found; this server serves {', '.join(state.model_names)}",
+                       param=field, code="model_not_found")
+    return name
+
+
+def _context_ids(state: ServerState, context: list[int] | None) -> list[int]:
+    """An earlier /api/generate answer's context, checked as token ids."""
+    return _tokenize_prompts(state, context, field="context")[0] if context else []
+
+
+def _fit_num_ctx(state: ServerState, gen: Generation, prompt: list[int], num_ctx: int | None, given_max: bool) -> None:
+    """Ollama's num_ctx: the prompt and the output within num_ctx tokens (at most what this server
+    holds); unless num_predict says, the output runs until then."""
+    if num_ctx is None:
+        return
+    if num_ctx > state.capacity:
+        raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
+                          "on this server (--max-model-len, --kv-cache-memory)", param="options.num_ctx")
+    room = num_ctx - len(prompt)
+    if room < 1:
+        raise bad_request(f"the prompt ({len(prompt)} tokens) leaves no room to generate within options.num_ctx "
+                          f"({num_ctx})", param="options.num_ctx", code=CONTEXT_LENGTH_EXCEEDED)
+    if not given_max or gen.params.max_tokens is None or gen.params.max_tokens > room:
+        gen.params = dataclasses.replace(gen.params, max_tokens=room)
+
+
+def _embedding_limit(state: ServerState, options: Any) -> int:
+    num_ctx = getattr(options, "num_ctx", None)
+    if num_ctx is not None and num_ctx > state.capacity:
+        raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
+                          "on this server", param="options.num_ctx")
+    return num_ctx or state.capacity
+
+
+async def _model_digest(state: ServerState) -> str:
+    """The served file's sha256, as Ollama names a model's blob; read once, off the event loop."""
+    if state.model_digest is None:
+        facts = state.engine.model_facts
+        path = Path(facts.path) if facts is not None else None
+        state.model_digest = (await asyncio.to_thread(_sha256, path)
+                              if path is not None and path.is_file() else "")
+    return state.model_digest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def _ollama_answer(request: Request, state: ServerState, gen: Generation, prompt: list[int],
+                         fmt: CompletionFormat, reply: OllamaReply, stream: bool, prompt_field: str) -> Response:
+    def whole() -> dict[str, Any]:
+        if gen.choices[0].finish_reason == "abort":
+            raise _aborted(state)
+        return reply.whole(gen, fmt)
+
+    events = reply.lines(gen, fmt, lambda: _aborted(state)) if stream else None
+    fields = OLLAMA_CHAT_FIELDS if reply.chat else OLLAMA_GENERATE_FIELDS
+    try:
+        return await _answer(request, state, gen, [prompt], events, whole, prompt_field=prompt_field, media_type=NDJSON)
+    except APIError as exc:
+        raise renamed(exc, fields) from None
+
+
 def _aborted(state: ServerState) -> APIError:
     """What a request the engine aborted before its end is answered with (not streamed)."""
     if state.draining:
@@ -781,12 +1029,14 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
 
 async def _answer(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
                   events: AsyncIterator[str] | None, whole: Callable[[], dict[str, Any]],
-                  echo: list[str] | None = None, chat: bool = False, prompt_field: str = "prompt") -> Response:
-    """Hand the prompts to the engine, then answer with `events` streamed (SSE), or with `whole()`
-    once every choice has ended; 499 (and the requests aborted) if the client goes away first."""
+                  echo: list[str] | None = None, chat: bool = False, prompt_field: str = "prompt",
+                  media_type: str = "text/event-stream") -> Response:
+    """Hand the prompts to the engine, then answer with `events` streamed (SSE, or `media_type`), or
+    with `whole()` once every choice has ended; 499 (and the requests aborted) if the client goes
+    away first."""
     release = await _admit(state, gen, prompts, echo, chat, prompt_field)
     if events is not None:
-        return SSEResponse(events, release)
+        return SSEResponse(events, release, media_type)
     try:
         finished = await run_to_end(request, gen)
     finally:

@@ -129,6 +129,7 @@ def _is_type_tag(part: str) -> bool:
 
 
 ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API: its errors take Anthropic's envelope
+OLLAMA_PATH = "/api/"  # Ollama's API: its errors are {"error": "<message>"}
 # Anthropic's error types for our statuses (its 529 "overloaded" is our 503).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
@@ -139,9 +140,13 @@ def anthropic_error_type(error: APIError) -> str:
 
 
 def respond(request: Request, error: APIError) -> JSONResponse:
-    """The error as the endpoint's API spells it: OpenAI's `{"error": {...}}`, or on Anthropic's
+    """The error as the endpoint's API spells it: OpenAI's `{"error": {...}}`; on Anthropic's
     Messages API `{"type": "error", "error": {"type", "message", ...}}`, a full queue as its 529
-    (overloaded), which its clients retry."""
+    (overloaded), which its clients retry; on Ollama's, `{"error": "<message>"}`."""
+    if request.url.path.startswith(OLLAMA_PATH):  # a message alone: it names the field where it does not
+        named = error.param is None or error.param in error.message
+        message = error.message if named else f"{error.param}: {error.message}"
+        return JSONResponse({"error": message}, status_code=error.status, headers=error.headers)
     if not request.url.path.startswith(ANTHROPIC_PATH):
         return error.response()
     body = error.body()

@@ -183,6 +183,11 @@ class Generation:
         self.error: BaseException | None = None
         self._prompt_of: dict[str, int] = {}
         self._closed = False
+        # time.perf_counter_ns() when the prompts were handed over, the first token came and the
+        # latest did: the durations Ollama's API reports (prompt evaluation, then generation).
+        self.submitted_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.last_token_ns: int | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -202,6 +207,7 @@ class Generation:
         a step); if one is refused, abort the others and re-raise. `echo`: the prompts' texts, to
         come before each choice's output (completions' echo)."""
         arrival = time.perf_counter()
+        self.submitted_ns = time.perf_counter_ns()
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"{self.id}-{i}"
@@ -244,6 +250,10 @@ class Generation:
                 choice = self.choices[first + getattr(event, "index", 0)]
                 if choice.finished:
                     continue
+                if event.new_token_ids:
+                    self.last_token_ns = time.perf_counter_ns()
+                    if self.first_token_ns is None:
+                        self.first_token_ns = self.last_token_ns
                 for delta, entries in choice.update(event):
                     yield choice, delta, entries
                 if choice.stopped_by_string:  # the engine keeps no sample past its stop string

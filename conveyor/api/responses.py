@@ -179,11 +179,13 @@ async def stream_events(gen: Generation, fmt: CompletionFormat, include_usage: b
 
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always runs `on_close`, however the stream ends (disconnects too)."""
+    """A StreamingResponse that always runs `on_close`, however the stream ends (disconnects too);
+    Server-Sent Events, or another `media_type` (Ollama's API streams newline-delimited JSON)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(content, media_type=media_type, headers=headers)
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -246,6 +246,22 @@ GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class OllamaError(BaseModel):
+    error: str
+
+
+_OLLAMA = {"model": OllamaError}
+# Ollama's API (/api/...): its errors are {"error": "<message>"}; streamed answers are
+# newline-delimited JSON objects.
+OLLAMA_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_OLLAMA, "description": "invalid request; the message names the field"},
+    401: {**_OLLAMA, "description": "missing or wrong API key"},
+    404: {**_OLLAMA, "description": "unknown model"},
+    500: {**_OLLAMA, "description": "engine fault (generic message; details in the server log)"},
+    503: {**_OLLAMA, "description": "waiting queue full or shutting down (Retry-After)"},
+}
+
+
 # Prometheus' text exposition format, not JSON.
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Prometheus metrics, text exposition format 0.0.4",

@@ -33,6 +33,7 @@ from conveyor.errors import (
     QueueFullError,
     WorkerDiedError,
 )
+from conveyor.model.facts import ModelFacts
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.pooling import PoolingParams
 
@@ -88,6 +89,10 @@ class RayEngineClient:
     @property
     def embedding_size(self) -> int | None:
         return self.workers[0].info.embedding_size
+
+    @property
+    def model_facts(self) -> ModelFacts | None:
+        return self.workers[0].info.model_facts
 
     @property
     def is_running(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import ConveyorError
+from conveyor.model.facts import ModelFacts
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.pooling import PoolingParams
 
@@ -25,6 +26,7 @@ class WorkerInfo:
     max_num_seqs: int = 0  # its running-batch cap (admission counts free seats as not waiting)
     default_pooling: PoolingParams = PoolingParams()  # what its embeddings pool by (LLMEngine.default_pooling)
     embedding_size: int | None = None
+    model_facts: ModelFacts | None = None  # what its file is (LLMEngine.model_facts)
 
 
 @dataclass(frozen=True)

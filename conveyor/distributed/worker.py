@@ -104,6 +104,7 @@ class EngineWorker(EngineLoop[_Command]):
             block_size=kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
             kv_block_bytes=one_block.numel() * one_block.element_size(),
             default_pooling=self.engine.default_pooling, embedding_size=self.engine.embedding_size,
+            model_facts=self.engine.model_facts,
         )
         self._outbox_lock = threading.Lock()
         # Events stay until a later poll acknowledges them: a poll whose answer never reached its

@@ -21,6 +21,7 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.loop import EngineLoop, build_on_own_thread, call_on_loop, shorten_gil_switch_interval
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import EngineStoppedError, QueueFullError
+from conveyor.model.facts import ModelFacts
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.pooling import PoolingParams
@@ -143,6 +144,10 @@ class AsyncEngine(EngineLoop[_Add | _Abort | _StopSample]):
     @property
     def embedding_size(self) -> int | None:
         return self.engine.embedding_size
+
+    @property
+    def model_facts(self) -> ModelFacts | None:
+        return self.engine.model_facts
 
     @property
     def capacity(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Protocol, Sequence
 
+from conveyor.model.facts import ModelFacts
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.pooling import PoolingParams
 
@@ -39,6 +40,11 @@ class EngineClient(Protocol):
     @property
     def embedding_size(self) -> int | None:
         """How many numbers an embedding has (LLMEngine.embedding_size)."""
+        ...
+
+    @property
+    def model_facts(self) -> ModelFacts | None:
+        """What the served file is (LLMEngine.model_facts)."""
         ...
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None: ...

@@ -20,6 +20,7 @@ from conveyor.errors import (
     CONTEXT_LENGTH_EXCEEDED, ConfigError, ConveyorError, InvalidRequestError, NoAllowedTokenError, RequestFailedError,
 )
 from conveyor.kv import blocks_for
+from conveyor.model.facts import ModelFacts
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput
@@ -237,6 +238,11 @@ class LLMEngine:
         """How many numbers an embedding has: the model's hidden size (None: a runner without a model)."""
         model_config = getattr(self.runner, "model_config", None)
         return None if model_config is None else model_config.hidden_size
+
+    @property
+    def model_facts(self) -> ModelFacts | None:
+        """What the served file is (None: weights built in memory, or a runner without a model)."""
+        return getattr(self.runner, "model_facts", None)
 
     def _until_full(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
         """`params` with max_tokens None (vLLM's "until the context is full") set to what the prompt

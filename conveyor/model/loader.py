@@ -14,6 +14,7 @@ import torch
 
 from conveyor.errors import ModelLoadError
 from conveyor.model.config import ModelConfig
+from conveyor.model.facts import ModelFacts
 from conveyor.model.gguf_loader import load_gguf, read_gguf
 from conveyor.model.hf_loader import load_hf_folder
 from conveyor.model.linear import WeightSource
@@ -205,3 +206,44 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
     if keep_blocks and dtype == torch.float32 and stored_size == 2:
         return stored  # matrices stay in their 16-bit floats (only the norms, a few KiB, become fp32)
     return stored * dtype.itemsize // stored_size
+
+
+def describe_model(path: Path, config: ModelConfig) -> ModelFacts:
+    """A resolved checkpoint as a model list describes it, from its header or config.json (the
+    weights are not read)."""
+    common = dict(path=str(path), context_length=config.max_position_embeddings, embedding_length=config.hidden_size,
+                  num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    if path.is_file():
+        from gguf.constants import LlamaFileType
+
+        gf = read_gguf(path, with_arrays=False)
+        try:
+            meta = gf.metadata
+            count = sum(math.prod(t.shape) for t in gf.tensors.values())
+            by_type: dict[str, int] = {}
+            for t in gf.tensors.values():
+                by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
+            try:
+                quantization = LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            except (KeyError, ValueError, TypeError):  # no file type: the type most of its bytes are in
+                quantization = max(by_type, key=by_type.__getitem__) if by_type else "unknown"
+            family = str(meta.get("general.architecture", "unknown"))
+        finally:
+            gf.buffer.close()
+        stat = path.stat()
+        return ModelFacts(format="gguf", family=family, parameter_count=count, quantization=quantization,
+                          size_bytes=stat.st_size, modified=stat.st_mtime, **common)  # type: ignore[arg-type]
+    files = sorted(path.glob("*.safetensors"))
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        hf = {}
+    hf = hf if isinstance(hf, dict) else {}
+    stored = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    itemsize = 4 if stored == "float32" else 2
+    size = sum(f.stat().st_size for f in files)
+    return ModelFacts(format="safetensors", family=str(hf.get("model_type", config.architecture)),
+                      parameter_count=size // itemsize,
+                      quantization={"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(stored, stored.upper()),
+                      size_bytes=size, modified=max((f.stat().st_mtime for f in files), default=path.stat().st_mtime),
+                      **common)  # type: ignore[arg-type]

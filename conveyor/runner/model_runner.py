@@ -14,7 +14,8 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import build_kernels
 from conveyor.model.linear import bf16_tiles_available
 from conveyor.model.llama import KVCache, LlamaModel, model_bytes
-from conveyor.model.loader import checkpoint_bytes, load_checkpoint, resolve_model_path
+from conveyor.model.facts import ModelFacts
+from conveyor.model.loader import checkpoint_bytes, describe_model, load_checkpoint, resolve_model_path
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
@@ -102,6 +103,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
 class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
+    facts: ModelFacts | None = None  # what the file is (None: weights built in memory)
 
 
 # What a serving process holds beyond its weights and KV pool: torch and the server's libraries, the
@@ -148,7 +150,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     logger.info("loaded %s in %.1f s: weights %.0f MiB%s", path.name, time.perf_counter() - started, model_bytes(model) / 2**20,
                 f" ({mapped / 2**20:.0f} MiB of them the embedding's rows, read from the file as tokens are looked up)"
                 if mapped else "")
-    return LoadedModel(model, checkpoint.tokenizer)
+    return LoadedModel(model, checkpoint.tokenizer, describe_model(path, cfg))
 
 
 class ModelRunner:
@@ -178,6 +180,7 @@ class ModelRunner:
         self.prompt_bf16_tiles = prompt_bf16_tiles and model.dtype == torch.float32 and bf16_tiles_available()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
+        self.model_facts: ModelFacts | None = None  # set by from_config, from the file loaded
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -230,6 +233,7 @@ class ModelRunner:
                     f"{window.num_blocks} blocks, {window_bytes / 2**20:.0f} MiB)" if window else "")
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
                      config.activation_dtype, kv_dtype, config.prompt_bf16_tiles, window)
+        runner.model_facts = loaded.facts
         if runner.prompt_rows_apart:
             logger.info("prompt tokens on AMX bf16 tiles, generated tokens on the int8 kernel (--no-prompt-bf16-tiles: "
                         "int8 for both)")
