@@ -61,9 +61,9 @@ from conveyor.api.chat_translation import renamed
 from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
 from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
 from conveyor.api.ollama import (
-    CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OllamaChatRequest, OllamaEmbedRequest,
-    OllamaGenerateRequest, OllamaLegacyEmbedRequest, OllamaPullRequest, OllamaReply, OllamaShowRequest, details,
-    model_info, modified_at, ndjson, ollama_parameters, served_name,
+    CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OLLAMA_API_VERSION,
+    OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaLegacyEmbedRequest, OllamaPullRequest,
+    OllamaReply, OllamaShowRequest, details, model_info, modified_at, ndjson, ollama_parameters, served_name,
 )
 from conveyor.api.openai_responses import (
     CHAT_FIELDS as RESPONSES_CHAT_FIELDS, ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, deleted,
@@ -113,6 +113,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES,
                                                                            DEFAULT_MAX_STORED_RESPONSES_BYTES))
     model_digest: str | None = None  # the served file's sha256 (Ollama's /api/tags), once read
+    digest_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def tokenizer(self) -> Any:
@@ -333,7 +334,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             chat = parse(ChatCompletionRequest, {**body.chat_body(uuid.uuid4().hex), "model": name})
             gen, prompt, fmt = await _chat_generation(state, chat, "ollama")
-            _fit_num_ctx(state, gen, prompt, body.num_ctx, given_max=chat.max_tokens is not None)
+            _fit_num_ctx(state, gen, prompt, body.num_ctx)
         except APIError as exc:
             raise renamed(exc, OLLAMA_CHAT_FIELDS) from None
         return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "messages")
@@ -371,8 +372,7 @@ def build_app(state: ServerState) -> FastAPI:
                     if chat.max_tokens is None:  # the room the longer prompt leaves
                         gen.params = dataclasses.replace(gen.params, max_tokens=_max_tokens(state, None, [prompt], chat=True))
                 reply.context = prompt
-            _fit_num_ctx(state, gen, prompt, body.num_ctx, given_max=body.options is not None and
-                         body.options.num_predict is not None and body.options.num_predict >= 0)
+            _fit_num_ctx(state, gen, prompt, body.num_ctx)
         except APIError as exc:
             raise renamed(exc, OLLAMA_GENERATE_FIELDS) from None
         return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "prompt")
@@ -450,7 +450,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @api.get("/version")
     async def ollama_version() -> dict[str, str]:
-        return {"version": __version__}
+        """The Ollama release whose API this one follows, which clients compare against the release
+        a feature came with (tools, JSON schema formats), and conveyor's own."""
+        return {"version": OLLAMA_API_VERSION, "conveyor_version": __version__}
 
     @api.post("/pull", responses=OLLAMA_ERRORS)
     async def ollama_pull(request: Request) -> Response:
@@ -464,6 +466,11 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(ndjson({"status": "success"}), media_type=NDJSON)
 
     app.include_router(api)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> Response:
+        """Ollama's heartbeat (its command line and some clients ask it before anything else)."""
+        return Response("conveyor is running (Ollama's API is under /api, OpenAI's under /v1)", media_type="text/plain")
 
     # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
     tok = APIRouter(dependencies=[Depends(check_key)])
@@ -861,37 +868,43 @@ def _context_ids(state: ServerState, context: list[int] | None) -> list[int]:
     return _tokenize_prompts(state, context, field="context")[0] if context else []
 
 
-def _fit_num_ctx(state: ServerState, gen: Generation, prompt: list[int], num_ctx: int | None, given_max: bool) -> None:
+def _fit_num_ctx(state: ServerState, gen: Generation, prompt: list[int], num_ctx: int | None) -> None:
     """Ollama's num_ctx: the prompt and the output within num_ctx tokens (at most what this server
-    holds); unless num_predict says, the output runs until then."""
+    holds)."""
     if num_ctx is None:
         return
-    if num_ctx > state.capacity:
-        raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
-                          "on this server (--max-model-len, --kv-cache-memory)", param="options.num_ctx")
+    _check_num_ctx(state, num_ctx)
     room = num_ctx - len(prompt)
     if room < 1:
         raise bad_request(f"the prompt ({len(prompt)} tokens) leaves no room to generate within options.num_ctx "
                           f"({num_ctx})", param="options.num_ctx", code=CONTEXT_LENGTH_EXCEEDED)
-    if not given_max or gen.params.max_tokens is None or gen.params.max_tokens > room:
+    if gen.params.max_tokens is None or gen.params.max_tokens > room:
         gen.params = dataclasses.replace(gen.params, max_tokens=room)
+
+
+def _check_num_ctx(state: ServerState, num_ctx: int) -> None:
+    if num_ctx > state.capacity:
+        raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
+                          "on this server (--max-model-len, --kv-cache-memory)", param="options.num_ctx")
 
 
 def _embedding_limit(state: ServerState, options: Any) -> int:
     num_ctx = getattr(options, "num_ctx", None)
-    if num_ctx is not None and num_ctx > state.capacity:
-        raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
-                          "on this server", param="options.num_ctx")
+    if num_ctx is not None:
+        _check_num_ctx(state, num_ctx)
     return num_ctx or state.capacity
 
 
 async def _model_digest(state: ServerState) -> str:
-    """The served file's sha256, as Ollama names a model's blob; read once, off the event loop."""
-    if state.model_digest is None:
-        facts = state.engine.model_facts
-        path = Path(facts.path) if facts is not None else None
-        state.model_digest = (await asyncio.to_thread(_sha256, path)
-                              if path is not None and path.is_file() else "")
+    """The served file's sha256, as Ollama names a model's blob: read once, off the event loop, by
+    the first request that asks (those asking meanwhile wait for it); "" where this process cannot
+    read the file (an HF folder, or a Ray worker's)."""
+    async with state.digest_lock:
+        if state.model_digest is None:
+            facts = state.engine.model_facts
+            path = Path(facts.path) if facts is not None else None
+            state.model_digest = (await asyncio.to_thread(_sha256, path)
+                                  if path is not None and path.is_file() else "")
     return state.model_digest
 
 
@@ -913,7 +926,8 @@ async def _ollama_answer(request: Request, state: ServerState, gen: Generation, 
     events = reply.lines(gen, fmt, lambda: _aborted(state)) if stream else None
     fields = OLLAMA_CHAT_FIELDS if reply.chat else OLLAMA_GENERATE_FIELDS
     try:
-        return await _answer(request, state, gen, [prompt], events, whole, prompt_field=prompt_field, media_type=NDJSON)
+        return await _answer(request, state, gen, [prompt], events, whole, chat=True, prompt_field=prompt_field,
+                             media_type=NDJSON)
     except APIError as exc:
         raise renamed(exc, fields) from None
 

@@ -33,6 +33,9 @@ from conveyor.api.protocol import Text, _Strict
 from conveyor.api.responses import CompletionFormat, failure
 from conveyor.model.facts import ModelFacts
 
+# The Ollama release whose API this module follows (/api/version): clients gate features on it.
+OLLAMA_API_VERSION = "0.13.0"
+
 # Options that shape how Ollama loads a model, not how it samples: here the model is loaded once, at
 # start, by the server's flags (the flag that sets each, where there is one).
 LOAD_OPTIONS = {
@@ -89,7 +92,9 @@ class Options(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _load_options(cls, data: Any) -> Any:
+        """A null is an option not sent (LangChain's clients send every option, most of them null)."""
         if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if value is not None}
             for name in data:
                 if name in LOAD_OPTIONS:
                     flag = LOAD_OPTIONS[name]
@@ -152,10 +157,11 @@ KeepAlive = Annotated[float | str, Field(union_mode="left_to_right"), AfterValid
 
 class OllamaMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: Text = ""
+    content: Text | None = None  # null is empty, as Ollama reads it
     images: Images | None = None
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: Text | None = None  # a tool turn: the tool that answered
+    tool_call_id: str | None = None  # a tool turn: the call it answers (clients that keep call ids send it)
     thinking: Text | None = None
 
     @field_validator("thinking")
@@ -220,7 +226,7 @@ class OllamaChatRequest(_OllamaRequest):
         messages: list[dict[str, Any]] = []
         unanswered: list[tuple[str, str]] = []  # (call id, tool name), in the order they were made
         for i, message in enumerate(self.messages):
-            chat: dict[str, Any] = {"role": message.role, "content": message.content}
+            chat: dict[str, Any] = {"role": message.role, "content": message.content or ""}
             if message.tool_calls:
                 chat["tool_calls"] = []
                 for j, call in enumerate(message.tool_calls):
@@ -228,7 +234,10 @@ class OllamaChatRequest(_OllamaRequest):
                     unanswered.append((call_id, call.function.name))
                     chat["tool_calls"].append({"id": call_id, "type": "function", "function": {
                         "name": call.function.name, "arguments": json.dumps(call.function.arguments, ensure_ascii=False)}})
-            if message.role == "tool":
+            if message.role == "tool" and message.tool_call_id is not None:
+                chat["tool_call_id"] = message.tool_call_id
+                unanswered = [(call_id, name) for call_id, name in unanswered if call_id != message.tool_call_id]
+            elif message.role == "tool":
                 match = next((k for k, (_, name) in enumerate(unanswered) if name == message.tool_name), None)
                 if match is None and message.tool_name is None and unanswered:
                     match = 0
@@ -279,8 +288,9 @@ class OllamaGenerateRequest(_OllamaRequest):
 
 
 def _embedding_options(options: Options | None) -> Options | None:
-    if options is not None and options.chat_fields():
-        raise ValueError("an embedding samples nothing: of the options only num_ctx is taken")
+    others = sorted(options.model_fields_set - {"num_ctx"}) if options is not None else []
+    if others:
+        raise ValueError(f"an embedding samples nothing: of the options only num_ctx is taken, not {others[0]}")
     return options
 
 
@@ -315,7 +325,9 @@ class OllamaLegacyEmbedRequest(_Strict):
 class OllamaShowRequest(_Strict):
     model: Text | None = Field(None, min_length=1)
     name: Text | None = Field(None, min_length=1)  # the older clients' name for it
-    verbose: bool | None = None
+
+    # verbose adds the file's vocabulary and every other metadata array: not served.
+    unsupported = {"verbose": (None, False)}
 
     @model_validator(mode="after")
     def _one_name(self) -> "OllamaShowRequest":
@@ -331,8 +343,15 @@ class OllamaShowRequest(_Strict):
 class OllamaPullRequest(_Strict):
     model: Text | None = Field(None, min_length=1)
     name: Text | None = Field(None, min_length=1)
-    insecure: bool | None = None
     stream: bool | None = None
+
+    unsupported = {"insecure": (None, False)}  # no registry is ever contacted
+
+    @model_validator(mode="after")
+    def _one_name(self) -> "OllamaPullRequest":
+        if (self.model is None) == (self.name is None):
+            raise bad_request("model is required", param="model")
+        return self
 
     @property
     def asked(self) -> str:
@@ -341,6 +360,7 @@ class OllamaPullRequest(_Strict):
 
 # The chat pipeline's fields, as an Ollama request names them (chat_translation.renamed).
 CHAT_FIELDS = (
+    (r"^messages\.(\d+)\.tool_call_id", r"messages.\1.tool_name"),  # when the client sent none
     (r"^response_format\.json_schema\.schema", "format"),
     (r"^response_format", "format"),
     (r"^max_tokens$", "options.num_predict"),
@@ -436,7 +456,7 @@ class OllamaReply:
         if self.context is not None:
             body["context"] = self.context + list(gen.choices[0].token_ids)
         body.update(total_duration=now - self.started_ns, load_duration=0,
-                    prompt_eval_count=gen.prompt_tokens - gen.cached_tokens, prompt_eval_duration=first - submitted,
+                    prompt_eval_count=gen.prompt_tokens, prompt_eval_duration=first - submitted,
                     eval_count=gen.completion_tokens, eval_duration=(gen.last_token_ns or now) - first)
         return body
 

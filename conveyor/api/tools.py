@@ -169,25 +169,39 @@ def parse_bare_calls(text: str, names: set[str]) -> list[ToolCall]:
         return []
     calls = []
     for item in body if isinstance(body, list) and body else [body]:
-        if not isinstance(item, dict) or not set(item) <= {"name", "arguments", "parameters"}:
+        if not isinstance(item, dict) or set(item) not in ({"name", "arguments"}, {"name", "parameters"}):
             return []
-        arguments = item.get("arguments", item.get("parameters", {}))
+        arguments = item.get("arguments", item.get("parameters"))
         if item.get("name") not in names or not isinstance(arguments, dict):
             return []
         calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 
+_CALL_KEYS = ('"name"', '"arguments"', '"parameters"')
+
+
 def _may_be_bare_calls(text: str) -> bool:
     """Whether an "auto" output begun so may turn out to be nothing but calls (parse_bare_calls),
-    so that none of it can go out as content yet."""
+    so that none of it can go out as content yet: up to its first key, a call's beginning."""
     start = text.lstrip()
-    if not start or start[0] in "{[":
+    if start.startswith("```"):
+        first_line, newline, start = start.partition("\n")
+        if not newline:
+            return True
+        if first_line.strip() not in ("```", "```json"):
+            return False
+        start = start.lstrip()
+    elif "```".startswith(start):
         return True
-    if not start.startswith("```"):
-        return "```".startswith(start)
-    first_line, newline, _ = start.partition("\n")
-    return not newline or first_line.strip() in ("```", "```json")
+    if start.startswith("["):
+        start = start[1:].lstrip()
+        if not start:
+            return True
+    if not start.startswith("{"):
+        return not start
+    key = start[1:].lstrip()
+    return any(k.startswith(key[: len(k)]) for k in _CALL_KEYS)
 
 
 class ToolCallFormat(ChatFormat):

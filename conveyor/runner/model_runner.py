@@ -150,7 +150,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     logger.info("loaded %s in %.1f s: weights %.0f MiB%s", path.name, time.perf_counter() - started, model_bytes(model) / 2**20,
                 f" ({mapped / 2**20:.0f} MiB of them the embedding's rows, read from the file as tokens are looked up)"
                 if mapped else "")
-    return LoadedModel(model, checkpoint.tokenizer, describe_model(path, cfg))
+    try:
+        facts: ModelFacts | None = describe_model(path, cfg)
+    except (OSError, ValueError, KeyError) as e:  # what the file is only describes it: serve it anyway
+        logger.warning("%s: could not describe the file for model lists (%s)", path.name, e)
+        facts = None
+    return LoadedModel(model, checkpoint.tokenizer, facts)
 
 
 class ModelRunner:

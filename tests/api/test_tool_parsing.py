@@ -83,6 +83,8 @@ def test_auto_stream_holds_back_a_possible_call_and_sends_it_whole():
     ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
     ('\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```\n', [("get_weather", {"city": "Oslo"})]),
     ('```\n{"name": "get_weather", "parameters": {}}\n```', [("get_weather", {})]),
+    ('{"name": "get_weather"}', []),  # no arguments: not a call
+    ('{"name": "get_weather", "arguments": {}, "parameters": {}}', []),  # both: which?
     ('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "arguments": {"city": "B"}}]',
      [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]),
     ('{"name": "get_time", "arguments": {}}', []),  # not a tool of the request
@@ -112,9 +114,15 @@ def test_auto_stream_holds_back_an_answer_that_may_be_a_bare_call():
     sent, last = stream(["```json\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n```"])
     assert sent == [] and "content" not in last["delta"] and last["finish_reason"] == "tool_calls"
     assert [json.loads(c["function"]["arguments"]) for c in last["delta"]["tool_calls"]] == [{"city": "Oslo"}]
-    # JSON that is no call comes out whole at the end, as content.
-    sent, last = stream(["{", '"a": ', "1}"])
-    assert sent == [] and last["delta"]["content"] == '{"a": 1}' and last["finish_reason"] == "stop"
+    # JSON that begins as a call but is none comes out whole at the end, as content.
+    sent, last = stream(["{", '"name": ', '"get_time", "arguments": {}}'])
+    assert sent == [] and last["delta"]["content"] == '{"name": "get_time", "arguments": {}}'
+    assert last["finish_reason"] == "stop"
+    # JSON whose first key is no call's goes out from there on; so does a list of anything but objects.
+    sent, _ = stream(["{", '"a": ', "1}"])
+    assert [s["delta"]["content"] for s in sent] == ['{"a": ', "1}"]
+    sent, _ = stream(["[", "1] first"])
+    assert [s["delta"]["content"] for s in sent] == ["[1] first"]
     # Anything else streams as it comes, a code fence of another language too.
     sent, _ = stream(["Hello", " there"])
     assert [s["delta"]["content"] for s in sent] == ["Hello", " there"]
