@@ -322,40 +322,32 @@ class OllamaLegacyEmbedRequest(_Strict):
         return _embedding_options(options)
 
 
-class OllamaShowRequest(_Strict):
-    model: Text | None = Field(None, min_length=1)
-    name: Text | None = Field(None, min_length=1)  # the older clients' name for it
+class _NamesAModel(_Strict):
+    """A request naming a model by `model` or, as older clients do, by `name`."""
 
+    model: Text | None = Field(None, min_length=1)
+    name: Text | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_name(self) -> "_NamesAModel":
+        if (self.model is None) == (self.name is None):
+            raise bad_request("model is required", param="model")
+        return self
+
+    @property
+    def asked(self) -> str:
+        return self.model or self.name or ""
+
+
+class OllamaShowRequest(_NamesAModel):
     # verbose adds the file's vocabulary and every other metadata array: not served.
     unsupported = {"verbose": (None, False)}
 
-    @model_validator(mode="after")
-    def _one_name(self) -> "OllamaShowRequest":
-        if (self.model is None) == (self.name is None):
-            raise bad_request("model is required", param="model")
-        return self
 
-    @property
-    def asked(self) -> str:
-        return self.model or self.name or ""
-
-
-class OllamaPullRequest(_Strict):
-    model: Text | None = Field(None, min_length=1)
-    name: Text | None = Field(None, min_length=1)
+class OllamaPullRequest(_NamesAModel):
     stream: bool | None = None
 
     unsupported = {"insecure": (None, False)}  # no registry is ever contacted
-
-    @model_validator(mode="after")
-    def _one_name(self) -> "OllamaPullRequest":
-        if (self.model is None) == (self.name is None):
-            raise bad_request("model is required", param="model")
-        return self
-
-    @property
-    def asked(self) -> str:
-        return self.model or self.name or ""
 
 
 # The chat pipeline's fields, as an Ollama request names them (chat_translation.renamed).
