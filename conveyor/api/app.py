@@ -470,7 +470,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> Response:
         """Ollama's heartbeat (its command line and some clients ask it before anything else)."""
-        return Response("conveyor is running (Ollama's API is under /api, OpenAI's under /v1)", media_type="text/plain")
+        # Ollama's own words first: some clients look for them.
+        return Response("Ollama is running (conveyor: Ollama's API under /api, OpenAI's under /v1)",
+                        media_type="text/plain")
 
     # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (its bench client asks for them).
     tok = APIRouter(dependencies=[Depends(check_key)])

@@ -234,10 +234,10 @@ class OllamaChatRequest(_OllamaRequest):
                     unanswered.append((call_id, call.function.name))
                     chat["tool_calls"].append({"id": call_id, "type": "function", "function": {
                         "name": call.function.name, "arguments": json.dumps(call.function.arguments, ensure_ascii=False)}})
-            if message.role == "tool" and message.tool_call_id is not None:
-                chat["tool_call_id"] = message.tool_call_id
-                unanswered = [(call_id, name) for call_id, name in unanswered if call_id != message.tool_call_id]
-            elif message.role == "tool":
+            named = [k for k, (call_id, _) in enumerate(unanswered) if call_id == message.tool_call_id]
+            if message.role == "tool" and named:
+                chat["tool_call_id"] = unanswered.pop(named[0])[0]
+            elif message.role == "tool":  # no id, or one no call of this request has: by the tool's name
                 match = next((k for k, (_, name) in enumerate(unanswered) if name == message.tool_name), None)
                 if match is None and message.tool_name is None and unanswered:
                     match = 0

@@ -152,7 +152,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 if mapped else "")
     try:
         facts: ModelFacts | None = describe_model(path, cfg)
-    except (OSError, ValueError, KeyError) as e:  # what the file is only describes it: serve it anyway
+    except Exception as e:  # noqa: BLE001 - what the file is only describes it: serve it anyway
         logger.warning("%s: could not describe the file for model lists (%s)", path.name, e)
         facts = None
     return LoadedModel(model, checkpoint.tokenizer, facts)

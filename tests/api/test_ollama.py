@@ -301,3 +301,19 @@ def test_refusals_name_the_field_in_ollamas_envelope(http, path, fields, named):
     reply = http.post(path, json=body)
     assert reply.status_code in (400, 404), reply.text
     assert set(reply.json()) == {"error"} and named in reply.json()["error"]
+
+
+def test_a_tool_turn_is_matched_to_its_call():
+    from conveyor.api.ollama import OllamaChatRequest
+
+    def ids(messages: list[dict[str, Any]]) -> list[str | None]:
+        turns = OllamaChatRequest.model_validate({"model": MODEL, "messages": messages}).chat_messages()
+        return [turn.get("tool_call_id") for turn in turns if turn["role"] == "tool"]
+
+    calls = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "a", "arguments": {}}}, {"id": "b1", "function": {"name": "b", "arguments": {}}}]}
+    # By id where it names a call, else by the tool's name, else the earliest call unanswered.
+    assert ids([calls, {"role": "tool", "tool_call_id": "b1", "content": "1"},
+                {"role": "tool", "tool_name": "a", "content": "2"}]) == ["b1", "call_0_0"]
+    assert ids([calls, {"role": "tool", "tool_call_id": "zzz", "tool_name": "b", "content": "1"},
+                {"role": "tool", "content": "2"}]) == ["b1", "call_0_0"]
