@@ -206,10 +206,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = parse(EmbeddingRequest, data)
         _check_model(state, body.model)
         pooling = state.engine.default_pooling
-        width = state.engine.embedding_size
-        if body.dimensions is not None and body.dimensions != width:
-            raise bad_request(f"dimensions ({body.dimensions}): this model's embeddings have {width}, and it is not "
-                              "trained to be cut shorter", param="dimensions")
+        _check_dimensions(state, body.dimensions)
         if body.normalize is not None:
             pooling = dataclasses.replace(pooling, normalize=body.normalize)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, body.add_special_tokens, "input")
@@ -334,10 +331,9 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             chat = parse(ChatCompletionRequest, {**body.chat_body(uuid.uuid4().hex), "model": name})
             gen, prompt, fmt = await _chat_generation(state, chat, "ollama")
-            _fit_num_ctx(state, gen, prompt, body.num_ctx)
         except APIError as exc:
             raise renamed(exc, OLLAMA_CHAT_FIELDS) from None
-        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "messages")
+        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, body.num_ctx)
 
     @api.post("/generate", responses=OLLAMA_ERRORS)
     async def ollama_generate(request: Request) -> Response:
@@ -372,20 +368,16 @@ def build_app(state: ServerState) -> FastAPI:
                     if chat.max_tokens is None:  # the room the longer prompt leaves
                         gen.params = dataclasses.replace(gen.params, max_tokens=_max_tokens(state, None, [prompt], chat=True))
                 reply.context = prompt
-            _fit_num_ctx(state, gen, prompt, body.num_ctx)
         except APIError as exc:
             raise renamed(exc, OLLAMA_GENERATE_FIELDS) from None
-        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, "prompt")
+        return await _ollama_answer(request, state, gen, prompt, fmt, reply, body.streams, body.num_ctx)
 
     @api.post("/embed", responses=OLLAMA_ERRORS)
     async def ollama_embed(request: Request) -> Response:
         body = parse(OllamaEmbedRequest, await _read_json(request, state))
         _ollama_model(state, body.model)
         started = time.perf_counter_ns()
-        width = state.engine.embedding_size
-        if body.dimensions is not None and body.dimensions != width:
-            raise bad_request(f"dimensions ({body.dimensions}): this model's embeddings have {width}, and it is not "
-                              "trained to be cut shorter", param="dimensions")
+        _check_dimensions(state, body.dimensions)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, True, "input")
         limit = _embedding_limit(state, body.options)
         for i, ids in enumerate(prompts):
@@ -884,6 +876,13 @@ def _fit_num_ctx(state: ServerState, gen: Generation, prompt: list[int], num_ctx
         gen.params = dataclasses.replace(gen.params, max_tokens=room)
 
 
+def _check_dimensions(state: ServerState, dimensions: int | None) -> None:
+    width = state.engine.embedding_size
+    if dimensions is not None and dimensions != width:
+        raise bad_request(f"dimensions ({dimensions}): this model's embeddings have {width}, and it is not "
+                          "trained to be cut shorter", param="dimensions")
+
+
 def _check_num_ctx(state: ServerState, num_ctx: int) -> None:
     if num_ctx > state.capacity:
         raise bad_request(f"options.num_ctx ({num_ctx}) is more than the {state.capacity} tokens a request can hold "
@@ -919,7 +918,9 @@ def _sha256(path: Path) -> str:
 
 
 async def _ollama_answer(request: Request, state: ServerState, gen: Generation, prompt: list[int],
-                         fmt: CompletionFormat, reply: OllamaReply, stream: bool, prompt_field: str) -> Response:
+                         fmt: CompletionFormat, reply: OllamaReply, stream: bool, num_ctx: int | None) -> Response:
+    """An /api/chat or /api/generate request's generation, within its num_ctx, handed to the engine
+    and answered; refusals name the request's own fields."""
     def whole() -> dict[str, Any]:
         if gen.choices[0].finish_reason == "abort":
             raise _aborted(state)
@@ -928,8 +929,9 @@ async def _ollama_answer(request: Request, state: ServerState, gen: Generation, 
     events = reply.lines(gen, fmt, lambda: _aborted(state)) if stream else None
     fields = OLLAMA_CHAT_FIELDS if reply.chat else OLLAMA_GENERATE_FIELDS
     try:
-        return await _answer(request, state, gen, [prompt], events, whole, chat=True, prompt_field=prompt_field,
-                             media_type=NDJSON)
+        _fit_num_ctx(state, gen, prompt, num_ctx)
+        return await _answer(request, state, gen, [prompt], events, whole, chat=True,
+                             prompt_field="messages" if reply.chat else "prompt", media_type=NDJSON)
     except APIError as exc:
         raise renamed(exc, fields) from None
 
