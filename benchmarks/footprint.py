@@ -16,7 +16,9 @@ one after the other, each alone on the machine. llama-server comes from benchmar
 (`--setup-only` builds it); without it, or for an HF folder, only conveyor is measured.
 The table splits resident memory into anonymous memory and mapped file pages (code, and a mapped
 file's pages: llama-server's weights by default; an untied embedding's rows looked up, conveyor's).
-`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-whole-context-kv`
+`--also-no-mmap` adds llama-server with `--load-mode none` (its `--no-mmap`). `--also-defaults` adds
+both servers as a user first starts them, with the model and threads only (conveyor's 1 GiB KV pool,
+llama-server's default context). `--also-whole-context-kv`
 adds conveyor with `--no-window-kv-pool` (a model's sliding-window layers keeping the whole context's
 KV, as before). `--also-dequantized` adds conveyor serving the same file with `--dequantize-weights`
 (fp32 copies of every weight: how a GGUF's blocks and an HF folder's bf16 / f16 matrices were held
@@ -106,15 +108,17 @@ def long_prompt(model: str, ctx_per_slot: int) -> str:
 
 
 def measure(cmd: list[str], port: int, log: Path, long_prompt: str | None = None, slots: int = 4) -> dict[str, float]:
-    """Ready time, then memory after three short requests; with `long_prompt`, again after `slots`
-    of them sent at once (a full-budget prefill's working set, which the process then keeps)."""
+    """Ready time and memory once ready (idle), then after three short requests; with `long_prompt`,
+    again after `slots` of them sent at once (a full-budget prefill's working set, which the process
+    then keeps)."""
     with serving(cmd, port, log) as (proc, ready):
+        idle = status(proc.pid)["VmRSS"] / 2**30
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
         for _ in range(3):
             post(port, {"model": model, "prompt": SHORT_PROMPT, "max_tokens": 64, "temperature": 0})
         mem = status(proc.pid)
-        result = {"ready_s": ready, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
+        result = {"ready_s": ready, "idle_gib": idle, "rss_gib": mem["VmRSS"] / 2**30, "peak_gib": mem["VmHWM"] / 2**30,
                   "anon_gib": mem["RssAnon"] / 2**30, "file_gib": mem["RssFile"] / 2**30}
         if long_prompt is not None:
             bodies = [{"model": model, "prompt": f"# {i}\n{long_prompt}", "max_tokens": 16, "temperature": 0}
@@ -141,6 +145,9 @@ def main() -> int:
                    help="conveyor with --no-window-kv-pool too (sliding-window layers keep the whole context's KV)")
     p.add_argument("--also-no-mmap", action="store_true",
                    help="llama-server with --load-mode none too (weights read into its own memory, no file pages)")
+    p.add_argument("--also-defaults", action="store_true",
+                   help="both servers as a user first starts them too: the model and threads only, every other "
+                        "setting its default (conveyor's 1 GiB KV pool, llama-server's context)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from conveyor.model.loader import resolve_model_path
@@ -158,12 +165,17 @@ def main() -> int:
         servers["conveyor fp32"] = [*servers["conveyor"], "--dequantize-weights"]
     if args.also_whole_context_kv:
         servers["conveyor whole KV"] = [*servers["conveyor"], "--no-window-kv-pool"]
+    if args.also_defaults:
+        servers["conveyor defaults"] = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(model_path),
+                                        "--port", "8131", "--num-threads", str(args.threads)]
     if LLAMA_SERVER.is_file() and model_path.is_file():
         servers["llama.cpp"] = llama_server_cmd(model_path, 8132, args.threads, args.slots, tokens)
         if args.also_no_mmap:
             servers["llama.cpp no-mmap"] = [*servers["llama.cpp"], "--load-mode", "none"]
-    ports = {"conveyor": 8131, "conveyor fp32": 8131, "conveyor whole KV": 8131, "llama.cpp": 8132,
-             "llama.cpp no-mmap": 8132}
+        if args.also_defaults:
+            servers["llama.cpp defaults"] = [str(LLAMA_SERVER), "-m", str(model_path), "--port", "8132",
+                                             "-t", str(args.threads), "-tb", str(args.threads)]
+    ports = {name: 8132 if name.startswith("llama.cpp") else 8131 for name in servers}
     prompt = None if args.no_long_prompts else long_prompt(str(model_path), args.ctx_per_slot)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(args.repeats):
@@ -171,14 +183,14 @@ def main() -> int:
             results[name].append(measure(cmd, ports[name], out_dir / f"{name}.log", prompt, args.slots))
     print(f"{model_path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads, "
           f"medians of {args.repeats}")
-    print(f"{'server':<18} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} {'ready s':>8} "
-          f"{'after long prompts: resident / peak GiB':>40}")
+    print(f"{'server':<18} {'idle GiB':>9} {'resident GiB':>13} {'anon GiB':>9} {'file GiB':>9} {'peak GiB':>9} "
+          f"{'ready s':>8} {'after long prompts: resident / peak GiB':>40}")
     medians = {}
     for name, runs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]
-        print(f"{name:<18} {m['rss_gib']:>13.3f} {m['anon_gib']:>9.3f} {m['file_gib']:>9.3f} {m['peak_gib']:>9.3f} "
-              f"{m['ready_s']:>8.1f} " + (f"{m['loaded_rss_gib']:>31.3f} / {m['loaded_peak_gib']:.3f}"
+        print(f"{name:<18} {m['idle_gib']:>9.3f} {m['rss_gib']:>13.3f} {m['anon_gib']:>9.3f} {m['file_gib']:>9.3f} "
+              f"{m['peak_gib']:>9.3f} {m['ready_s']:>8.1f} " + (f"{m['loaded_rss_gib']:>31.3f} / {m['loaded_peak_gib']:.3f}"
                                             if "loaded_rss_gib" in m else f"{'-':>31}"))
     from conveyor.bench.roofline import model_costs
     from conveyor.config import EngineConfig
@@ -198,11 +210,13 @@ def main() -> int:
         c, d = medians["conveyor"], medians["conveyor fp32"]
         print(f"conveyor / with --dequantize-weights: resident {c['rss_gib'] / d['rss_gib']:.2f}x, "
               f"peak {c['peak_gib'] / d['peak_gib']:.2f}x, ready {c['ready_s'] / d['ready_s']:.2f}x")
-    for peer in ("llama.cpp", "llama.cpp no-mmap"):
-        if peer in medians:
-            c, ll = medians["conveyor"], medians[peer]
-            print(f"conveyor / {peer}: resident {c['rss_gib'] / ll['rss_gib']:.2f}x, peak {c['peak_gib'] / ll['rss_gib']:.2f}x "
-                  f"of {peer}'s resident, conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x; "
+    for ours, peer in (("conveyor", "llama.cpp"), ("conveyor", "llama.cpp no-mmap"),
+                       ("conveyor defaults", "llama.cpp defaults")):
+        if ours in medians and peer in medians:
+            c, ll = medians[ours], medians[peer]
+            print(f"{ours} / {peer}: idle {c['idle_gib'] / ll['idle_gib']:.2f}x, resident {c['rss_gib'] / ll['rss_gib']:.2f}x, "
+                  f"peak {c['peak_gib'] / ll['rss_gib']:.2f}x of {peer}'s resident, "
+                  f"conveyor's peak / its resident {c['peak_gib'] / c['rss_gib']:.2f}x; "
                   + (f"after long prompts: resident {c['loaded_rss_gib'] / ll['loaded_rss_gib']:.2f}x"
                      if "loaded_rss_gib" in c else ""))
     (out_dir / "footprint.json").write_text(json.dumps({"model": str(model_path), "results": results}, indent=2))

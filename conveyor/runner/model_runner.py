@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass
 
@@ -94,9 +96,21 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     def blocks(layer: int) -> int:
         return window_blocks if window_blocks is not None and cfg.window(layer) is not None else num_blocks
 
-    # Zeroed, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN.
     shapes = [(blocks(layer), block_size, cfg.num_kv_heads, cfg.head_dim) for layer in range(cfg.num_layers)]
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for shape in shapes]
+    return [(zeros_mapped_on_use(shape, dtype), zeros_mapped_on_use(shape, dtype)) for shape in shapes]
+
+
+def zeros_mapped_on_use(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping of their own, whose pages the OS maps (zeroed) as they are first
+    written: a KV pool then holds the memory of the blocks requests have used, not all of it from the
+    start (torch.zeros writes every page), and a start does not wait for the whole pool to be zeroed.
+    Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN."""
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(area, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
 
 
 @dataclass

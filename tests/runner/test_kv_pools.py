@@ -71,3 +71,44 @@ def test_max_model_len_is_at_most_what_the_pool_and_an_unchunked_step_hold() -> 
         fitted_max_model_len(2048, True, 1024, chunked)
     with pytest.raises(ConfigError, match="without chunked prefill"):
         fitted_max_model_len(1024, True, 100_000, unchunked)
+
+
+def _anonymous_resident() -> int:
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_a_pool_holds_the_memory_of_the_blocks_written_not_all_of_it() -> None:
+    """The pool's pages are mapped as blocks are first written: a quarter-gigabyte pool holds next to
+    nothing until used, reads as zeros, and a written block holds its own bytes (not its neighbours')."""
+    import gc
+
+    from conveyor.runner.model_runner import allocate_kv_cache
+
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=64)
+    block_bytes = 16 * 2 * 64 * 2  # a layer's keys (or values) of one block: 16 tokens x 2 heads x 64 x fp16
+    pool_bytes = 256 * 2**20
+    blocks = pool_bytes // (2 * cfg.num_layers * block_bytes)
+    before = _anonymous_resident()
+    caches = allocate_kv_cache(cfg, blocks, 16, F16)
+    assert sum(k.numel() * 2 + v.numel() * 2 for k, v in caches) == blocks * 2 * cfg.num_layers * block_bytes
+    assert _anonymous_resident() - before < 16 * 2**20, "allocating the pool wrote its pages"
+    assert all(int(torch.count_nonzero(t)) == 0 for kv in caches for t in kv)  # reading maps no memory either
+    assert _anonymous_resident() - before < 16 * 2**20
+    written = range(0, blocks, 64)  # one block a 64, each on pages of its own (2 KiB a block, 128 KiB apart)
+    for k, v in caches:
+        k[list(written)] = 1.0
+        v[list(written)] = -1.0
+    grown = _anonymous_resident() - before
+    pages = 2 * cfg.num_layers * len(written) * 4096
+    assert pages <= grown < pages + 16 * 2**20, (grown, pages)
+    k, v = caches[0]
+    assert float(k[64].sum()) == k[64].numel() and float(v[0].sum()) == -v[0].numel() and float(k[1].abs().sum()) == 0.0
+    del caches, k, v
+    gc.collect()
+    assert _anonymous_resident() - before < 16 * 2**20, "a freed pool gave its pages back"
