@@ -105,8 +105,8 @@ def main() -> int:
         last = rss
     torch_share = stages[2][1] - stages[1][1]
     final, loaded_final = stages[-2][1], stages[-1][1]
-    print(f"of which: weights {weights / MIB:.1f} MiB, KV pool {kv / MIB:.1f} MiB, tokenizer {tokenizer / MIB:.1f} MiB, "
-          f"torch's import {torch_share / MIB:.1f} MiB")
+    print(f"of which: weights {weights / MIB:.1f} MiB, KV pool {kv / MIB:.1f} MiB (mapped as its blocks are written), "
+          f"tokenizer {tokenizer / MIB:.1f} MiB, torch's import {torch_share / MIB:.1f} MiB")
     print(f"without torch's import: {(final - torch_share) / MIB:.1f} MiB, after the long prompts "
           f"{(loaded_final - torch_share) / MIB:.1f} MiB")
     del llm, engine, loaded

@@ -4,6 +4,9 @@ A block with ref count 0 is free. A free block with no key is plain; a free bloc
 the KV of a full, keyed block (prefix caching) is evictable: it waits, least recently freed first,
 in case a later request with the same prefix takes it back. Allocation takes plain blocks first and
 evicts (drops the key of) the least recently freed evictable block only when no plain one is left.
+Plain blocks go out most recently freed first, never-used ones (in id order) after them: the runner
+maps a block's memory when it is first written, so plain reuse stays within the blocks already
+written, and a server without prefix caching holds the KV its busiest moment used, not the pool.
 Every operation is O(1) per block: the plain list is a deque (only its ends are touched) and the
 evictable list an OrderedDict, so a hit removes a block from the middle in O(1).
 """
@@ -19,7 +22,7 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # plain free blocks, FIFO
+        self._free: deque[int] = deque(reversed(range(num_blocks)))  # plain free blocks, taken from the right
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free keyed blocks, LRU first
         self._ref_counts = [0] * num_blocks
         self._key_of: list[bytes | None] = [None] * num_blocks
@@ -58,7 +61,7 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             if self._free:
-                block = self._free.popleft()
+                block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
                 key = self._key_of[block]

@@ -104,12 +104,17 @@ def zeros_mapped_on_use(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """Zeros in an anonymous mapping of their own, whose pages the OS maps (zeroed) as they are first
     written: a KV pool then holds the memory of the blocks requests have used, not all of it from the
     start (torch.zeros writes every page), and a start does not wait for the whole pool to be zeroed.
+    The memory check before a load still counts the whole pool; the OS charges it as it is written.
     Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # where transparent huge pages are "always", one write would map 2 MiB: hundreds of blocks
+        area.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):  # no such advice here (another OS, or a kernel without THP)
+        pass
     return torch.frombuffer(area, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
 
 

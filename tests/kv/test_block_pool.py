@@ -85,19 +85,24 @@ def test_free_returns_blocks_and_they_are_reused() -> None:
 
 
 def test_blocks_are_freed_in_reverse_order() -> None:
-    # The tail of a sequence goes back first, so the head stays out of the free list longest.
+    # The tail of a sequence goes back first, so its cached head is evicted last.
     pool = BlockPool(4)
     table = pool.allocate(4)
     assert table == [0, 1, 2, 3]
+    for block in table:
+        pool.cache(block, bytes([block]))
     pool.free(table)
     assert pool.allocate(4) == [3, 2, 1, 0]
 
 
-def test_free_list_is_fifo() -> None:
-    pool = BlockPool(4)
-    a = pool.allocate(2)  # [0, 1]; free list now [2, 3]
-    pool.free([a[0]])  # back of the queue
-    assert pool.allocate(3) == [2, 3, a[0]]
+def test_plain_blocks_go_out_most_recently_freed_first_then_never_used_ones() -> None:
+    # A block's memory is mapped when first written: reuse keeps to the blocks written already.
+    pool = BlockPool(5)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]
+    pool.free([a[0]])
+    pool.free([a[2]])
+    assert pool.allocate(4) == [2, 0, 3, 4]
 
 
 def test_double_free_raises() -> None:

@@ -1,12 +1,17 @@
-"""How the KV memory is split between the main pool and the sliding-window layers' own pool."""
+"""How the KV memory is split between the main pool and the sliding-window layers' own pool, and
+how the pool's tensors hold memory."""
 from __future__ import annotations
+
+import gc
+import mmap
+from pathlib import Path
 
 import torch
 
 from conveyor.config import EngineConfig
 from conveyor.kv import blocks_for
 from conveyor.model.config import ModelConfig
-from conveyor.runner.model_runner import kv_block_bytes, kv_pools
+from conveyor.runner.model_runner import allocate_kv_cache, kv_block_bytes, kv_pools
 
 # Gemma 3 270M's attention: 18 layers, 3 of them global, one KV head of 256, a 512-token window.
 GEMMA = ModelConfig(vocab_size=1000, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
@@ -73,42 +78,46 @@ def test_max_model_len_is_at_most_what_the_pool_and_an_unchunked_step_hold() -> 
         fitted_max_model_len(1024, True, 100_000, unchunked)
 
 
-def _anonymous_resident() -> int:
-    from pathlib import Path
 
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+def _resident_within(ranges: list[tuple[int, int]]) -> int:
+    """Resident bytes of the mappings that overlap any of these address ranges (/proc/self/smaps)."""
+    total, overlapping = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlapping = any(lo < end and start < hi for start, end in ranges)
+        elif overlapping and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def test_a_pool_holds_the_memory_of_the_blocks_written_not_all_of_it() -> None:
-    """The pool's pages are mapped as blocks are first written: a quarter-gigabyte pool holds next to
-    nothing until used, reads as zeros, and a written block holds its own bytes (not its neighbours')."""
-    import gc
-
-    from conveyor.runner.model_runner import allocate_kv_cache
-
+    """The pool's pages are mapped as blocks are first written: a quarter-gigabyte pool holds nothing
+    until used, reads as zeros, and a written block maps its own page(s), not its neighbours'."""
     cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=64)
     block_bytes = 16 * 2 * 64 * 2  # a layer's keys (or values) of one block: 16 tokens x 2 heads x 64 x fp16
-    pool_bytes = 256 * 2**20
-    blocks = pool_bytes // (2 * cfg.num_layers * block_bytes)
-    before = _anonymous_resident()
+    blocks = 256 * 2**20 // (2 * cfg.num_layers * block_bytes)
     caches = allocate_kv_cache(cfg, blocks, 16, F16)
-    assert sum(k.numel() * 2 + v.numel() * 2 for k, v in caches) == blocks * 2 * cfg.num_layers * block_bytes
-    assert _anonymous_resident() - before < 16 * 2**20, "allocating the pool wrote its pages"
-    assert all(int(torch.count_nonzero(t)) == 0 for kv in caches for t in kv)  # reading maps no memory either
-    assert _anonymous_resident() - before < 16 * 2**20
-    written = range(0, blocks, 64)  # one block a 64, each on pages of its own (2 KiB a block, 128 KiB apart)
+    tensors = [t for kv in caches for t in kv]
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    assert sum(end - start for start, end in ranges) == blocks * 2 * cfg.num_layers * block_bytes
+    assert _resident_within(ranges) == 0, "allocating the pool wrote its pages"
+    assert all(int(torch.count_nonzero(t)) == 0 for t in tensors)
+    assert _resident_within(ranges) == 0, "reading the pool mapped memory"
+    written = list(range(3, blocks, 61))
     for k, v in caches:
-        k[list(written)] = 1.0
-        v[list(written)] = -1.0
-    grown = _anonymous_resident() - before
-    pages = 2 * cfg.num_layers * len(written) * 4096
-    assert pages <= grown < pages + 16 * 2**20, (grown, pages)
+        k[written] = 1.0
+        v[written] = -1.0
+    pages_per_tensor = len({b * block_bytes // mmap.PAGESIZE for b in written} |
+                           {((b + 1) * block_bytes - 1) // mmap.PAGESIZE for b in written})
+    written_bytes = len(tensors) * pages_per_tensor * mmap.PAGESIZE
+    assert _resident_within(ranges) == written_bytes
     k, v = caches[0]
-    assert float(k[64].sum()) == k[64].numel() and float(v[0].sum()) == -v[0].numel() and float(k[1].abs().sum()) == 0.0
-    del caches, k, v
+    assert float(k[3].sum()) == k[3].numel() and float(v[64].sum()) == -v[64].numel()
+    assert float(k[4].abs().sum()) == 0.0
+    del caches, tensors, k, v
     gc.collect()
-    assert _anonymous_resident() - before < 16 * 2**20, "a freed pool gave its pages back"
+    # Unmapped: the addresses hold nothing now, or whatever mapping reused a part of them since.
+    assert _resident_within(ranges) < written_bytes, "a freed pool gave its pages back"
