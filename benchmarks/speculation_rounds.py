@@ -7,6 +7,12 @@ sampled run draws the same tokens with and without speculation.
 
     python benchmarks/speculation_rounds.py --model qwen2.5-coder-0.5b --dataset chat --num-prompts 16 \\
         --temperature 1.0 --rounds 4
+    python benchmarks/speculation_rounds.py --model qwen2.5-coder-0.5b --dataset questions --until-eos \\
+        --num-prompts 16 --temperature 0.7 --rounds 4
+
+`--until-eos`: each request ends at the model's end of turn (its output length a cap), as a real
+answer does, instead of running to its length with `ignore_eos`; the seeded draws make both runs
+generate the same tokens, so their tok/s compare the same work.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace, requests: list, spec: Spe
     engine.warm_up()
     for i, r in enumerate(requests):
         engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=args.temperature,
-                                                              seed=i, ignore_eos=True))
+                                                              seed=i, ignore_eos=not args.until_eos))
     started, tokens = time.perf_counter(), 0
     while engine.has_unfinished_requests:
         tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -45,6 +51,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--until-eos", action="store_true", help="requests end at the model's end of turn (a cap, not a length)")
     p.add_argument("--num-kv-blocks", type=int, default=4096)
     p.add_argument("--speculative-config", type=SpeculativeConfig.parse, default=SpeculativeConfig(),
                    help='a JSON object, as `conveyor serve` takes it (default: {"method": "ngram"})')

@@ -195,7 +195,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     srv.add_argument("--tokenizer", default=None, metavar="MODEL",
-                     help="edit dataset: the served model (a conveyor model name or its .gguf / HF folder), "
+                     help="edit and questions datasets: the served model (a conveyor model name or its .gguf / HF folder), "
                           "whose tokenizer and chat template make the prompts")
     srv.add_argument("--api-key", default=None,
                      help="bearer token, sent to the server (default: $CONVEYOR_API_KEY, else $OPENAI_API_KEY)")

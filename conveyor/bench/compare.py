@@ -138,7 +138,7 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
                                                            dequantize_weights=cfg.dequantize_weights))
     cfg.workload.vocab_size = loaded.model.cfg.vocab_size
     if cfg.workload.tokenizer is None:
-        cfg.workload.tokenizer = cfg.model or "smollm2-135m"  # the edit dataset's prompts are real text
+        cfg.workload.tokenizer = cfg.model or "smollm2-135m"  # the edit and questions datasets' prompts are real text
     requests = generate_requests(cfg.workload)
     echo(f"workload {cfg.workload.dataset}: {describe(requests)}")
     results = []

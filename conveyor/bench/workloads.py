@@ -17,6 +17,7 @@ they set the *mean* of the distribution, before clipping):
 | `prefix`       | a group's shared P tokens (1024) + L_in unique (32) | exactly L_out (64)            |
 | `multi-turn`   | turn 1: L_in (128); turn k: the history + 32 new | exactly L_out (64)                  |
 | `edit`         | a chat: rewrite ~L_in (384) tokens of stdlib source with one rename | the snippet's tokens, at most L_out |
+| `questions`    | a chat: write a stdlib function from its signature and docstring | at most L_out (256): the answer |
 
 `prefix` (vLLM's prefix-repetition dataset): `--num-groups` G groups, each sharing one
 `--prefix-len` P-token prefix, every request with its own suffix; request i belongs to group i % G, so
@@ -34,6 +35,12 @@ whole lines, and asks, in the model's chat template, for the code back with that
 case where most of the answer is already in the prompt (speculative decoding's prompt lookup). It
 needs the model's tokenizer (`--tokenizer`, a model name or file); the benchmark is greedy with
 `ignore_eos`, so every server does the same work.
+
+`questions` is real text too: request i asks, in the model's chat template, for a function of a
+module that ships with Python, given only its signature and the first paragraph of its docstring
+(QUESTION_MODULES' public functions in name order, from i + seed * num_prompts on). The answer is
+the model's own (new code and prose, little of it in the prompt), L_out a cap: a benchmark of real
+chats runs these until the model's end of turn (benchmarks/speculation_rounds.py --until-eos).
 
 `r` is `--range-ratio` (as in `vllm bench serve --dataset-name random`). `chat` follows the
 shape of ShareGPT conversations as the vLLM paper reports them (mean input 161, mean output 338
@@ -64,9 +71,11 @@ import numpy as np
 from conveyor.errors import ConfigError
 
 FIRST_REGULAR_ID = 10  # ids below are special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...)
-DATASETS = ("random", "uniform", "chat", "seed", "long-prompts", "prefix", "multi-turn", "edit")
+DATASETS = ("random", "uniform", "chat", "seed", "long-prompts", "prefix", "multi-turn", "edit", "questions")
 EDIT_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "queue", "sched", "graphlib",
                 "calendar", "dataclasses", "string", "glob", "statistics", "difflib", "base64")
+QUESTION_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "statistics", "difflib", "base64",
+                    "string", "glob", "calendar")
 
 
 @dataclass(frozen=True)
@@ -240,6 +249,40 @@ def _edit_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
     return requests
 
 
+def _questions(modules: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(name, signature, the docstring's first paragraph) of each module's public functions with a
+    docstring of a sentence or more, module by module, in name order."""
+    import importlib
+    import inspect
+
+    found = []
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module_name or not obj.__doc__:
+                continue
+            summary = inspect.cleandoc(obj.__doc__).split("\n\n")[0]
+            if len(summary) >= 40:
+                found.append((name, str(inspect.signature(obj)), summary))
+    return found
+
+
+def _question_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
+    if cfg.tokenizer is None:
+        raise ConfigError("the questions dataset makes prompts of real text: pass the model's tokenizer (--tokenizer MODEL)")
+    from conveyor.model.loader import load_tokenizer  # the model's tokenizer only, never its weights
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    questions = _questions(QUESTION_MODULES)
+    requests = []
+    for i in range(cfg.num_prompts):
+        name, signature, summary = questions[(i + cfg.seed * cfg.num_prompts) % len(questions)]
+        ask = (f"Write a Python function `{name}{signature}` that does this:\n\n{summary}\n\n"
+               "Then explain briefly how it works.")
+        requests.append(BenchRequest(tokenizer.encode_messages([{"role": "user", "content": ask}]), cfg.output_len or 256))
+    return requests
+
+
 def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
     """The workload's requests, first turns in arrival order; the same config always gives the same list."""
     rng = np.random.default_rng([cfg.seed, 0])
@@ -249,6 +292,8 @@ def generate_requests(cfg: WorkloadConfig) -> list[BenchRequest]:
         return _multi_turn_requests(cfg, rng)
     if cfg.dataset == "edit":
         return _edit_requests(cfg)
+    if cfg.dataset == "questions":
+        return _question_requests(cfg)
     ins, outs = _lengths(cfg, rng)
     requests = []
     for n_in, n_out in zip(ins.tolist(), outs.tolist()):

@@ -58,8 +58,8 @@ def _refuse_unused(args: argparse.Namespace) -> None:
 
     if not args.sweep and (args.slo or args.sweep_values):
         raise ConfigError("--slo and --sweep-values are for --sweep rate|max-num-seqs")
-    if args.dataset == "edit":
-        raise ConfigError("the edit dataset's prompts are a real model's text: run it with `conveyor bench`, "
+    if args.dataset in ("edit", "questions"):
+        raise ConfigError(f"the {args.dataset} dataset's prompts are a real model's text: run it with `conveyor bench`, "
                           "not the simulator")
     if args.profile is not None and args.cost_model != "profiled":
         raise ConfigError("--profile is the profiled cost model's: give it with --cost-model profiled")

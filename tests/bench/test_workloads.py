@@ -76,3 +76,24 @@ def test_arrivals_all_at_once_or_at_the_requested_rate() -> None:
     assert arrival_times(50, 8.0, seed=2) == arrival_times(50, 8.0, seed=2)
     with pytest.raises(ValueError):
         arrival_times(3, 0.0)
+
+
+def test_questions_ask_for_stdlib_functions_in_the_chat_template() -> None:
+    """Real prompts (a function's signature and docstring summary, in the model's chat template),
+    the same for the same seed, another seed starting elsewhere; the output length is a cap."""
+    import textwrap
+
+    from conveyor.errors import ConfigError
+    from conveyor.model.loader import load_tokenizer
+
+    with pytest.raises(ConfigError, match="tokenizer"):
+        generate_requests(WorkloadConfig(dataset="questions", num_prompts=2))
+    cfg = WorkloadConfig(dataset="questions", num_prompts=3, tokenizer="smollm2-135m")
+    requests = generate_requests(cfg)
+    assert requests == generate_requests(WorkloadConfig(**vars(cfg)))
+    assert all(r.output_len == 256 for r in requests)
+    text = load_tokenizer("smollm2-135m").decode(requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>user" in text and "Write a Python function `dedent(text)`" in text
+    assert textwrap.dedent.__doc__.strip().splitlines()[0] in text
+    other = generate_requests(WorkloadConfig(**{**vars(cfg), "seed": 1, "output_len": 64}))
+    assert other[0].prompt_token_ids != requests[0].prompt_token_ids and other[0].output_len == 64
