@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+    Histogram, generate_latest,
+)
 
 from conveyor.api.slo_metrics import SloMetrics
 from conveyor.engine.async_engine import StepReport
@@ -28,6 +31,11 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        # The process's own series, as vLLM's /metrics has them from prometheus_client's default
+        # registry: process_resident_memory_bytes (what this server holds), CPU seconds, open
+        # files, python_info, python_gc_* (of the serving process; a Ray deployment's workers are apart).
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(model_name)

@@ -33,7 +33,7 @@ def greedy_offline(offline, prompts, max_tokens: int, chat: bool = False) -> lis
         return pool.submit(offline.generate, prompts, params).result()
 
 
-def test_models_health_and_metric_names(http):
+def test_models_health_and_metric_names(server, http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert http.get("/health").json() == {"status": "ok"}
@@ -44,8 +44,14 @@ def test_models_health_and_metric_names(http):
         "conveyor:time_to_first_token_seconds_bucket", "conveyor:time_per_output_token_seconds_bucket",
         "conveyor:inter_token_latency_seconds_bucket", "conveyor:e2e_request_latency_seconds_bucket",
         "conveyor:request_queue_time_seconds_bucket", "conveyor:batch_size_bucket",
+        # the process's own, as vLLM's page has them
+        "process_resident_memory_bytes", "process_cpu_seconds_total", "python_info", "python_gc_collections_total",
     ):
         assert name in page, name
+    resident = next(float(line.split()[1]) for line in page.splitlines()
+                    if line.startswith("process_resident_memory_bytes "))
+    status = dict(line.split(":", 1) for line in open(f"/proc/{server.proc.pid}/status").read().splitlines() if ":" in line)
+    assert resident == pytest.approx(int(status["VmRSS"].split()[0]) * 1024, rel=0.1)  # the server process's own
 
 
 def test_completion_and_stream_equal_offline_greedy(client, offline):
