@@ -2,23 +2,7 @@
 by conveyor.engine.detokenizer, shared with LLM.generate."""
 from __future__ import annotations
 
-from functools import lru_cache
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    from conveyor.model.tokenizer import bytes_to_unicode
-
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
-def token_bytes(tokenizer: object, token_id: int) -> bytes:
-    """The raw bytes one token stands for (byte-level BPE), for logprob entries."""
-    spelled = getattr(tokenizer, "token_to_str", lambda _: None)(token_id)
-    table = _byte_decoder()
-    if spelled and all(c in table for c in spelled):
-        return bytes(table[c] for c in spelled)
-    return tokenizer.decode([token_id], skip_special_tokens=False).encode()  # type: ignore[attr-defined]
+from conveyor.model.tokenizer import token_bytes
 
 
 def token_text(tokenizer: object, token_id: int) -> str:

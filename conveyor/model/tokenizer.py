@@ -51,6 +51,9 @@ _INFILL_SPELLINGS = (
 )
 # A middle ends at the model's EOS or at one of these (padding, or the next file of a repository),
 # which llama.cpp counts as end-of-generation tokens too.
+# The repository-level pattern's tokens (a repository's name, then each file after a separator).
+_INFILL_REPO_SPELLINGS = ("<|repo_name|>", "<|fim_repo|>", "<repo_name>", "<fim-repo>")
+_INFILL_FILE_SEPARATOR_SPELLINGS = ("<|file_sep|>", "<file_sep>", "<fim-sep>", "<|file_separator|>")
 _INFILL_END_SPELLINGS = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>", "<|repo_name|>", "<|fim_repo|>", "<repo_name>",
                          "<fim-repo>", "<|file_sep|>", "<file_sep>", "<fim-sep>", "<|file_separator|>")
 
@@ -99,6 +102,10 @@ class InfillTokens:
     suffix: int
     middle: int
     ends: tuple[int, ...]
+    # llama.cpp's repository-level pattern (its /infill's input_extra): a repository's name after
+    # `repo`, then each file's name and text after `file_separator`; None where the model has none.
+    repo: int | None = None
+    file_separator: int | None = None
 
     @classmethod
     def find(cls, backend: _HFTokenizer, from_metadata: Mapping[str, int] | None = None) -> InfillTokens | None:
@@ -116,7 +123,12 @@ class InfillTokens:
             return None
         ends = [known[k] for k in _INFILL_END_KEYS if k in known]
         ends += [i for i in map(backend.token_to_id, _INFILL_END_SPELLINGS) if i is not None]
-        return cls(frame[0], frame[1], frame[2], tuple(dict.fromkeys(ends)))
+
+        def first(key: str, spellings: tuple[str, ...]) -> int | None:
+            return known.get(key, next((i for i in map(backend.token_to_id, spellings) if i is not None), None))
+
+        return cls(frame[0], frame[1], frame[2], tuple(dict.fromkeys(ends)), first("fim_rep", _INFILL_REPO_SPELLINGS),
+                   first("fim_sep", _INFILL_FILE_SEPARATOR_SPELLINGS))
 
 
 class ChatTemplateError(ConveyorError, ValueError):
@@ -135,6 +147,21 @@ def bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(printable, map(chr, chars)))
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes one token stands for: a byte-level vocabulary's spelling read back into bytes,
+    else the token decoded (special tokens as spelled)."""
+    spelled = getattr(tokenizer, "token_to_str", lambda _: None)(token_id)
+    table = _byte_decoder()
+    if spelled and all(c in table for c in spelled):
+        return bytes(table[c] for c in spelled)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, bool]:

@@ -1,6 +1,7 @@
 """ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -21,12 +22,13 @@ from conveyor.model.loader import checkpoint_bytes, describe_model, load_checkpo
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
-from conveyor.model.tokenizer import Tokenizer
+from conveyor.model.tokenizer import Tokenizer, token_bytes
 from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
 from conveyor.sampling.outputs import SamplerOutput, verify_rows
 from conveyor.structured.masking import apply_token_masks
+from conveyor.sampling.chain import InfillVocabulary
 from conveyor.sampling.sampler import Sampler
 from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput
@@ -116,6 +118,14 @@ def zeros_mapped_on_use(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     except (AttributeError, OSError):  # no such advice here (another OS, or a kernel without THP)
         pass
     return torch.frombuffer(area, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
+
+
+def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
+    """The vocabulary facts a sampler chain's infill step reads (None without a tokenizer or EOS)."""
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return None
+    ends = [*tokenizer.eos_token_ids, *(tokenizer.infill.ends if tokenizer.infill is not None else ())]
+    return InfillVocabulary(frozenset(ends), tokenizer.eos_token_id, functools.partial(token_bytes, tokenizer))
 
 
 @dataclass
@@ -218,7 +228,7 @@ class ModelRunner:
         self._window_layers = frozenset(layer for layer in range(model.cfg.num_layers)
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
-                               argmax=layer_ops(torch.float32).argmax_rows)
+                               argmax=layer_ops(torch.float32).argmax_rows, infill=infill_vocabulary(tokenizer))
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @property

@@ -28,6 +28,8 @@ _MAX_BAD_WORDS_TOKENS = 1024
 # request waits on it: bound that work before it gets there.
 _MAX_BAD_WORDS_CHARS = 64 * _MAX_BAD_WORDS_TOKENS
 _MAX_ALLOWED_TOKEN_IDS = 2**18  # the largest vocabulary served (Gemma 3's 262,144)
+# The llama.cpp samplers a sampler_chain may name (conveyor/sampling/chain.py), by their canonical names.
+CHAIN_STEPS = ("top_k", "top_p", "min_p", "temperature", "infill")
 log = logging.getLogger(__name__)
 
 
@@ -88,6 +90,11 @@ class SamplingParams:
     # An embedding request (SamplingParams.for_pooling): it computes its prompt and returns a vector
     # pooled from its hidden states, sampling nothing (conveyor/sampling/pooling.py).
     pooling: PoolingParams | None = None
+    # llama.cpp's order of samplers (its API's `samplers`; conveyor/sampling/chain.py): these steps
+    # (top_k, top_p, min_p, temperature, infill), in this order, on the distribution the logit
+    # adjustments leave, then a draw; a step not named is not applied, temperature included.
+    # None: vLLM's order (temperature, then min_p, top-k and top-p of the tempered distribution).
+    sampler_chain: tuple[str, ...] | None = None
 
     @classmethod
     def for_pooling(cls, pooling: PoolingParams, priority: int = 0, cache_salt: str | None = None) -> "SamplingParams":
@@ -148,6 +155,12 @@ class SamplingParams:
         self._check_logit_adjustments()
         if self.pooling is not None:
             self._check_pooling()
+        if self.sampler_chain is not None:
+            self.sampler_chain = tuple(self.sampler_chain)
+            unknown = [step for step in self.sampler_chain if step not in CHAIN_STEPS]
+            if unknown:
+                raise InvalidRequestError(f"sampler_chain takes steps of {', '.join(CHAIN_STEPS)}; got {unknown}",
+                                          param="sampler_chain")
 
     def _check_pooling(self) -> None:
         generating = [name for name, used in (
@@ -254,7 +267,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE_EPS
+        """Whether the token is the argmax of the adjusted logits (a sampler chain's infill step
+        may pick another, and a chain without its temperature step samples at 1)."""
+        if self.sampler_chain is None:
+            return self.temperature < GREEDY_TEMPERATURE_EPS
+        return (self.temperature < GREEDY_TEMPERATURE_EPS and "temperature" in self.sampler_chain
+                and "infill" not in self.sampler_chain)
 
     @property
     def penalized(self) -> bool:

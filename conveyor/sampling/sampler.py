@@ -18,6 +18,7 @@ from typing import Callable, MutableMapping, Sequence
 import torch
 
 from conveyor.request import Request
+from conveyor.sampling.chain import InfillVocabulary, draw_by_chain
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.outputs import SamplerOutput, TokenLogprobs, verify_rows
 
@@ -246,10 +247,13 @@ def _ranks(logp: torch.Tensor, chosen: torch.Tensor, rows_at_once: int = 64) -> 
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                 infill: InfillVocabulary | None = None) -> None:
         """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as
-        torch.argmax; the runner passes the model's vectorised one (sampling sits above no model)."""
+        torch.argmax; the runner passes the model's vectorised one (sampling sits above no model).
+        infill: what a sampler chain's infill step needs of the vocabulary (None: no such step)."""
         self._argmax = argmax
+        self._infill = infill
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
         self._allowed_masks: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -343,6 +347,11 @@ class Sampler:
         uniform = self._uniforms(requests)
         tokens = greedy.clone()
         drawn = [i for i, p in enumerate(params) if not p.greedy]
+        for i in [i for i in drawn if params[i].sampler_chain is not None]:  # llama.cpp's order, row by row
+            p = params[i]
+            tokens[i] = draw_by_chain(logits[i], p.sampler_chain or (), p.top_k, p.top_p, p.min_p, p.temperature,
+                                      float(uniform[i]), self._infill)
+        drawn = [i for i in drawn if params[i].sampler_chain is None]
         whole = [i for i in drawn if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         truncated = [i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0]
         for rows, draw in ((whole, _draw_from_vocabulary), (truncated, _draw_from_candidates)):

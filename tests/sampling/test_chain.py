@@ -1,0 +1,114 @@
+"""llama.cpp's sampler chain (conveyor/sampling/chain.py): its steps in the order named, the infill
+step as llama.cpp's infill sampler decides, and the Sampler routing such rows to it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conveyor.errors import InvalidRequestError
+from conveyor.request import Request
+from conveyor.sampling import SamplingParams
+from conveyor.sampling.chain import InfillVocabulary, draw_by_chain, infill_step
+from conveyor.sampling.sampler import Sampler
+
+LLAMA_DEFAULT = ("top_k", "top_p", "min_p", "temperature")  # llama.cpp's default order, less its no-op samplers
+
+
+def support(row: torch.Tensor, chain: tuple[str, ...], **settings: float) -> set[int]:
+    """Every token a draw can give, over uniforms spanning [0, 1)."""
+    defaults = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0}
+    s = {**defaults, **settings}
+    return {draw_by_chain(row, chain, int(s["top_k"]), s["top_p"], s["min_p"], s["temperature"], u / 400, None)
+            for u in range(400)}
+
+
+def test_truncations_cut_the_models_distribution_and_temperature_comes_last() -> None:
+    # probs at temperature 1 ~ [.61, .23, .08, .07, ...]: top_p 0.7 keeps the first two. At
+    # temperature 3 first (vLLM's order) the distribution flattens and top_p keeps more.
+    row = torch.tensor([3.0, 2.0, 1.0, 0.9, -2.0, -3.0])
+    assert support(row, LLAMA_DEFAULT, top_p=0.7, temperature=3.0) == {0, 1}
+    assert support(row, ("temperature", "top_p"), top_p=0.7, temperature=3.0) == {0, 1, 2}
+    # min_p 0.3 of the model's distribution: p >= 0.3 * 0.61 keeps tokens 0 and 1
+    assert support(row, LLAMA_DEFAULT, min_p=0.3, temperature=2.0) == {0, 1}
+    assert support(row, LLAMA_DEFAULT, top_k=3) == {0, 1, 2}
+    assert support(row, LLAMA_DEFAULT, temperature=0.0) == {0}
+
+
+def test_a_step_not_named_is_not_applied() -> None:
+    row = torch.tensor([3.0, 2.0, 1.0, 1.0])
+    assert support(row, ("top_k",), top_k=2, temperature=0.0) == {0, 1}  # no temperature step: sampled at 1
+    assert support(row, (), top_p=0.1, top_k=1) == {0, 1, 2, 3}
+
+
+def test_the_draw_follows_the_softmax_of_what_is_left() -> None:
+    row = torch.tensor([2.0, 1.0, 0.0, -5.0])
+    draws = [draw_by_chain(row, LLAMA_DEFAULT, 3, 1.0, 0.0, 0.5, (u + 0.5) / 20000, None) for u in range(20000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
+    expected = torch.softmax(row[:3].double() / 0.5, 0)
+    assert torch.allclose(freq[:3], expected, atol=1e-3) and freq[3] == 0
+
+
+def vocabulary(pieces: dict[int, bytes], ends: set[int], end_id: int) -> InfillVocabulary:
+    return InfillVocabulary(frozenset(ends), end_id, lambda t: pieces[t])
+
+
+def sorted_candidates(probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    values = torch.log(torch.tensor(probs, dtype=torch.float64))
+    order = values.argsort(descending=True)
+    return values[order].float(), order
+
+
+def test_infill_keeps_only_the_ends_when_ending_is_likely_enough() -> None:
+    # 3 * p_end * n > p_text: 3 * 0.1 * 4 = 1.2 > 0.9
+    pieces = {0: b"x = 1", 1: b"y", 2: b"<eos>", 3: b"z"}
+    values, ids = sorted_candidates([0.5, 0.2, 0.1, 0.2])
+    kept_values, kept_ids = infill_step(values, ids, vocabulary(pieces, {2}, 2))
+    assert kept_ids.tolist() == [2] and kept_values.tolist() == [values[ids.tolist().index(2)].item()]
+
+
+def test_infill_adds_a_tokens_probability_to_the_likelier_one_its_text_begins_or_extends() -> None:
+    # "ret" begins "return": 0.3 + 0.25 on "ret" (the likelier); "x" 0.2, "(" 0.2 stay apart.
+    # After the 0.2 threshold: "ret" 0.55, "x" 0.2, "(" 0.2 (and the end token); then 1 / (3 + 1):
+    # "ret" alone stands out among the text.
+    pieces = {0: b"ret", 1: b"return", 2: b"x", 3: b"(", 4: b"<eos>"}
+    probs = [0.3, 0.25, 0.2, 0.2, 0.05]  # 3 * 0.05 * 5 = 0.75 < 0.95: no early end
+    values, ids = sorted_candidates(probs)
+    kept_values, kept_ids = infill_step(values, ids, vocabulary(pieces, {4}, 4))
+    assert sorted(kept_ids.tolist()) == [0, 4]
+    # The kept keep their own logits: the draw is over those (llama.cpp's dist recomputes them).
+    assert torch.allclose(kept_values, torch.tensor([math.log(0.3), math.log(0.05)]))
+
+
+def test_infill_ends_where_no_text_stands_out() -> None:
+    pieces = {i: bytes([65 + i]) for i in range(8)}
+    pieces[8] = b"<eos>"
+    probs = [0.12] * 8 + [0.0025]  # no text token reaches 0.2; ending is unlikely (3 * .0025 * 9 < .96)
+    values, ids = sorted_candidates([p / sum(probs) for p in probs])
+    kept_values, kept_ids = infill_step(values, ids, vocabulary(pieces, {8}, 8))
+    assert kept_ids.tolist() == [8] and kept_values.numel() == 1
+
+
+def requests(*params: SamplingParams) -> list[Request]:
+    return [Request(str(i), [1], p, 0.0) for i, p in enumerate(params)]
+
+
+def test_the_sampler_draws_chain_rows_by_their_chain_and_greedy_means_the_argmax() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0, -2.0, -3.0]]).repeat(400, 1)
+    params = SamplingParams(temperature=3.0, top_p=0.7, sampler_chain=LLAMA_DEFAULT)
+    out = Sampler(seed=1)(logits, requests(*[params] * 400)).tokens
+    assert set(out) == {0, 1}
+    assert SamplingParams(temperature=0.0, sampler_chain=LLAMA_DEFAULT).greedy
+    assert not SamplingParams(temperature=0.0, sampler_chain=("top_k",)).greedy  # no temperature step
+    assert not SamplingParams(temperature=0.0, sampler_chain=("top_k", "infill", "temperature")).greedy
+    seeded = SamplingParams(temperature=1.0, seed=7, sampler_chain=LLAMA_DEFAULT)
+    rows = torch.randn(3, 50)
+    first = Sampler(seed=2)(rows, requests(seeded, SamplingParams(temperature=1.0), seeded)).tokens
+    again = Sampler(seed=9)(rows[[0]], requests(seeded)).tokens
+    assert first[0] == again[0]  # a seeded chain row draws the same whatever its batch
+
+
+def test_an_unknown_step_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="sampler_chain"):
+        SamplingParams(sampler_chain=("top_k", "mirostat"))
