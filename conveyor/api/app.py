@@ -1,5 +1,6 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
-Anthropic's /v1/messages, /v1/models, /tokenize, /detokenize, /version, /health, /metrics."""
+Anthropic's /v1/messages, /v1/models, Ollama's /api/..., llama.cpp's /completion and /infill,
+/tokenize, /detokenize, /version, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,9 @@ from conveyor.api.schema import (
 from conveyor.api.chat_translation import renamed
 from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
 from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
+from conveyor.api.llama_cpp import (
+    InfillFrame, LlamaCompletionRequest, LlamaInfillRequest, LlamaReply, bias_entries, infill_prompt, prompt_ids,
+)
 from conveyor.api.ollama import (
     CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OLLAMA_API_VERSION,
     OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaLegacyEmbedRequest, OllamaPullRequest,
@@ -458,6 +462,23 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(ndjson({"status": "success"}), media_type=NDJSON)
 
     app.include_router(api)
+
+    # llama.cpp's own API (conveyor/api/llama_cpp.py), for the clients written against llama-server.
+    # Not in /openapi.json, as llama-server publishes no schema of its own.
+    llama = APIRouter(dependencies=[Depends(check_key)], include_in_schema=False)
+
+    @llama.post("/completion")
+    @llama.post("/completions")
+    async def llama_completion(request: Request) -> Response:
+        data = await _read_json(request, state)
+        _check_prompt_sizes(state, data)
+        return await _llama_answer(request, state, parse(LlamaCompletionRequest, data))
+
+    @llama.post("/infill")
+    async def llama_infill(request: Request) -> Response:
+        return await _llama_answer(request, state, parse(LlamaInfillRequest, await _read_json(request, state)))
+
+    app.include_router(llama)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> Response:
@@ -936,6 +957,74 @@ async def _ollama_answer(request: Request, state: ServerState, gen: Generation, 
         raise renamed(exc, fields) from None
 
 
+# /v1/completions' fields as llama.cpp's API names them, for the refusals its pipeline raises.
+LLAMA_FIELDS = (("^max_tokens", "n_predict"), ("^repetition_penalty", "repeat_penalty"), ("^logprobs", "n_probs"),
+                ("^response_format", "json_schema"))
+
+
+def _llama_prompts(state: ServerState, body: LlamaCompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids: llama.cpp's prompt shapes, or /infill's framed prompt."""
+    tokenizer = state.tokenizer
+
+    def encode(text: str, bos: bool = False) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=bos)
+
+    if not isinstance(body, LlamaInfillRequest):
+        return prompt_ids(body.prompt, encode)
+    fim = tokenizer.infill
+    if fim is None:
+        raise bad_request("this model has no fill-in-the-middle tokens: /infill needs a code model trained to infill "
+                          "(e.g. Qwen2.5-Coder, StarCoder2, CodeGemma)", param="input_prefix")
+    given = prompt_ids(body.prompt, lambda text, _: encode(text)) if body.prompt else [[]]
+    if len(given) != 1:
+        raise bad_request("/infill takes one prompt (the text the middle starts with)", param="prompt")
+    frame = InfillFrame(fim.prefix, fim.suffix, fim.middle, fim.repo, fim.file_separator,
+                        tokenizer.bos_token_id if tokenizer.add_bos_token else None)
+    plain = lambda text: tokenizer.encode(text, add_special_tokens=False, parse_special=False)  # noqa: E731
+    return [infill_prompt(body, frame, plain, given[0], state.capacity)]
+
+
+async def _llama_answer(request: Request, state: ServerState, body: LlamaCompletionRequest) -> Response:
+    """A /completion or /infill request served as the completion it amounts to, sampled in
+    llama.cpp's order and answered in llama-server's shapes."""
+    _check_model(state, body.model)
+    chain = body.sampler_chain()
+    tokenizer = state.tokenizer
+    prompts = await asyncio.to_thread(_llama_prompts, state, body)
+    generates = body.n_predict != 0  # 0: the prompt computed into the cache, nothing written
+    fields = body.completion_fields()
+    bias = bias_entries(body, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    try:
+        completion = parse(CompletionRequest, {"model": body.model, "prompt": prompts if len(prompts) > 1 else prompts[0],
+                                               "logit_bias": bias or None, **fields})
+        max_tokens = None if body.n_predict < 0 else max(body.n_predict, 1)
+        prompts, params = await _completion_params(state, completion, max_tokens, body.n_probs or None,
+                                                   room_by_default=True)
+        # llama.cpp ends a generation at any of its end-of-generation tokens: the model's ends of a
+        # middle (padding, the next file) too.
+        ends = [] if params.ignore_eos or tokenizer.infill is None else list(tokenizer.infill.ends)
+        params = dataclasses.replace(params, sampler_chain=chain,
+                                     stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])))
+    except APIError as exc:
+        raise renamed(exc, LLAMA_FIELDS) from None
+    except InvalidRequestError as exc:
+        raise renamed(invalid(exc), LLAMA_FIELDS) from None
+    gen = Generation(state.engine, tokenizer, params, body.n_probs or None, "llamacpp", generates=generates)
+    reply = LlamaReply(body, _name(state, body.model), state.capacity, prompts,
+                       lambda ids: tokenizer.decode(ids, skip_special_tokens=False), generates)
+
+    def whole() -> dict[str, Any] | list[dict[str, Any]]:
+        if any(c.finish_reason == "abort" and c.index not in reply.stop_types for c in gen.choices):
+            raise _aborted(state)
+        return reply.whole(gen)
+
+    events = reply.events(gen, lambda: _aborted(state)) if body.stream else None
+    try:
+        return await _answer(request, state, gen, prompts, events, whole, updates=None if body.stream else reply.run(gen))
+    except APIError as exc:
+        raise renamed(exc, LLAMA_FIELDS) from None
+
+
 def _aborted(state: ServerState) -> APIError:
     """What a request the engine aborted before its end is answered with (not streamed)."""
     if state.draining:
@@ -1046,17 +1135,17 @@ async def _serve(request: Request, state: ServerState, gen: Generation, prompts:
 
 
 async def _answer(request: Request, state: ServerState, gen: Generation, prompts: list[list[int]],
-                  events: AsyncIterator[str] | None, whole: Callable[[], dict[str, Any]],
+                  events: AsyncIterator[str] | None, whole: Callable[[], Any],
                   echo: list[str] | None = None, chat: bool = False, prompt_field: str = "prompt",
-                  media_type: str = "text/event-stream") -> Response:
+                  media_type: str = "text/event-stream", updates: AsyncIterator[Any] | None = None) -> Response:
     """Hand the prompts to the engine, then answer with `events` streamed (SSE, or `media_type`), or
-    with `whole()` once every choice has ended; 499 (and the requests aborted) if the client goes
-    away first."""
+    with `whole()` once every choice has ended (the generation's updates read through `updates`
+    where given); 499 (and the requests aborted) if the client goes away first."""
     release = await _admit(state, gen, prompts, echo, chat, prompt_field)
     if events is not None:
         return SSEResponse(events, release, media_type)
     try:
-        finished = await run_to_end(request, gen)
+        finished = await run_to_end(request, gen, updates)
     finally:
         release()
     return JSONResponse(whole()) if finished else Response(status_code=499)

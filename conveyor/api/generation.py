@@ -34,6 +34,8 @@ class TokenLogprob:
     logprob: float | None  # None only for an echoed prompt's first token (nothing precedes it)
     top: list[tuple[str, bytes, float]] | None  # the top-k alternatives, best first
     text_offset: int
+    token_id: int | None = None  # and the ids of the token and its alternatives (llama.cpp's API names them)
+    top_ids: list[int] | None = None
 
 
 @dataclass
@@ -156,7 +158,8 @@ def _entry(tokenizer: Any, name: Callable[[int], str], token: int, logprobs: dic
     ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:k]
     top = [(name(t), token_bytes(tokenizer, t), finite(lp)) for t, lp in ranked]
     chosen = logprobs.get(token, float("-inf"))
-    return TokenLogprob(name(token), token_bytes(tokenizer, token), finite(chosen), top, offset)
+    return TokenLogprob(name(token), token_bytes(tokenizer, token), finite(chosen), top, offset, token,
+                        [t for t, _ in ranked])
 
 
 class Generation:

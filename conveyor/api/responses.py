@@ -209,12 +209,12 @@ def whole_body(gen: Generation, fmt: CompletionFormat) -> dict[str, Any]:
     return body
 
 
-async def run_to_end(request: Request, gen: Generation) -> bool:
-    """Run every choice to its end, or raise the engine's failure; False if the client disconnected
-    first (its requests are then aborted)."""
+async def run_to_end(request: Request, gen: Generation, updates: AsyncIterator[Any] | None = None) -> bool:
+    """Run every choice to its end (through `updates`, a consumer of gen.updates(), where given), or
+    raise the engine's failure; False if the client disconnected first (its requests are then aborted)."""
 
     async def collect() -> None:
-        async for _ in gen.updates():
+        async for _ in updates if updates is not None else gen.updates():
             pass
 
     async def disconnected() -> None:

@@ -1,0 +1,445 @@
+"""llama.cpp's own server API (POST /completion, its older /completions, and /infill), for the
+clients written against llama-server: its README's examples (`n_predict`, `content`, `stop_type`,
+`timings`), scripts and front ends built on them, and the editor plugins that complete code by
+fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`, `n_indent`,
+`t_max_predict_ms` and the `infill` sampler).
+
+A request is served as the completion it amounts to, through /v1/completions' pipeline, sampled in
+llama.cpp's way: its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) and its order of
+samplers (`samplers`, by name or letter; top-k, top-p and min-p cut the model's own distribution,
+temperature comes last: conveyor/sampling/chain.py). A sampler this server does not have (DRY,
+XTC, typical-p, mirostat, top-n-sigma, ...) is taken only at the value that turns it off; a
+penalty window other than the whole context (`repeat_last_n` -1) or none (0) is refused, and
+presence and frequency penalties too (llama.cpp counts them over the prompt as well, OpenAI's over
+the output: /v1/completions has those).
+
+`cache_prompt` is taken either way: a prompt's cached prefix computes the same bits here, so it
+changes no result, only speed. `t_max_prompt_ms` is taken and not enforced, as llama-server itself
+reads and does not enforce it. There are no slots: `id_slot` is -1, and every answer says 0.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import AliasChoices, Field, model_validator
+
+from conveyor.api.errors import APIError, bad_request
+from conveyor.api.generation import Choice, Generation, TokenLogprob, take_token_ids
+from conveyor.api.protocol import Text, _Strict
+from conveyor.api.responses import failure
+
+# llama-server's default order (common_params_sampling.samplers) and its names' aliases.
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+_CANONICAL = ("dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "infill", "penalties",
+              "adaptive_p")
+_SAMPLER_NAMES = {
+    **{name: name for name in _CANONICAL},
+    **{name.replace("_", "-"): name for name in _CANONICAL},
+    **{name.replace("_", ""): name for name in _CANONICAL},
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+}
+_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                    "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# The samplers applied here; the others are taken only at the settings that leave them idle.
+_APPLIED = ("top_k", "top_p", "min_p", "temperature", "infill")
+# llama-server's default logical batch (-b): its /infill takes up to 3/4 of it of the prefix and
+# the rest of a quarter of the suffix.
+INFILL_BATCH = 2048
+# A top_p of 0 keeps the likeliest token alone (llama.cpp's min_keep 1); the engine takes (0, 1].
+_KEEP_ONE = 1e-9
+
+
+class InputChunk(_Strict):
+    """A file's text given as context to /infill (llama.vim and llama.vscode send the chunks they
+    gathered, with the time they took each)."""
+
+    text: Text = ""
+    filename: Text = "tmp"
+    time: float | None = None  # when the client took the chunk: for the client's own bookkeeping
+
+
+class LlamaCompletionRequest(_Strict):
+    """llama-server's /completion fields (tools/server/README.md)."""
+
+    model: Text | None = None
+    prompt: Text | list[Any] = ""
+    n_predict: int = Field(-1, ge=-1, validation_alias=AliasChoices("n_predict", "max_tokens", "max_completion_tokens"))
+    temperature: float = Field(0.8, ge=0)
+    top_k: int = Field(40, ge=0)
+    top_p: float = Field(0.95, ge=0, le=1)
+    min_p: float = Field(0.05, ge=0, le=1)
+    seed: int = -1
+    stop: list[Text] = []
+    stream: bool = False
+    ignore_eos: bool = False
+    n_probs: int = Field(0, ge=0, le=20, validation_alias=AliasChoices("n_probs", "logprobs"))
+    logit_bias: list[list[Any]] | dict[str, float | bool] | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = Field(64, ge=-1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    samplers: list[Text] | Text | None = None
+    json_schema: dict[str, Any] | None = None
+    cache_prompt: bool = True
+    return_tokens: bool = False
+    timings_per_token: bool = False
+    response_fields: list[Text] | None = None
+    n_indent: int = Field(0, ge=0)
+    t_max_predict_ms: int = Field(0, ge=-1)
+    t_max_prompt_ms: int | None = None  # taken and not enforced, as llama-server (module docstring)
+    # Tokens kept when a full context shifts: a context never shifts here (a prompt that does not
+    # fit is refused), so there is nothing to keep; 0 and -1 (all) both hold.
+    n_keep: int = Field(0, ge=-1, le=0)
+    # Settings of samplers this server does not have, read only when their own switch turns them on.
+    dynatemp_exponent: float = 1.0
+    xtc_threshold: float = 0.1
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[Text] | None = None
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+
+    unsupported = {
+        "typical_p": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0),
+        "mirostat": (0,), "top_n_sigma": (-1, -1.0), "min_keep": (0,), "post_sampling_probs": (False,),
+        "n_discard": (0,), "n_cache_reuse": (0,), "lora": ([],), "grammar": ("", None), "id_slot": (-1,),
+        "n_cmpl": (1,), "n": (1,), "return_progress": (False,), "verbose": (False,), "backend_sampling": (False,),
+    }
+
+    @model_validator(mode="after")
+    def _penalties(self) -> "LlamaCompletionRequest":
+        if self.repeat_penalty != 1.0 and self.repeat_last_n not in (-1, 0):
+            raise ValueError(f"repeat_last_n of {self.repeat_last_n} tokens is not supported: repeat_penalty covers "
+                             "the whole context here (send -1, or 0 for no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported here (llama.cpp counts it over the prompt too): "
+                                 f"/v1/completions takes it over the output, as OpenAI's")
+        return self
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    def sampler_chain(self) -> tuple[str, ...]:
+        """The steps this request's `samplers` apply here, in order; a refusal names `samplers`."""
+        given = DEFAULT_SAMPLERS if self.samplers is None else self.samplers
+        names: list[str] = []
+        for item in given if isinstance(given, list) or isinstance(given, tuple) else list(given):
+            table = _SAMPLER_LETTERS if isinstance(self.samplers, str) else _SAMPLER_NAMES
+            name = table.get(item.lower())
+            if name is None:
+                known = ", ".join(sorted(table))
+                raise bad_request(f"samplers: unknown sampler {item!r} (known: {known})", param="samplers")
+            names.append(name)
+        chain = tuple(name for name in names if name in _APPLIED)
+        if self.penalized:
+            if "penalties" not in names:
+                raise bad_request("samplers: repeat_penalty is set but the samplers leave out 'penalties'",
+                                  param="samplers")
+            before = names[:names.index("penalties")]
+            if any(name in _APPLIED for name in before):
+                raise bad_request("samplers: 'penalties' must come before the samplers that cut or scale the "
+                                  "distribution here", param="samplers")
+        return chain
+
+    def completion_fields(self) -> dict[str, Any]:
+        """What the request asks of /v1/completions' fields (its prompt and length aside)."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p or _KEEP_ONE,
+            "min_p": self.min_p, "seed": None if self.seed < 0 or self.seed >= 2**32 - 1 else self.seed,
+            "stop": self.stop, "ignore_eos": self.ignore_eos,
+        }
+        if self.penalized:
+            fields["repetition_penalty"] = self.repeat_penalty
+        if self.json_schema is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema",
+                                                                               "schema": self.json_schema}}
+        return fields
+
+    def settings(self, n_ctx: int) -> dict[str, Any]:
+        """llama.cpp's `generation_settings`: what the request was served with."""
+        return {"n_predict": self.n_predict, "seed": self.seed, "temperature": self.temperature,
+                "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repeat_last_n": self.repeat_last_n,
+                "repeat_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "stop": self.stop, "ignore_eos": self.ignore_eos,
+                "stream": self.stream, "n_probs": self.n_probs, "n_keep": self.n_keep, "n_indent": self.n_indent,
+                "t_max_predict_ms": self.t_max_predict_ms, "timings_per_token": self.timings_per_token,
+                "samplers": list(self.sampler_chain()), "n_ctx": n_ctx}
+
+
+class LlamaInfillRequest(LlamaCompletionRequest):
+    """/infill: the code before and after the cursor, other files as context, and `prompt` (text the
+    middle starts with)."""
+
+    input_prefix: Text = ""
+    input_suffix: Text = ""
+    input_extra: list[InputChunk] = []
+
+
+def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]]) -> dict[str, float]:
+    """llama.cpp's logit_bias ([[token, bias], ...] or {token: bias}; a token as an id or as text,
+    each of whose tokens then takes the bias; `false` bans it) as /v1/completions' {id: bias}."""
+    pairs = body.logit_bias.items() if isinstance(body.logit_bias, dict) else (body.logit_bias or [])
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise bad_request("logit_bias takes [token, bias] pairs", param="logit_bias")
+        token, bias = pair
+        if bias is False:
+            bias = -100.0  # OpenAI's floor: as good as never
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad_request(f"logit_bias: a bias is a number or false, got {bias!r}", param="logit_bias")
+        if isinstance(token, str) and token.isdigit() and isinstance(body.logit_bias, dict):
+            ids = [int(token)]  # an object's keys are strings: digits name a token id
+        elif isinstance(token, str):
+            ids = encode(token)
+        elif isinstance(token, int) and not isinstance(token, bool):
+            ids = [token]
+        else:
+            raise bad_request(f"logit_bias: a token is an id or a text, got {token!r}", param="logit_bias")
+        out.update({str(i): float(bias) for i in ids})
+    return out
+
+
+def prompt_ids(prompt: str | list[Any], encode: Callable[[str, bool], list[int]]) -> list[list[int]]:
+    """llama.cpp's prompt shapes as token-id prompts: a text; token ids and texts mixed (one
+    prompt); or a list of texts or of such lists (one prompt each). A text that starts a prompt
+    takes the model's BOS (`encode(text, first)`)."""
+    def one(item: str | list[Any]) -> list[int]:
+        if isinstance(item, str):
+            return encode(item, True)
+        ids: list[int] = []
+        for position, part in enumerate(item):
+            if isinstance(part, str):
+                ids += encode(part, position == 0)
+            elif isinstance(part, int) and not isinstance(part, bool):
+                ids.append(part)
+            else:
+                raise bad_request(f"prompt: an element is a token id or a text, got {part!r}", param="prompt")
+        return ids
+
+    if isinstance(prompt, str):
+        return [one(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if any(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [one(prompt)]  # ids, perhaps with texts between them
+    if all(isinstance(p, (str, list)) for p in prompt):
+        return [one(p) for p in prompt]
+    raise bad_request("prompt is a text, token ids (with texts between them), or a list of those", param="prompt")
+
+
+@dataclass(frozen=True)
+class InfillFrame:
+    """A model's fill-in-the-middle tokens and BOS, as llama.cpp's /infill frames a prompt."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None
+    file_separator: int | None
+    bos: int | None
+
+
+def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable[[str], list[int]],
+                  prompt: list[int], n_ctx: int) -> list[int]:
+    """llama-server's /infill prompt: the extra files first (the repository-level pattern where the
+    model has its tokens, else each after a separator line), then prefix, prompt, suffix and the
+    middle token; the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the
+    prompt, the extra files what is left of the context after a batch and twice n_predict (their
+    latest part)."""
+    extra: list[int] = []
+    if frame.repo is not None:
+        extra += [frame.repo, *encode("myproject\n")]
+    for chunk in body.input_extra:
+        if frame.file_separator is not None:
+            extra += [frame.file_separator, *encode(chunk.filename + "\n")]
+        else:
+            extra += encode("\n\n--- snippet ---\n\n")
+        extra += encode(chunk.text)
+    if frame.file_separator is not None:
+        extra += [frame.file_separator, *encode("filename\n")]
+    before, after = encode(body.input_prefix), encode(body.input_suffix)
+    before = before[len(before) - min(len(before), 3 * (INFILL_BATCH // 4)):]
+    after = after[:min(len(after), max(0, INFILL_BATCH // 4 - (2 + len(prompt))))]
+    take = min(max(0, n_ctx - INFILL_BATCH - 2 * body.n_predict), len(extra))
+    head = [frame.bos] if frame.bos is not None else []
+    return [*extra[len(extra) - take:], *head, frame.prefix, *before, *prompt, frame.suffix, *after, frame.middle]
+
+
+def _response_fields(body: dict[str, Any], wanted: Sequence[str] | None) -> dict[str, Any]:
+    """Only the fields asked for, a path with slashes taken from inside (llama.cpp's
+    json_get_nested_values: its key is the path as asked); a path that is not there is left out."""
+    if not wanted:
+        return body
+    out = {}
+    for path in wanted:
+        value: Any = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
+class IndentLimit:
+    """llama.cpp's n_indent: once a line after the first starts with less indentation than this,
+    the generation ends there and that line keeps only its indentation. Text is released as it can
+    no longer be cut (a line's leading spaces and tabs wait for what follows them)."""
+
+    def __init__(self, indent: int) -> None:
+        self.indent = indent
+        self.text = ""  # everything generated so far, as kept
+        self.released = 0
+        self.hit = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.indent > 0 and not self.hit:
+            start = self.text.find("\n") + 1
+            while start > 0:
+                rest = self.text[start:]
+                stripped = rest.lstrip(" \t")
+                width = len(rest) - len(stripped)
+                if not stripped:
+                    break  # the line's indentation so far: wait
+                if width < self.indent:
+                    self.text, self.hit = self.text[:start + width], True
+                    break
+                start = self.text.find("\n", start) + 1
+        if self.hit or self.indent <= 0:
+            ready = len(self.text)
+        else:
+            last = self.text.rfind("\n")
+            ready = len(self.text) if last < 0 or self.text[last + 1:].strip(" \t") else last + 1
+        out, self.released = self.text[self.released:ready], max(self.released, ready)
+        return out
+
+    def rest(self) -> str:
+        out, self.released = self.text[self.released:], len(self.text)
+        return out
+
+
+@dataclass
+class LlamaReply:
+    """An answer to /completion or /infill, whole or as server-sent events, in llama-server's shapes."""
+
+    body: LlamaCompletionRequest
+    model: str
+    n_ctx: int
+    prompts: list[list[int]]
+    prompt_text: Callable[[list[int]], str]
+    generates: bool = True
+    limits: dict[int, IndentLimit] = field(default_factory=dict)
+    stop_types: dict[int, str] = field(default_factory=dict)  # a choice ended here (n_indent, t_max_predict_ms)
+
+    def limit(self, choice: Choice) -> IndentLimit:
+        return self.limits.setdefault(choice.index, IndentLimit(self.body.n_indent))
+
+    def timings(self, gen: Generation) -> dict[str, Any]:
+        now = time.perf_counter_ns()
+        first, submitted = gen.first_token_ns or now, gen.submitted_ns or now
+        prompt_n = max(0, gen.prompt_tokens - gen.cached_tokens)
+        predicted_n = gen.completion_tokens if self.generates else 0
+        prompt_ms, predicted_ms = (first - submitted) / 1e6, ((gen.last_token_ns or first) - first) / 1e6
+        return {"cache_n": gen.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+                "predicted_per_second": 1e3 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0}
+
+    def stop_type(self, choice: Choice) -> tuple[str, str]:
+        """(stop_type, stopping_word) of a finished choice."""
+        if choice.index in self.stop_types:
+            return self.stop_types[choice.index], ""
+        if choice.finish_reason == "stop" and isinstance(choice.stop_reason, str):
+            return "word", choice.stop_reason
+        if choice.finish_reason == "length":
+            return "limit", ""
+        return "eos", ""
+
+    @staticmethod
+    def _probabilities(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        def item(token_id: int | None, text: str, raw: bytes, logprob: float | None) -> dict[str, Any]:
+            return {"id": token_id, "token": text, "bytes": list(raw), "logprob": logprob}
+
+        return [{**item(e.token_id, e.token, e.token_bytes, e.logprob),
+                 "top_logprobs": [item(i, t, b, lp) for i, (t, b, lp) in zip(e.top_ids or [], e.top or [])]}
+                for e in entries]
+
+    def final(self, gen: Generation, choice: Choice, text: str, streamed: bool) -> dict[str, Any]:
+        stop_type, word = self.stop_type(choice)
+        prompt = self.prompts[choice.index] if choice.index < len(self.prompts) else []
+        tokens = list(choice.token_ids) if self.generates else []
+        body: dict[str, Any] = {
+            "index": choice.index, "content": text, "tokens": tokens if self.body.return_tokens else [],
+            "id_slot": 0, "stop": True, "model": self.model, "tokens_predicted": len(tokens),
+            "tokens_evaluated": len(prompt), "generation_settings": self.body.settings(self.n_ctx),
+            "prompt": self.prompt_text(prompt), "has_new_line": "\n" in self.limit(choice).text,
+            "truncated": False, "stop_type": stop_type, "stopping_word": word, "tokens_cached": gen.cached_tokens,
+            "timings": self.timings(gen),
+        }
+        if not streamed and self.body.n_probs and self.generates:
+            body["completion_probabilities"] = self._probabilities(choice.logprobs)
+        return _response_fields(body, self.body.response_fields)
+
+    def whole(self, gen: Generation) -> dict[str, Any] | list[dict[str, Any]]:
+        answers = [self.final(gen, c, self.limit(c).text if self.generates else "", streamed=False)
+                   for c in gen.choices]
+        return answers[0] if len(answers) == 1 else answers
+
+    def _past_time(self, gen: Generation, choice: Choice) -> bool:
+        limit = self.body.t_max_predict_ms
+        return (limit > 0 and gen.first_token_ns is not None and "\n" in self.limit(choice).text
+                and (time.perf_counter_ns() - gen.first_token_ns) / 1e6 > limit)
+
+    async def run(self, gen: Generation) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+        """The generation's updates with llama.cpp's own limits applied: text as n_indent releases it,
+        and each choice ended (its engine request aborted) where n_indent or t_max_predict_ms ends it."""
+        async for choice, delta, entries in gen.updates():
+            if choice.index in self.stop_types:
+                continue
+            limit = self.limit(choice)
+            released = limit.feed(delta) if self.generates else ""
+            if not choice.finished and (limit.hit or self._past_time(gen, choice)):
+                self.stop_types[choice.index] = "limit"
+                gen.engine.abort(gen.request_ids[choice.index])
+                choice.finish_reason = "length"
+                released += limit.rest()
+            elif choice.finished:
+                released += limit.rest()
+            yield choice, released, entries
+
+    async def events(self, gen: Generation, aborted: Callable[[], APIError]) -> AsyncIterator[str]:
+        """A `data:` event per token (its text, its ids, its probabilities when asked), then each
+        choice's last with the whole answer's fields; `data: {"error": ...}` if the engine fails
+        (llama-server's stream has no [DONE])."""
+        async for choice, text, entries in self.run(gen):
+            if text or entries:
+                chunk: dict[str, Any] = {"index": choice.index, "content": text, "tokens": take_token_ids(choice),
+                                         "stop": False, "id_slot": 0, "tokens_predicted": len(choice.token_ids),
+                                         "tokens_evaluated": gen.prompt_tokens}
+                if self.body.timings_per_token:
+                    chunk["timings"] = self.timings(gen)
+                if self.body.n_probs and entries:
+                    chunk["completion_probabilities"] = self._probabilities(entries)
+                yield _event(chunk)
+            if choice.finished and (choice.finish_reason != "abort" or choice.index in self.stop_types):
+                yield _event(self.final(gen, choice, "", streamed=True))
+        if gen.error is not None or any(c.finish_reason == "abort" and c.index not in self.stop_types
+                                        for c in gen.choices):
+            error = failure(gen) if gen.error is not None else aborted()
+            yield _event({"error": {"code": error.status, "message": error.message, "type": error.type}})
+
+
+def _event(body: dict[str, Any]) -> str:
+    return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"

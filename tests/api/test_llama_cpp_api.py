@@ -1,0 +1,247 @@
+"""llama.cpp's own API (/completion, /infill) on the real Qwen2.5-Coder-0.5B-Instruct, in-process
+over the real engine: the same text as the completion a request amounts to, streamed events that add
+up to the whole answer, llama.cpp's order of samplers and its infill sampler, its fields (n_predict
+0 warming the cache, n_probs, logit_bias's forms, response_fields, n_indent, t_max_predict_ms), the
+payload llama.vscode sends, the fill-in-the-middle prompt's layout, and refusals naming the field."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conveyor.api.app import ServerState
+from conveyor.api.llama_cpp import INFILL_BATCH, IndentLimit, InfillFrame, LlamaInfillRequest, infill_prompt
+from tests.api.conftest import in_process_app
+
+MODEL = "qwen2.5-coder-0.5b"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[tuple[TestClient, ServerState]]:
+    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def http(app: tuple[TestClient, ServerState]) -> TestClient:
+    return app[0]
+
+
+def complete(http: TestClient, path: str = "/completion", **fields: Any) -> Any:
+    reply = http.post(path, json=fields)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def events(http: TestClient, path: str = "/completion", **fields: Any) -> list[dict[str, Any]]:
+    reply = http.post(path, json={**fields, "stream": True})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    frames = [f for f in reply.text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and "[DONE]" not in reply.text  # llama-server sends none
+    return [json.loads(f.removeprefix("data: ")) for f in frames]
+
+
+def test_a_completion_is_the_completion_it_amounts_to(http):
+    answer = complete(http, prompt=PROMPT, n_predict=24, temperature=0, return_tokens=True)
+    same = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                             "return_token_ids": True}).json()
+    choice = same["choices"][0]
+    assert answer["content"] == choice["text"] and answer["tokens"] == choice["token_ids"]
+    assert answer["stop"] is True and answer["stop_type"] == "limit" and answer["tokens_predicted"] == 24
+    assert answer["tokens_evaluated"] == same["usage"]["prompt_tokens"] and answer["prompt"] == PROMPT
+    assert answer["model"] == MODEL and answer["id_slot"] == 0 and answer["truncated"] is False
+    assert answer["has_new_line"] == ("\n" in answer["content"])
+    timings = answer["timings"]
+    assert timings["predicted_n"] == 24 and timings["prompt_n"] + timings["cache_n"] == answer["tokens_evaluated"]
+    assert timings["prompt_ms"] > 0 and timings["predicted_per_second"] > 0
+    settings = answer["generation_settings"]
+    assert settings["n_predict"] == 24 and settings["n_ctx"] == 512
+    # llama-server's default order, less the samplers that are idle at their defaults
+    assert settings["samplers"] == ["top_k", "top_p", "min_p", "temperature"]
+    assert (settings["top_k"], settings["top_p"], settings["min_p"]) == (40, 0.95, 0.05)
+
+
+def test_streamed_events_add_up_to_the_whole_answer(http):
+    whole = complete(http, prompt=PROMPT, n_predict=16, temperature=0, return_tokens=True)
+    frames = events(http, prompt=PROMPT, n_predict=16, temperature=0, timings_per_token=True)
+    parts, last = frames[:-1], frames[-1]
+    assert all(f["stop"] is False and "timings" in f for f in parts)
+    assert "".join(f["content"] for f in parts) == whole["content"]
+    assert [t for f in parts for t in f["tokens"]] == whole["tokens"]  # a stream always carries the ids
+    assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "limit"
+    assert last["tokens_predicted"] == 16
+
+
+def test_seeded_sampling_repeats_and_top_k_one_is_greedy(http):
+    first = complete(http, prompt=PROMPT, n_predict=16, seed=42)  # llama.cpp's defaults: temperature 0.8 last
+    again = complete(http, prompt=PROMPT, n_predict=16, seed=42)
+    assert first["content"] == again["content"]
+    greedy = complete(http, prompt=PROMPT, n_predict=16, temperature=0)
+    assert complete(http, prompt=PROMPT, n_predict=16, top_k=1, temperature=1.5, seed=1)["content"] == greedy["content"]
+    # letters: top-k then temperature only
+    by_letters = complete(http, prompt=PROMPT, n_predict=4, samplers="kt", temperature=0)
+    assert by_letters["generation_settings"]["samplers"] == ["top_k", "temperature"]
+    assert by_letters["content"] == complete(http, prompt=PROMPT, n_predict=4, temperature=0)["content"]
+
+
+def test_a_stop_word_ends_the_answer_and_is_named(http):
+    answer = complete(http, prompt=PROMPT, n_predict=48, temperature=0, stop=["return"])
+    assert answer["stop_type"] == "word" and answer["stopping_word"] == "return"
+    assert "return" not in answer["content"]
+
+
+def test_n_probs_gives_each_tokens_probabilities_as_llama_cpp(http):
+    answer = complete(http, prompt=PROMPT, n_predict=3, temperature=0, n_probs=2, return_tokens=True)
+    probs = answer["completion_probabilities"]
+    assert [p["id"] for p in probs] == answer["tokens"]
+    same = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                             "logprobs": 2}).json()["choices"][0]["logprobs"]
+    for p, token, logprob, top in zip(probs, same["tokens"], same["token_logprobs"], same["top_logprobs"]):
+        assert p["token"] == token and p["logprob"] == pytest.approx(logprob) and bytes(p["bytes"]) == token.encode()
+        assert [t["token"] for t in p["top_logprobs"]] == list(top)
+        assert [t["logprob"] for t in p["top_logprobs"]] == pytest.approx(list(top.values()))
+        assert all(isinstance(t["id"], int) for t in p["top_logprobs"])
+
+
+def test_n_predict_zero_computes_the_prompt_into_the_cache(http):
+    prompt = "# A module of small numeric helpers.\n" * 6 + "def mean(values):"
+    warm = complete(http, prompt=prompt, n_predict=0)
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["stop_type"] == "limit"
+    after = complete(http, prompt=prompt, n_predict=4, temperature=0)
+    assert after["tokens_cached"] >= 16 and after["timings"]["cache_n"] == after["tokens_cached"]
+
+
+def test_logit_bias_in_each_of_llama_cpps_forms(http):
+    greedy = complete(http, prompt=PROMPT, n_predict=1, temperature=0, return_tokens=True)
+    first = greedy["tokens"][0]
+    for bias in ([[first, False]], {str(first): -100}, [[greedy["content"], -100]]):
+        other = complete(http, prompt=PROMPT, n_predict=1, temperature=0, return_tokens=True, logit_bias=bias)
+        assert other["tokens"][0] != first, bias
+
+
+def test_response_fields_keep_only_those_asked(http):
+    answer = complete(http, prompt=PROMPT, n_predict=2, temperature=0,
+                      response_fields=["content", "generation_settings/n_predict", "no/such"])
+    assert set(answer) == {"content", "generation_settings/n_predict"} and answer["generation_settings/n_predict"] == 2
+
+
+def test_several_prompts_answer_as_a_list(http):
+    answers = complete(http, prompt=["def a():", [755, 293, 3932]], n_predict=2, temperature=0)
+    assert [a["index"] for a in answers] == [0, 1] and all(a["stop"] for a in answers)
+
+
+# What llama.vscode sends (its llama-server.ts), with a file of context.
+VSCODE = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
+          "input_extra": [{"text": "def sub(a, b):\n    return a - b\n", "time": 1733580000.0, "filename": "util.py"}],
+          "prompt": "", "n_predict": 64, "top_k": 40, "top_p": 0.99, "stream": False,
+          "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "n_indent": 4,
+          "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}
+
+
+def test_llama_vscodes_fill_in_the_middle_request(http):
+    answer = complete(http, "/infill", **VSCODE)
+    assert answer["stop"] is True and answer["content"].startswith("return a + b")
+    assert answer["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
+    assert answer["prompt"].startswith("<|fim_prefix|>def add") and answer["prompt"].endswith("<|fim_middle|>")
+    for key in ("prompt_n", "predicted_n", "predicted_ms"):
+        assert key in answer["timings"]
+    # its warm-up request: the context computed, nothing written
+    warm = complete(http, "/infill", **{**VSCODE, "n_predict": 0, "samplers": [], "t_max_predict_ms": 1})
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0
+
+
+def test_n_indent_ends_at_a_line_indented_less(http):
+    code = {"input_prefix": "class Stack:\n    def push(self, item):\n        ", "input_suffix": "",
+            "n_predict": 96, "temperature": 0}
+    free = complete(http, "/infill", **code)["content"]
+    cut = complete(http, "/infill", **code, n_indent=8)
+    # the method's line, then a blank one (indented 0, as llama-server counts it): cut there
+    assert free.startswith("    self.items.append(item)\n\n    def ")
+    assert cut["content"] == "    self.items.append(item)\n" and cut["stop_type"] == "limit"
+
+
+def test_t_max_predict_ms_ends_after_a_new_line_once_past_its_time(http):
+    answer = complete(http, prompt=PROMPT, n_predict=200, temperature=0, ignore_eos=True, t_max_predict_ms=1)
+    assert answer["stop_type"] == "limit" and "\n" in answer["content"] and answer["tokens_predicted"] < 200
+
+
+class _Plain:
+    """A toy tokenizer for the prompt layout: one token per character."""
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+FRAME = InfillFrame(prefix=-1, suffix=-2, middle=-3, repo=-4, file_separator=-5, bos=None)
+
+
+def test_the_infill_prompt_is_llama_servers():
+    body = LlamaInfillRequest(input_prefix="ab", input_suffix="cd", input_extra=[{"filename": "f", "text": "x"}])
+    ids = infill_prompt(body, FRAME, _Plain.encode, [ord("p")], n_ctx=INFILL_BATCH + 100)
+    extra = [-4, *map(ord, "myproject\n"), -5, *map(ord, "f\n"), ord("x"), -5, *map(ord, "filename\n")]
+    assert ids == [*extra, -1, ord("a"), ord("b"), ord("p"), -2, ord("c"), ord("d"), -3]
+    # the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the prompt and 2
+    long = LlamaInfillRequest(input_prefix="a" * 5000, input_suffix="b" * 5000)
+    ids = infill_prompt(long, FRAME, _Plain.encode, [], n_ctx=INFILL_BATCH)
+    assert ids.count(ord("a")) == 3 * INFILL_BATCH // 4 and ids.count(ord("b")) == INFILL_BATCH // 4 - 2
+    # the context less a batch and twice n_predict (-1: -2) leaves room for the extra's last 2 tokens
+    assert ids[:3] == [ord("e"), ord("\n"), -1]
+    no_repo = InfillFrame(prefix=-1, suffix=-2, middle=-3, repo=None, file_separator=None, bos=7)
+    ids = infill_prompt(body, no_repo, _Plain.encode, [], n_ctx=INFILL_BATCH + 100)
+    assert ids[:ids.index(7)] == [*map(ord, "\n\n--- snippet ---\n\n"), ord("x")] and ids[ids.index(7) + 1] == -1
+
+
+def test_the_indent_limit_holds_a_lines_indentation_until_it_is_known():
+    limit = IndentLimit(4)
+    assert limit.feed("x = 1\n") == "x = 1\n"
+    assert limit.feed("  ") == ""  # two spaces so far: maybe more to come
+    assert limit.feed("  y") == "    y" and not limit.hit
+    assert limit.feed("\n  z = 2") == "\n  " and limit.hit  # a line indented 2 < 4: cut after its spaces
+    assert limit.text == "x = 1\n    y\n  " and limit.rest() == ""
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"typical_p": 0.5}, "typical_p"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"repeat_penalty": 1.1}, "repeat_last_n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"samplers": ["top_k", "bogus"]}, "samplers"),
+    ({"samplers": "kq"}, "samplers"),
+    ({"repeat_penalty": 1.1, "repeat_last_n": -1, "samplers": ["top_k", "penalties"]}, "samplers"),
+    ({"repeat_penalty": 1.1, "repeat_last_n": -1, "samplers": ["top_k"]}, "samplers"),
+    ({"id_slot": 2}, "id_slot"),
+    ({"grammar": "root ::= \"x\""}, "grammar"),
+    ({"n_keep": 5}, "n_keep"),
+    ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"bogus_field": 1}, "bogus_field"),
+    ({"logit_bias": [[1, "x"]]}, "logit_bias"),
+])
+def test_what_is_not_served_is_refused_by_name(http, fields, param):
+    reply = http.post("/completion", json={"prompt": PROMPT, "n_predict": 4, **fields})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()
+
+
+def test_an_unserved_model_is_not_found(http):
+    reply = http.post("/completion", json={"prompt": PROMPT, "model": "other"})
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
+
+
+def test_nothing_is_left_behind(app):
+    http, state = app
+    complete(http, prompt=PROMPT, n_predict=200, temperature=0, ignore_eos=True, t_max_predict_ms=1)
+    events(http, "/infill", **{**VSCODE, "stream": True})
+    engine = state.engine.engine  # type: ignore[attr-defined]
+    kv = engine.scheduler.kv
+    deadline = time.monotonic() + 5  # a request ended by a limit is aborted on the engine's next step
+    while (engine.has_unfinished_requests or kv.block_tables) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_unfinished_requests and not kv.block_tables
+    assert kv.num_free_blocks == kv.num_blocks
