@@ -959,7 +959,7 @@ async def _ollama_answer(request: Request, state: ServerState, gen: Generation, 
 
 # /v1/completions' fields as llama.cpp's API names them, for the refusals its pipeline raises.
 LLAMA_FIELDS = (("^max_tokens", "n_predict"), ("^repetition_penalty", "repeat_penalty"), ("^logprobs", "n_probs"),
-                ("^response_format", "json_schema"))
+                ("^response_format", "json_schema"), ("^messages", "prompt"))
 
 
 def _llama_prompts(state: ServerState, body: LlamaCompletionRequest) -> list[list[int]]:
@@ -990,16 +990,24 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
     _check_model(state, body.model)
     chain = body.sampler_chain()
     tokenizer = state.tokenizer
+    if "infill" in chain and (tokenizer is None or tokenizer.eos_token_id is None):
+        raise bad_request("samplers: the infill sampler needs the model's end-of-generation tokens, which this model "
+                          "does not name", param="samplers")
     prompts = await asyncio.to_thread(_llama_prompts, state, body)
     generates = body.n_predict != 0  # 0: the prompt computed into the cache, nothing written
+    room = state.capacity - max(len(p) for p in prompts)
+    if room < 1:
+        where = "input_prefix" if isinstance(body, LlamaInfillRequest) else "prompt"
+        raise bad_request(f"the prompt ({state.capacity - room} tokens) leaves no room to generate within the maximum of "
+                          f"{state.capacity} tokens", param=where, code=CONTEXT_LENGTH_EXCEEDED)
     fields = body.completion_fields()
-    bias = bias_entries(body, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    bias = bias_entries(body, lambda text: tokenizer.encode(text, add_special_tokens=False, parse_special=False))
     try:
         completion = parse(CompletionRequest, {"model": body.model, "prompt": prompts if len(prompts) > 1 else prompts[0],
                                                "logit_bias": bias or None, **fields})
-        max_tokens = None if body.n_predict < 0 else max(body.n_predict, 1)
-        prompts, params = await _completion_params(state, completion, max_tokens, body.n_probs or None,
-                                                   room_by_default=True)
+        # -1: until the context is full, as llama-server (not capped by the model's recommendation)
+        max_tokens = room if body.n_predict < 0 else max(body.n_predict, 1)
+        prompts, params = await _completion_params(state, completion, max_tokens, body.n_probs or None)
         # llama.cpp ends a generation at any of its end-of-generation tokens: the model's ends of a
         # middle (padding, the next file) too.
         ends = [] if params.ignore_eos or tokenizer.infill is None else list(tokenizer.infill.ends)

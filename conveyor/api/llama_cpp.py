@@ -1,4 +1,4 @@
-"""llama.cpp's own server API (POST /completion, its older /completions, and /infill), for the
+"""llama.cpp's own server API (POST /completion, llama-server's older name, /completions, and /infill), for the
 clients written against llama-server: its README's examples (`n_predict`, `content`, `stop_type`,
 `timings`), scripts and front ends built on them, and the editor plugins that complete code by
 fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`, `n_indent`,
@@ -14,12 +14,14 @@ presence and frequency penalties too (llama.cpp counts them over the prompt as w
 the output: /v1/completions has those).
 
 `cache_prompt` is taken either way: a prompt's cached prefix computes the same bits here, so it
-changes no result, only speed. `t_max_prompt_ms` is taken and not enforced, as llama-server itself
-reads and does not enforce it. There are no slots: `id_slot` is -1, and every answer says 0.
+changes no result, only speed. `t_max_prompt_ms` is taken and not enforced: llama-server lists it
+as not implemented and does not read it either (llama.vim and llama.vscode send it). There are no
+slots: `id_slot` is -1, and every answer says 0. A null field is one not sent.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ class LlamaCompletionRequest(_Strict):
     top_p: float = Field(0.95, ge=0, le=1)
     min_p: float = Field(0.05, ge=0, le=1)
     seed: int = -1
-    stop: list[Text] = []
+    stop: list[Text] | Text = []
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=20, validation_alias=AliasChoices("n_probs", "logprobs"))
@@ -111,11 +113,17 @@ class LlamaCompletionRequest(_Strict):
         "n_cmpl": (1,), "n": (1,), "return_progress": (False,), "verbose": (False,), "backend_sampling": (False,),
     }
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """A null is a field not sent (llama-server reads it as its default)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _penalties(self) -> "LlamaCompletionRequest":
         if self.repeat_penalty != 1.0 and self.repeat_last_n not in (-1, 0):
-            raise ValueError(f"repeat_last_n of {self.repeat_last_n} tokens is not supported: repeat_penalty covers "
-                             "the whole context here (send -1, or 0 for no penalty)")
+            raise ValueError(f"repeat_penalty over the last {self.repeat_last_n} tokens (repeat_last_n) is not "
+                             "supported: it covers the whole context here (send repeat_last_n -1, or 0 for none)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ValueError(f"{name} is not supported here (llama.cpp counts it over the prompt too): "
@@ -127,12 +135,14 @@ class LlamaCompletionRequest(_Strict):
         return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
 
     def sampler_chain(self) -> tuple[str, ...]:
-        """The steps this request's `samplers` apply here, in order; a refusal names `samplers`."""
+        """The steps this request's `samplers` apply here, in order; a refusal names `samplers`.
+        Names are read in any case, letters as given (as llama-server reads them)."""
         given = DEFAULT_SAMPLERS if self.samplers is None else self.samplers
+        letters = isinstance(self.samplers, str)
         names: list[str] = []
-        for item in given if isinstance(given, list) or isinstance(given, tuple) else list(given):
-            table = _SAMPLER_LETTERS if isinstance(self.samplers, str) else _SAMPLER_NAMES
-            name = table.get(item.lower())
+        for item in list(given) if letters else given:
+            table = _SAMPLER_LETTERS if letters else _SAMPLER_NAMES
+            name = table.get(item if letters else item.lower())
             if name is None:
                 known = ", ".join(sorted(table))
                 raise bad_request(f"samplers: unknown sampler {item!r} (known: {known})", param="samplers")
@@ -149,14 +159,14 @@ class LlamaCompletionRequest(_Strict):
         return chain
 
     def completion_fields(self) -> dict[str, Any]:
-        """What the request asks of /v1/completions' fields (its prompt and length aside)."""
+        """What the request asks of /v1/completions' fields (its prompt and length aside): every
+        sampling field given, so that llama.cpp's defaults hold, not the model's recommendation."""
         fields: dict[str, Any] = {
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p or _KEEP_ONE,
             "min_p": self.min_p, "seed": None if self.seed < 0 or self.seed >= 2**32 - 1 else self.seed,
             "stop": self.stop, "ignore_eos": self.ignore_eos,
+            "repetition_penalty": self.repeat_penalty if self.penalized else 1.0,
         }
-        if self.penalized:
-            fields["repetition_penalty"] = self.repeat_penalty
         if self.json_schema is not None:
             fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema",
                                                                                "schema": self.json_schema}}
@@ -195,8 +205,8 @@ def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]
             bias = -100.0  # OpenAI's floor: as good as never
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise bad_request(f"logit_bias: a bias is a number or false, got {bias!r}", param="logit_bias")
-        if isinstance(token, str) and token.isdigit() and isinstance(body.logit_bias, dict):
-            ids = [int(token)]  # an object's keys are strings: digits name a token id
+        if isinstance(token, str) and isinstance(body.logit_bias, dict) and re.fullmatch(r"-?\d+", token):
+            ids = [int(token)]  # an object's keys are strings: an integer names a token id
         elif isinstance(token, str):
             ids = encode(token)
         elif isinstance(token, int) and not isinstance(token, bool):
@@ -252,8 +262,8 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
     """llama-server's /infill prompt: the extra files first (the repository-level pattern where the
     model has its tokens, else each after a separator line), then prefix, prompt, suffix and the
     middle token; the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the
-    prompt, the extra files what is left of the context after a batch and twice n_predict (their
-    latest part)."""
+    prompt, the extra files (their latest part) what is left of the context after a batch and twice
+    the server's n_predict (-1: so 2 more), and, here, never so much that nothing can be written."""
     extra: list[int] = []
     if frame.repo is not None:
         extra += [frame.repo, *encode("myproject\n")]
@@ -268,9 +278,10 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
     before, after = encode(body.input_prefix), encode(body.input_suffix)
     before = before[len(before) - min(len(before), 3 * (INFILL_BATCH // 4)):]
     after = after[:min(len(after), max(0, INFILL_BATCH // 4 - (2 + len(prompt))))]
-    take = min(max(0, n_ctx - INFILL_BATCH - 2 * body.n_predict), len(extra))
     head = [frame.bos] if frame.bos is not None else []
-    return [*extra[len(extra) - take:], *head, frame.prefix, *before, *prompt, frame.suffix, *after, frame.middle]
+    rest = [*head, frame.prefix, *before, *prompt, frame.suffix, *after, frame.middle]
+    take = max(0, min(n_ctx - INFILL_BATCH + 2, len(extra), n_ctx - 1 - len(rest)))
+    return [*extra[len(extra) - take:], *rest]
 
 
 def _response_fields(body: dict[str, Any], wanted: Sequence[str] | None) -> dict[str, Any]:
@@ -381,7 +392,7 @@ class LlamaReply:
         prompt = self.prompts[choice.index] if choice.index < len(self.prompts) else []
         tokens = list(choice.token_ids) if self.generates else []
         body: dict[str, Any] = {
-            "index": choice.index, "content": text, "tokens": tokens if self.body.return_tokens else [],
+            "index": choice.index, "content": text, "tokens": tokens if self.body.return_tokens and not streamed else [],
             "id_slot": 0, "stop": True, "model": self.model, "tokens_predicted": len(tokens),
             "tokens_evaluated": len(prompt), "generation_settings": self.body.settings(self.n_ctx),
             "prompt": self.prompt_text(prompt), "has_new_line": "\n" in self.limit(choice).text,
@@ -397,9 +408,10 @@ class LlamaReply:
                    for c in gen.choices]
         return answers[0] if len(answers) == 1 else answers
 
-    def _past_time(self, gen: Generation, choice: Choice) -> bool:
+    def _past_time(self, gen: Generation, delta: str) -> bool:
+        """llama-server's t_max_predict_ms: past it, the generation ends on a token writing a new line."""
         limit = self.body.t_max_predict_ms
-        return (limit > 0 and gen.first_token_ns is not None and "\n" in self.limit(choice).text
+        return (limit > 0 and gen.first_token_ns is not None and "\n" in delta
                 and (time.perf_counter_ns() - gen.first_token_ns) / 1e6 > limit)
 
     async def run(self, gen: Generation) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
@@ -410,10 +422,12 @@ class LlamaReply:
                 continue
             limit = self.limit(choice)
             released = limit.feed(delta) if self.generates else ""
-            if not choice.finished and (limit.hit or self._past_time(gen, choice)):
+            if not choice.finished and (limit.hit or self._past_time(gen, delta)):
                 self.stop_types[choice.index] = "limit"
                 gen.engine.abort(gen.request_ids[choice.index])
                 choice.finish_reason = "length"
+                if not limit.hit:  # ended on time: the text the detokenizer still held is the answer's too
+                    released += limit.feed(choice.detok.finish())
                 released += limit.rest()
             elif choice.finished:
                 released += limit.rest()
@@ -427,7 +441,7 @@ class LlamaReply:
             if text or entries:
                 chunk: dict[str, Any] = {"index": choice.index, "content": text, "tokens": take_token_ids(choice),
                                          "stop": False, "id_slot": 0, "tokens_predicted": len(choice.token_ids),
-                                         "tokens_evaluated": gen.prompt_tokens}
+                                         "tokens_evaluated": len(self.prompts[choice.index])}
                 if self.body.timings_per_token:
                     chunk["timings"] = self.timings(gen)
                 if self.body.n_probs and entries:

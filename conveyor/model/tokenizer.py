@@ -51,11 +51,12 @@ _INFILL_SPELLINGS = (
 )
 # A middle ends at the model's EOS or at one of these (padding, or the next file of a repository),
 # which llama.cpp counts as end-of-generation tokens too.
-# The repository-level pattern's tokens (a repository's name, then each file after a separator).
-_INFILL_REPO_SPELLINGS = ("<|repo_name|>", "<|fim_repo|>", "<repo_name>", "<fim-repo>")
-_INFILL_FILE_SEPARATOR_SPELLINGS = ("<|file_sep|>", "<file_sep>", "<fim-sep>", "<|file_separator|>")
 _INFILL_END_SPELLINGS = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>", "<|repo_name|>", "<|fim_repo|>", "<repo_name>",
                          "<fim-repo>", "<|file_sep|>", "<file_sep>", "<fim-sep>", "<|file_separator|>")
+# The repository-level pattern's tokens (a repository's name, then each file after a separator),
+# spelled as llama.cpp finds them (llama-vocab.cpp).
+_INFILL_REPO_SPELLINGS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_INFILL_FILE_SEPARATOR_SPELLINGS = ("<|file_sep|>",)
 
 
 class _SharedBackend:
@@ -162,6 +163,12 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     if spelled and all(c in table for c in spelled):
         return bytes(table[c] for c in spelled)
     return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def token_piece(tokenizer: Any, token_id: int) -> bytes:
+    """A token's text as llama.cpp's token_to_piece gives it without special tokens: a special
+    token is no text at all (b""), any other its bytes."""
+    return b"" if token_id in getattr(tokenizer, "special_ids", ()) else token_bytes(tokenizer, token_id)
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, bool]:
@@ -328,6 +335,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the vocabulary's special (control) tokens."""
+        return self._special_ids
 
     def token_to_str(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._tok.id_to_token(int(token_id))

@@ -22,7 +22,7 @@ from conveyor.model.loader import checkpoint_bytes, describe_model, load_checkpo
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
-from conveyor.model.tokenizer import Tokenizer, token_bytes
+from conveyor.model.tokenizer import Tokenizer, token_piece
 from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
@@ -125,7 +125,7 @@ def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
     if tokenizer is None or tokenizer.eos_token_id is None:
         return None
     ends = [*tokenizer.eos_token_ids, *(tokenizer.infill.ends if tokenizer.infill is not None else ())]
-    return InfillVocabulary(frozenset(ends), tokenizer.eos_token_id, functools.partial(token_bytes, tokenizer))
+    return InfillVocabulary(frozenset(ends), tokenizer.eos_token_id, functools.partial(token_piece, tokenizer))
 
 
 @dataclass

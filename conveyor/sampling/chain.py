@@ -17,9 +17,11 @@ from typing import Callable
 
 import torch
 
-# The infill step compares candidates' texts pairwise; past this many (a chain with no top-k before
-# it) only the likeliest take part.
-INFILL_MOST_CANDIDATES = 1024
+from conveyor.sampling.params import GREEDY_TEMPERATURE_EPS
+
+# The infill step compares candidates' texts pairwise, on the engine thread: past this many (a chain
+# with no top-k before it) only the likeliest are merged; whether to end is judged on all of them.
+INFILL_MOST_CANDIDATES = 256
 _INFILL_FIRST_THRESHOLD = 0.2
 
 
@@ -40,8 +42,10 @@ def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: 
     then a draw of `uniform` over the softmax of what is left, likeliest first."""
     size = row.shape[-1]
     k = top_k if 0 < top_k < size else size
-    infill_first = "infill" in chain and "top_k" in chain and chain.index("infill") < chain.index("top_k")
-    if "top_k" in chain and k < size and not infill_first:  # every step keeps a subset of the k best
+    # Steps before top-k that neither renormalize nor merge (min-p's cut is relative to the best,
+    # temperature keeps the order) leave the k best as they would find them.
+    before = chain[:chain.index("top_k")] if "top_k" in chain else ()
+    if "top_k" in chain and k < size and set(before) <= {"min_p", "temperature"}:
         values, ids = row.topk(k)
     else:
         values, ids = row.sort(descending=True)
@@ -56,7 +60,7 @@ def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: 
             keep = max(1, int((values >= values[0] + math.log(min_p)).sum()))
             values, ids = values[:keep], ids[:keep]
         elif step == "temperature":
-            if temperature <= 0.0:
+            if temperature < GREEDY_TEMPERATURE_EPS:
                 values, ids = values[:1], ids[:1]
             else:
                 values = values / temperature
@@ -74,15 +78,15 @@ def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: 
 def infill_step(values: torch.Tensor, ids: torch.Tensor, vocabulary: InfillVocabulary) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's infill sampler on candidates sorted likeliest first: the kept ones, with their
     own logits and in their order."""
+    all_probs = torch.softmax(values.double(), dim=0)
+    ending = torch.tensor([t in vocabulary.end_ids for t in ids.tolist()], dtype=torch.bool)
+    p_end, p_text = float(all_probs[ending].sum()), float(all_probs[~ending].sum())
+    if 3 * p_end * values.numel() > p_text:  # ending is likely enough: only the end tokens stay
+        return values[ending], ids[ending]
     values, ids = values[:INFILL_MOST_CANDIDATES], ids[:INFILL_MOST_CANDIDATES]
-    probs = torch.softmax(values.double(), dim=0).tolist()
+    probs = all_probs[:INFILL_MOST_CANDIDATES].tolist()
     tokens = ids.tolist()
-    is_end = [t in vocabulary.end_ids for t in tokens]
-    p_end = sum(p for p, end in zip(probs, is_end) if end)
-    p_text = sum(p for p, end in zip(probs, is_end) if not end)
-    if 3 * p_end * len(tokens) > p_text:  # ending is likely enough: only the end tokens stay
-        kept = [i for i, end in enumerate(is_end) if end]
-        return values[kept], ids[kept]
+    is_end = ending[:INFILL_MOST_CANDIDATES].tolist()
     alive = [True] * len(tokens)
     pieces = [vocabulary.piece(t) for t in tokens]
     for i0 in range(len(tokens)):

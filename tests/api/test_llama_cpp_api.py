@@ -136,7 +136,7 @@ def test_several_prompts_answer_as_a_list(http):
 # What llama.vscode sends (its llama-server.ts), with a file of context.
 VSCODE = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
           "input_extra": [{"text": "def sub(a, b):\n    return a - b\n", "time": 1733580000.0, "filename": "util.py"}],
-          "prompt": "", "n_predict": 64, "top_k": 40, "top_p": 0.99, "stream": False,
+          "prompt": "", "n_predict": 64, "top_k": 40, "top_p": 0.99, "stream": False, "seed": 3,
           "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "n_indent": 4,
           "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}
 
@@ -163,9 +163,12 @@ def test_n_indent_ends_at_a_line_indented_less(http):
     assert cut["content"] == "    self.items.append(item)\n" and cut["stop_type"] == "limit"
 
 
-def test_t_max_predict_ms_ends_after_a_new_line_once_past_its_time(http):
+def test_t_max_predict_ms_ends_on_a_new_line_once_past_its_time(http):
+    free = complete(http, prompt=PROMPT, n_predict=200, temperature=0, ignore_eos=True)["content"]
     answer = complete(http, prompt=PROMPT, n_predict=200, temperature=0, ignore_eos=True, t_max_predict_ms=1)
-    assert answer["stop_type"] == "limit" and "\n" in answer["content"] and answer["tokens_predicted"] < 200
+    # the first token past 1 ms that writes a new line ends it: whole lines, none cut
+    assert answer["stop_type"] == "limit" and answer["tokens_predicted"] < 200
+    assert answer["content"].endswith("\n") and free.startswith(answer["content"])
 
 
 class _Plain:
@@ -184,12 +187,14 @@ def test_the_infill_prompt_is_llama_servers():
     ids = infill_prompt(body, FRAME, _Plain.encode, [ord("p")], n_ctx=INFILL_BATCH + 100)
     extra = [-4, *map(ord, "myproject\n"), -5, *map(ord, "f\n"), ord("x"), -5, *map(ord, "filename\n")]
     assert ids == [*extra, -1, ord("a"), ord("b"), ord("p"), -2, ord("c"), ord("d"), -3]
-    # the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the prompt and 2
-    long = LlamaInfillRequest(input_prefix="a" * 5000, input_suffix="b" * 5000)
-    ids = infill_prompt(long, FRAME, _Plain.encode, [], n_ctx=INFILL_BATCH)
-    assert ids.count(ord("a")) == 3 * INFILL_BATCH // 4 and ids.count(ord("b")) == INFILL_BATCH // 4 - 2
-    # the context less a batch and twice n_predict (-1: -2) leaves room for the extra's last 2 tokens
-    assert ids[:3] == [ord("e"), ord("\n"), -1]
+    # the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the prompt and 2;
+    # the extra files what the context leaves after a batch, plus 2, and never more than leaves room
+    long = LlamaInfillRequest(input_prefix="q" * 5000, input_suffix="w" * 5000, input_extra=[{"text": "x" * 50}])
+    ids = infill_prompt(long, FRAME, _Plain.encode, [], n_ctx=INFILL_BATCH + 40)
+    assert ids.count(ord("q")) == 3 * INFILL_BATCH // 4 and ids.count(ord("w")) == INFILL_BATCH // 4 - 2
+    # 42 (the context less a batch, plus 2) would not leave a token to write: the 38 that do
+    assert ids[:ids.index(-1)] == [*map(ord, "x" * 28), -5, *map(ord, "filename\n")] and len(ids) == INFILL_BATCH + 39
+    assert infill_prompt(long, FRAME, _Plain.encode, [], n_ctx=INFILL_BATCH)[0] == -1  # no room: no extra
     no_repo = InfillFrame(prefix=-1, suffix=-2, middle=-3, repo=None, file_separator=None, bos=7)
     ids = infill_prompt(body, no_repo, _Plain.encode, [], n_ctx=INFILL_BATCH + 100)
     assert ids[:ids.index(7)] == [*map(ord, "\n\n--- snippet ---\n\n"), ord("x")] and ids[ids.index(7) + 1] == -1
@@ -208,7 +213,7 @@ def test_the_indent_limit_holds_a_lines_indentation_until_it_is_known():
     ({"typical_p": 0.5}, "typical_p"),
     ({"mirostat": 2}, "mirostat"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
-    ({"repeat_penalty": 1.1}, "repeat_last_n"),
+    ({"repeat_penalty": 1.1}, "repeat_penalty"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"),
     ({"samplers": "kq"}, "samplers"),
@@ -245,3 +250,21 @@ def test_nothing_is_left_behind(app):
         time.sleep(0.01)
     assert not engine.has_unfinished_requests and not kv.block_tables
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_an_infill_prompt_that_leaves_no_room_is_refused_naming_the_prefix(http):
+    reply = http.post("/infill", json={"input_prefix": "x = 1\n" * 800, "input_suffix": "", "n_predict": 4})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_prefix"
+
+
+def test_the_models_recommended_sampling_does_not_override_llama_cpps_defaults(app):
+    http, state = app
+    plain = complete(http, prompt=PROMPT, n_predict=16, temperature=0)
+    saved = state.sampling_defaults
+    state.sampling_defaults = {"repetition_penalty": 1.5, "max_tokens": 4, "temperature": 0.9}
+    try:
+        same = complete(http, prompt=PROMPT, n_predict=16, temperature=0)
+        until_full = complete(http, prompt=PROMPT, n_predict=-1, temperature=0, stop=["\n\n"])
+    finally:
+        state.sampling_defaults = saved
+    assert same["content"] == plain["content"] and until_full["tokens_predicted"] > 4

@@ -36,6 +36,14 @@ def test_truncations_cut_the_models_distribution_and_temperature_comes_last() ->
     assert support(row, LLAMA_DEFAULT, temperature=0.0) == {0}
 
 
+def test_top_p_before_top_k_reads_the_whole_distribution() -> None:
+    # Two near-equal tokens over a long tail: over the whole vocabulary top_p 0.5 keeps hundreds (then
+    # top-k 2 keeps both); over the two best alone the first would reach 0.5 by itself.
+    row = torch.cat([torch.tensor([0.0, -0.1]), torch.full((998,), -2.0)])
+    assert support(row, ("top_p", "top_k"), top_p=0.5, top_k=2) == {0, 1}
+    assert support(row, ("top_k", "top_p"), top_p=0.5, top_k=2) == {0}
+
+
 def test_a_step_not_named_is_not_applied() -> None:
     row = torch.tensor([3.0, 2.0, 1.0, 1.0])
     assert support(row, ("top_k",), top_k=2, temperature=0.0) == {0, 1}  # no temperature step: sampled at 1
@@ -79,6 +87,25 @@ def test_infill_adds_a_tokens_probability_to_the_likelier_one_its_text_begins_or
     assert sorted(kept_ids.tolist()) == [0, 4]
     # The kept keep their own logits: the draw is over those (llama.cpp's dist recomputes them).
     assert torch.allclose(kept_values, torch.tensor([math.log(0.3), math.log(0.05)]))
+
+
+def test_infill_never_merges_an_end_token_into_text() -> None:
+    # "<" begins the spelling "<|endoftext|>", but a special token is no text (llama.cpp's
+    # token_to_piece without specials): the end token keeps its own probability.
+    from conveyor.model.loader import load_tokenizer
+    from conveyor.model.tokenizer import token_piece
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    eos = tokenizer.eos_token_id
+    assert eos is not None and token_piece(tokenizer, eos) == b""
+    lt = tokenizer.encode("<", add_special_tokens=False)[0]
+    assert token_piece(tokenizer, lt) == b"<"
+    words = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" x", " y", " z")]
+    ids = torch.tensor([lt, eos, *words])
+    values = torch.log(torch.tensor([0.5, 0.02, 0.16, 0.16, 0.16]))
+    vocab = InfillVocabulary(frozenset({eos}), eos, lambda t: token_piece(tokenizer, t))
+    _, kept = infill_step(values, ids, vocab)
+    assert eos in kept.tolist() and lt in kept.tolist()
 
 
 def test_infill_ends_where_no_text_stands_out() -> None:
