@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor import __version__
 from conveyor.api.errors import APIError, bad_request, install_handlers, invalid, server_error, unavailable
 from conveyor.api.generation import Generation
+from conveyor.api.detokenizer import token_bytes
 from conveyor.api.limits import decode_json, max_chars_per_token, read_body
 from conveyor.api.metrics import Metrics
 from conveyor.api.protocol import (
@@ -62,7 +63,8 @@ from conveyor.api.chat_translation import renamed
 from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
 from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
 from conveyor.api.llama_cpp import (
-    InfillFrame, LlamaCompletionRequest, LlamaInfillRequest, LlamaReply, bias_entries, infill_prompt, prompt_ids,
+    ApplyTemplateRequest, InfillFrame, LlamaCompletionRequest, LlamaInfillRequest, LlamaReply, LlamaTokenizeRequest,
+    bias_entries, infill_prompt, prompt_ids, token_entry,
 )
 from conveyor.api.ollama import (
     CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OLLAMA_API_VERSION,
@@ -478,6 +480,29 @@ def build_app(state: ServerState) -> FastAPI:
     async def llama_infill(request: Request) -> Response:
         return await _llama_answer(request, state, parse(LlamaInfillRequest, await _read_json(request, state)))
 
+    @llama.post("/apply-template")
+    async def llama_apply_template(request: Request) -> dict[str, str]:
+        body = parse(ApplyTemplateRequest, await _read_json(request, state))
+        chat = parse(ChatCompletionRequest, {"model": state.model_names[0], "messages": body.messages})
+        messages = [m.as_template_input() for m in chat.messages]
+        return {"prompt": await asyncio.to_thread(_chat_text, state, messages)}
+
+    @llama.get("/props")
+    async def llama_props() -> dict[str, Any]:
+        """llama-server's server properties, those its clients read (the context a request holds above all)."""
+        tokenizer = state.tokenizer
+        facts = state.engine.model_facts
+        defaults = LlamaCompletionRequest.model_validate({}).settings(state.capacity)  # what a request not saying gets
+        slots = {"total_slots": state.max_num_seqs} if state.max_num_seqs is not None else {}  # as the engine runs them
+        return {"default_generation_settings": {"n_ctx": state.capacity, "params": defaults}, **slots,
+                "model_alias": state.model_names[0],
+                "model_path": facts.path if facts is not None else "",
+                "chat_template": getattr(tokenizer, "chat_template", None) or "",
+                "bos_token": tokenizer.token_to_str(tokenizer.bos_token_id) or "",
+                "eos_token": tokenizer.token_to_str(tokenizer.eos_token_id) or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": f"conveyor {__version__}",
+                "is_sleeping": False}
+
     app.include_router(llama)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
@@ -491,8 +516,15 @@ def build_app(state: ServerState) -> FastAPI:
     tok = APIRouter(dependencies=[Depends(check_key)])
 
     @tok.post("/tokenize", response_model=TokenizeResponse, responses=TOKENIZER_ERRORS)
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Any:
+        """vLLM's (`prompt` or `messages`), or llama-server's (`content`)."""
         data = await _read_json(request, state)
+        if isinstance(data, dict) and "content" in data:
+            asked = parse(LlamaTokenizeRequest, data)
+            ids = await asyncio.to_thread(state.tokenizer.encode, asked.content, asked.add_special, asked.parse_special)
+            if not asked.with_pieces:
+                return JSONResponse({"tokens": ids})
+            return JSONResponse({"tokens": [token_entry(t, token_bytes(state.tokenizer, t)) for t in ids]})
         chat = isinstance(data, dict) and "messages" in data
         body = parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
         _check_model(state, body.model)
@@ -517,7 +549,8 @@ def build_app(state: ServerState) -> FastAPI:
         if bad:
             raise bad_request(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
         # Special tokens kept (as vLLM does), so that /tokenize then /detokenize gives the text back.
-        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)}
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
+        return {"prompt": text, "content": text}  # vLLM's clients read the first, llama-server's the second
 
     app.include_router(tok)
 
@@ -682,6 +715,14 @@ async def _grammar(state: ServerState, asked: tuple | None) -> Any:
 def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                  add_special_tokens: bool | None = None, tools: ToolPlan | None = None,
                  continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    text = _chat_text(state, messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
+    return state.tokenizer.encode_chat(text, add_special_tokens)
+
+
+def _chat_text(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: ToolPlan | None = None, continue_final_message: bool = False,
+               template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat as the model's template writes it; a refusal names the field at fault."""
     tokenizer = state.tokenizer
     try:
         variables = dict(template_kwargs or {})
@@ -708,7 +749,7 @@ def _render_chat(state: ServerState, messages: list[dict[str, Any]], add_generat
                               "--chat-template FILE", param="tools")
     except (InvalidRequestError, ValueError) as exc:  # ChatTemplateError is a ValueError too
         raise bad_request(str(exc), param=getattr(exc, "param", None) or "messages") from None
-    return tokenizer.encode_chat(text, add_special_tokens)
+    return text
 
 
 # Message fields a chat template may or may not render. tool_call_id is not among them: OpenAI

@@ -1,4 +1,5 @@
-"""llama.cpp's own server API (POST /completion, llama-server's older name, /completions, and /infill), for the
+"""llama.cpp's own server API (POST /completion, llama-server's older name, /completions, /infill,
+the `content` forms of /tokenize and /detokenize, /apply-template and GET /props), for the
 clients written against llama-server: its README's examples (`n_predict`, `content`, `stop_type`,
 `timings`), scripts and front ends built on them, and the editor plugins that complete code by
 fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`, `n_indent`,
@@ -457,3 +458,32 @@ class LlamaReply:
 
 def _event(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+
+class LlamaTokenizeRequest(_Strict):
+    """llama-server's /tokenize (told from vLLM's by its `content`)."""
+
+    content: Text
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def token_entry(token: int, raw: bytes) -> dict[str, Any]:
+    """A token with its piece, as llama-server's with_pieces: its text where that is valid UTF-8,
+    else its bytes."""
+    try:
+        return {"id": token, "piece": raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"id": token, "piece": list(raw)}
+
+
+class ApplyTemplateRequest(_Strict):
+    """llama-server's /apply-template: the chat turns rendered by the model's template, not run."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)

@@ -228,6 +228,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+    content: str  # the same text, where llama-server's clients read it
 
 
 class Version(BaseModel):

@@ -143,6 +143,7 @@ def in_process_app(model: str, **engine: int) -> Iterator[tuple[Any, Any]]:
         loaded = load_model(config)
     except ModelLoadError as exc:
         pytest.skip(str(exc))
-    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [model], Metrics(model))
+    state = ServerState(AsyncEngine(LLMEngine.from_config(config, loaded)), [model], Metrics(model),
+                        max_num_seqs=config.scheduler.max_num_seqs)  # as the server states it
     with TestClient(build_app(state)) as http:
         yield http, state

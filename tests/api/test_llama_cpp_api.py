@@ -268,3 +268,40 @@ def test_the_models_recommended_sampling_does_not_override_llama_cpps_defaults(a
     finally:
         state.sampling_defaults = saved
     assert same["content"] == plain["content"] and until_full["tokens_predicted"] > 4
+
+
+def test_tokenize_and_detokenize_in_llama_cpps_forms(app):
+    http, state = app
+    tokenizer = state.tokenizer
+    ids = http.post("/tokenize", json={"content": "def f(): ‘x’"}).json()["tokens"]
+    assert ids == tokenizer.encode("def f(): ‘x’", add_special_tokens=False)
+    # a piece is its text where that is valid UTF-8, else its bytes (🧬 spans two tokens)
+    pieces = http.post("/tokenize", json={"content": "<|im_start|>é\U0001F9EC", "with_pieces": True}).json()["tokens"]
+    assert pieces[0] == {"id": tokenizer.token_to_id("<|im_start|>"), "piece": "<|im_start|>"}
+    assert pieces[1]["piece"] == "é" and all(isinstance(p["piece"], list) for p in pieces[2:])
+    assert bytes(pieces[2]["piece"] + pieces[3]["piece"]) == "\U0001F9EC".encode()
+    plain = http.post("/tokenize", json={"content": "<|im_start|>", "parse_special": False}).json()["tokens"]
+    assert tokenizer.token_to_id("<|im_start|>") not in plain
+    back = http.post("/detokenize", json={"tokens": ids}).json()
+    assert back["content"] == back["prompt"] == "def f(): ‘x’"
+    # vLLM's form is unchanged
+    vllm = http.post("/tokenize", json={"prompt": "def f():"}).json()
+    assert set(vllm) >= {"count", "max_model_len", "tokens"}
+
+
+def test_apply_template_renders_the_chat_as_the_model_would_read_it(app):
+    http, state = app
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert prompt == state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    reply = http.post("/apply-template", json={"messages": [{"role": "user"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("messages")
+
+
+def test_props_give_the_context_a_request_holds(http):
+    props = http.get("/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["model_alias"] == MODEL
+    assert props["default_generation_settings"]["params"]["samplers"] == ["top_k", "top_p", "min_p", "temperature"]
+    assert props["total_slots"] == 4 and "<|im_start|>" in props["chat_template"]
+    assert props["eos_token"] and props["model_path"].endswith(".gguf")

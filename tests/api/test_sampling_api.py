@@ -33,7 +33,7 @@ def test_tokenize_detokenize_and_version(http, offline_tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     chat = http.post("/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == offline_tokenizer.encode(offline_tokenizer.apply_chat_template(messages))
-    assert http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT}
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT, "content": PROMPT}
     round_trip = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
     assert round_trip == offline_tokenizer.apply_chat_template(messages)  # special tokens kept
     bad = http.post("/detokenize", json={"tokens": [1, 10**8]})
