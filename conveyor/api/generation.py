@@ -268,6 +268,13 @@ class Generation:
                     if not choice.finished:
                         yield choice, choice.abort(), []
 
+    def end_choice(self, choice: Choice, finish_reason: str, stop_reason: str | None = None) -> None:
+        """End one choice here, where the front end decided it (a limit of its own API): the engine
+        ends its sample as stopped and frees its KV, as at a stop string, and later events of it
+        are not read."""
+        choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
+        self.engine.stop_sample(self.request_ids[choice.index // self.n], choice.index % self.n, stop_reason)
+
     def close(self) -> None:
         """Abort whatever has not finished (the client went away, or an error); idempotent."""
         if self._closed:

@@ -417,7 +417,7 @@ class LlamaReply:
 
     async def run(self, gen: Generation) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
         """The generation's updates with llama.cpp's own limits applied: text as n_indent releases it,
-        and each choice ended (its engine request aborted) where n_indent or t_max_predict_ms ends it."""
+        and each choice ended (its sample stopped in the engine) where n_indent or t_max_predict_ms ends it."""
         async for choice, delta, entries in gen.updates():
             if choice.index in self.stop_types:
                 continue
@@ -425,8 +425,7 @@ class LlamaReply:
             released = limit.feed(delta) if self.generates else ""
             if not choice.finished and (limit.hit or self._past_time(gen, delta)):
                 self.stop_types[choice.index] = "limit"
-                gen.engine.abort(gen.request_ids[choice.index])
-                choice.finish_reason = "length"
+                gen.end_choice(choice, "length")
                 if not limit.hit:  # ended on time: the text the detokenizer still held is the answer's too
                     released += limit.feed(choice.detok.finish())
                 released += limit.rest()
