@@ -32,13 +32,18 @@ QUESTIONS = [
     "Give me three ideas for a birthday party for a seven-year-old.",
 ]
 
-SETTINGS: dict[str, dict[str, float | int]] = {
+LLAMA_CPP_CHAIN = ("top_k", "top_p", "min_p", "temperature")  # llama.cpp's order (its API's `samplers`)
+
+SETTINGS: dict[str, dict[str, float | int | tuple[str, ...]]] = {
     "greedy": dict(temperature=0.0),
     "temperature 0.8": dict(temperature=0.8),
     "top_p 0.95": dict(temperature=0.8, top_p=0.95),
     "top_k 40": dict(temperature=0.8, top_k=40),
     "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     "Qwen2.5 generation_config": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+    # llama.cpp's /completion: its defaults in its order, and with top_k 0 (off), which some clients send
+    "llama.cpp chain": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, sampler_chain=LLAMA_CPP_CHAIN),
+    "llama.cpp chain, top_k 0": dict(temperature=0.8, top_p=0.95, min_p=0.05, sampler_chain=LLAMA_CPP_CHAIN),
 }
 
 
@@ -76,9 +81,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), metavar="NAME",
+                   help=f"of: {', '.join(SETTINGS)} (default: all)")
     args = p.parse_args()
     loaded = load_model(EngineConfig(model=args.model))
-    names = list(SETTINGS)
+    names = ["temperature 0.8"] + [name for name in args.settings if name != "temperature 0.8"]
     for rows in args.rows:
         rates: dict[str, list[float]] = {name: [] for name in names}
         for i in range(args.rounds):

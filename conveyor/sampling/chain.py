@@ -1,5 +1,6 @@
 """llama.cpp's sampler chain: its samplers applied in the order a request names them (llama.cpp's
-`samplers` field), each on the candidates the one before left, then a draw. Used for requests of
+`samplers` field), each on the candidates the one before left, then a draw, all on a window of the
+row's best tokens that widens only where a cut reaches past it. Used for requests of
 llama.cpp's own API (/completion, /infill), whose default order differs from vLLM's: top-k, top-p
 and min-p cut the distribution as the model gives it, and temperature comes last.
 
@@ -19,6 +20,9 @@ import torch
 
 from conveyor.sampling.params import GREEDY_TEMPERATURE_EPS
 
+# A row's candidates start from this many of its best tokens and widen eightfold while a cut runs
+# past them: a full sort of a 150k vocabulary costs more than a decode step.
+FIRST_CANDIDATE_WIDTH = 256
 # The infill step compares candidates' texts pairwise, on the engine thread: past this many (a chain
 # with no top-k before it) only the likeliest are merged; whether to end is judged on all of them.
 INFILL_MOST_CANDIDATES = 256
@@ -36,43 +40,142 @@ class InfillVocabulary:
     piece: Callable[[int], bytes]
 
 
+def log_totals(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's log of its total softmax mass, in float64: exponentials in float32 but summed in
+    float64, since a flat row's total is a sum of a hundred thousand terms that a draw in its tail
+    reads to a few parts in a billion (float32's logsumexp is off by a part in ten million)."""
+    top = logits.amax(dim=-1, keepdim=True)
+    return (logits - top).exp_().double().sum(dim=-1).log_() + top.squeeze(-1).double()
+
+
+@dataclass(frozen=True)
+class Window:
+    """A row's best logits (best first) with their token ids, and the log of the row's total
+    softmax mass: what a chain's first window needs, found for a batch's rows in one call each
+    (first_windows)."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    log_total: float | None  # None: not found (cuts_first_by_top_k)
+
+
+def first_width(chain: tuple[str, ...], top_k: int, size: int) -> int:
+    """The window a chain starts from: a top-k step's k where it is wider than the default."""
+    k = top_k if 0 < top_k < size else size
+    return min(size, max(FIRST_CANDIDATE_WIDTH, k if "top_k" in chain and k < size else 0))
+
+
+def cuts_first_by_top_k(chain: tuple[str, ...], top_k: int, size: int) -> bool:
+    """Whether top-k cuts the row before anything reads its total: only min-p (whose cut is
+    relative to the best) and temperature (which keeps the order) come before it."""
+    return 0 < top_k < size and "top_k" in chain and set(chain[:chain.index("top_k")]) <= {"min_p", "temperature"}
+
+
+def first_windows(logits: torch.Tensor, width: int, totals_wanted: list[bool]) -> list[Window]:
+    """Each row's Window of `width` tokens, with its total where `totals_wanted` says."""
+    values, ids = logits.topk(min(width, logits.shape[-1]), dim=-1)
+    wanted = [i for i, want in enumerate(totals_wanted) if want]
+    found = log_totals(logits if all(totals_wanted) else logits[wanted]).tolist() if wanted else []
+    totals: list[float | None] = [None] * logits.shape[0]
+    for i, total in zip(wanted, found):
+        totals[i] = total
+    return [Window(values[i], ids[i], totals[i]) for i in range(logits.shape[0])]
+
+
 def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
-                  temperature: float, uniform: float, vocabulary: InfillVocabulary | None) -> int:
+                  temperature: float, uniform: float, vocabulary: InfillVocabulary | None,
+                  width: int | None = None, window: Window | None = None) -> int:
     """One row's token: `chain`'s steps in order on the row's logits (after the logit adjustments),
-    then a draw of `uniform` over the softmax of what is left, likeliest first."""
+    then a draw of `uniform` over the softmax of what is left, likeliest first. The steps run on
+    the row's `width` best tokens (first_width's by default; `window`: those already found, as
+    many or more), and on eight times as many while a step's cut or the draw runs past them: the
+    token a full sort of the row gives, but for rounding at a cut's edge."""
     size = row.shape[-1]
     k = top_k if 0 < top_k < size else size
-    # Steps before top-k that neither renormalize nor merge (min-p's cut is relative to the best,
-    # temperature keeps the order) leave the k best as they would find them.
-    before = chain[:chain.index("top_k")] if "top_k" in chain else ()
-    if "top_k" in chain and k < size and set(before) <= {"min_p", "temperature"}:
-        values, ids = row.topk(k)
+    width = first_width(chain, top_k, size) if width is None else min(size, width)
+    while True:
+        token, wider = _chain_on_window(row, chain, k, top_p, min_p, temperature, uniform, vocabulary, width, window)
+        if token is not None:
+            return token
+        width = min(size, max(width * 8, wider))
+
+
+def _chain_on_window(row: torch.Tensor, chain: tuple[str, ...], k: int, top_p: float, min_p: float,
+                     temperature: float, uniform: float, vocabulary: InfillVocabulary | None,
+                     width: int, window: Window | None = None) -> tuple[int | None, int]:
+    """draw_by_chain on the row's `width` best tokens: (the token, 0), or (None, the width the
+    window must at least reach) where a step needs tokens beyond it. While no step has cut inside
+    the window (`whole` False), the tokens in play are every token of the row still `alive`,
+    the window being their best; a step normalising over them reads the row for the total."""
+    size = row.shape[-1]
+    whole = width >= size
+    if window is not None and window.values.numel() >= width:
+        values, ids = window.values[:width], window.ids[:width]
     else:
-        values, ids = row.sort(descending=True)
+        values, ids = row.sort(descending=True) if whole else row.topk(width)
+    alive: torch.Tensor | None = None  # None: all of the row
+    divisors: list[float] = []  # the temperatures applied so far, in order
+
+    def row_now() -> torch.Tensor:
+        scaled = row
+        for divisor in divisors:
+            scaled = scaled / divisor
+        return scaled
+
+    def probabilities() -> torch.Tensor:
+        """The window's probabilities among the tokens in play, in float64: a cumulative sum over
+        a hundred thousand float32 terms would move a draw in a flat row's tail."""
+        if whole:
+            return torch.softmax(values.double(), dim=0)
+        if window is not None and window.log_total is not None and alive is None and not divisors:
+            log_total = window.log_total
+        else:
+            scaled = row_now()
+            log_total = float(log_totals(scaled if alive is None else scaled[alive]))
+        return (values.double() - log_total).exp()
+
+    def in_play() -> int:
+        return size if alive is None else int(alive.sum())
+
     for step in chain:
-        if step == "top_k":
-            values, ids = values[:k], ids[:k]
+        if step == "top_k" and k < size:
+            if not whole and k > values.numel():
+                return None, k
+            values, ids, whole = values[:k], ids[:k], True
         elif step == "top_p" and top_p < 1.0:
-            probs = torch.softmax(values, dim=0)
+            probs = probabilities()
             keep = max(1, int(((probs.cumsum(0) - probs) < top_p).sum()))  # through the one reaching top_p
-            values, ids = values[:keep], ids[:keep]
+            if not whole and keep >= values.numel():  # the nucleus may run past the window
+                return None, 0
+            values, ids, whole = values[:keep], ids[:keep], True
         elif step == "min_p" and min_p > 0.0:
-            keep = max(1, int((values >= values[0] + math.log(min_p)).sum()))
-            values, ids = values[:keep], ids[:keep]
+            floor = values[0] + math.log(min_p)
+            keep = max(1, int((values >= floor).sum()))
+            if whole or keep < values.numel():
+                values, ids, whole = values[:keep], ids[:keep], True
+            else:  # every token of the window stays: of the row, those at the floor or above do
+                above = row_now() >= floor
+                alive = above if alive is None else alive & above
         elif step == "temperature":
             if temperature < GREEDY_TEMPERATURE_EPS:
-                values, ids = values[:1], ids[:1]
+                values, ids, whole = values[:1], ids[:1], True
             else:
                 values = values / temperature
+                divisors.append(temperature)
         elif step == "infill":
             if vocabulary is None:
                 raise ValueError("the infill sampler needs the model's vocabulary")
+            if not whole:  # judges on every candidate in play
+                return None, in_play()
             values, ids = infill_step(values, ids, vocabulary)
     if values.numel() == 1:
-        return int(ids[0])
-    cdf = torch.softmax(values, dim=0).cumsum(0)
-    position = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=cdf.dtype)))
-    return int(ids[min(position, values.numel() - 1)])
+        return int(ids[0]), 0
+    cdf = probabilities().cumsum(0)
+    target = uniform * float(cdf[-1]) if whole else uniform
+    if not whole and target >= float(cdf[-1]):  # the draw lands past the window
+        return None, 0
+    position = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)))
+    return int(ids[min(position, values.numel() - 1)]), 0
 
 
 def infill_step(values: torch.Tensor, ids: torch.Tensor, vocabulary: InfillVocabulary) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,8 @@ from typing import Callable, MutableMapping, Sequence
 import torch
 
 from conveyor.request import Request
-from conveyor.sampling.chain import InfillVocabulary, draw_by_chain
+from conveyor.sampling.chain import (FIRST_CANDIDATE_WIDTH, InfillVocabulary, cuts_first_by_top_k, draw_by_chain,
+                                     first_width, first_windows)
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.outputs import SamplerOutput, TokenLogprobs, verify_rows
 
@@ -161,11 +162,6 @@ def blocked_rows(logits: torch.Tensor, requests: Sequence[Request], masked_rows:
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
-
-
-# Nucleus candidates start from this many of a row's best tokens and widen eightfold while the
-# nucleus runs past them: a full sort of a 150k vocabulary costs more than a decode step.
-FIRST_CANDIDATE_WIDTH = 256
 
 
 def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -347,10 +343,16 @@ class Sampler:
         uniform = self._uniforms(requests)
         tokens = greedy.clone()
         drawn = [i for i, p in enumerate(params) if not p.greedy]
-        for i in [i for i in drawn if params[i].sampler_chain is not None]:  # llama.cpp's order, row by row
-            p = params[i]
-            tokens[i] = draw_by_chain(logits[i], p.sampler_chain or (), p.top_k, p.top_p, p.min_p, p.temperature,
-                                      float(uniform[i]), self._infill)
+        chained = [i for i in drawn if params[i].sampler_chain is not None]  # llama.cpp's order, row by row
+        if chained:
+            vocab = logits.shape[-1]
+            width = max(first_width(params[i].sampler_chain or (), params[i].top_k, vocab) for i in chained)
+            totals = [not cuts_first_by_top_k(params[i].sampler_chain or (), params[i].top_k, vocab) for i in chained]
+            chain_logits = logits if len(chained) == logits.shape[0] else logits[chained]  # a copy only of some rows
+            for i, window in zip(chained, first_windows(chain_logits, width, totals)):
+                p = params[i]
+                tokens[i] = draw_by_chain(logits[i], p.sampler_chain or (), p.top_k, p.top_p, p.min_p, p.temperature,
+                                          float(uniform[i]), self._infill, window=window)
         drawn = [i for i in drawn if params[i].sampler_chain is None]
         whole = [i for i in drawn if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         truncated = [i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0]

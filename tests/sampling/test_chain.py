@@ -10,7 +10,7 @@ import torch
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
 from conveyor.sampling import SamplingParams
-from conveyor.sampling.chain import InfillVocabulary, draw_by_chain, infill_step
+from conveyor.sampling.chain import FIRST_CANDIDATE_WIDTH, InfillVocabulary, _chain_on_window, draw_by_chain, infill_step
 from conveyor.sampling.sampler import Sampler
 
 LLAMA_DEFAULT = ("top_k", "top_p", "min_p", "temperature")  # llama.cpp's default order, less its no-op samplers
@@ -56,6 +56,46 @@ def test_the_draw_follows_the_softmax_of_what_is_left() -> None:
     freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
     expected = torch.softmax(row[:3].double() / 0.5, 0)
     assert torch.allclose(freq[:3], expected, atol=1e-3) and freq[3] == 0
+
+
+CHAINS = [
+    ("top_p", "min_p", "temperature"),  # llama.cpp's defaults with top_k 0
+    ("top_k", "top_p", "min_p", "temperature"),
+    ("min_p", "top_p", "temperature"),
+    ("temperature", "top_p"),
+    ("temperature",),
+    ("top_p", "top_k", "temperature"),
+]
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_the_window_draws_what_a_float64_sort_of_the_whole_row_draws(chain: tuple[str, ...]) -> None:
+    # Rows as models give them (a few likely tokens over a long tail) and flat ones (whose nuclei run
+    # past several widenings), a vocabulary of Qwen2.5's size; the reference sorts the whole row in
+    # float64.
+    generator = torch.Generator().manual_seed(len(chain))
+    vocab = 151_936
+    for spread in (8.0, 2.0, 0.3):
+        row = torch.randn(vocab, generator=generator) * spread
+        for top_k, top_p, min_p, temperature in ((0, 0.9, 0.05, 0.8), (0, 0.95, 0.0, 1.2), (50, 0.8, 0.1, 0.7)):
+            for u in (0.0, 0.13, 0.5, 0.87, 0.999):
+                fast = draw_by_chain(row, chain, top_k, top_p, min_p, temperature, u, None)
+                exact = draw_by_chain(row.double(), chain, top_k, top_p, min_p, temperature, u, None, width=vocab)
+                assert fast == exact, (spread, top_k, top_p, min_p, temperature, u)
+
+
+def test_a_peaked_row_is_drawn_on_its_first_window_and_a_flat_one_widens() -> None:
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(151_936, generator=generator) * 8.0
+    flat = torch.randn(151_936, generator=generator) * 0.3
+    chain = ("top_p", "min_p", "temperature")  # no top-k: the cut is the nucleus's
+    token, _ = _chain_on_window(peaked, chain, 151_936, 0.95, 0.05, 0.8, 0.5, None, FIRST_CANDIDATE_WIDTH)
+    assert token is not None
+    assert _chain_on_window(flat, chain, 151_936, 0.95, 0.0, 0.8, 0.5, None, FIRST_CANDIDATE_WIDTH) == (None, 0)
+    # min_p alone cuts where the row says: the window must then reach every token above its floor
+    row = torch.cat([torch.zeros(300), torch.full((151_636,), -50.0)])
+    assert _chain_on_window(row, ("min_p", "infill"), 151_936, 1.0, 0.5, 1.0, 0.5,
+                            vocabulary({}, set(), 0), FIRST_CANDIDATE_WIDTH) == (None, 300)
 
 
 def vocabulary(pieces: dict[int, bytes], ends: set[int], end_id: int) -> InfillVocabulary:
@@ -134,6 +174,26 @@ def test_the_sampler_draws_chain_rows_by_their_chain_and_greedy_means_the_argmax
     first = Sampler(seed=2)(rows, requests(seeded, SamplingParams(temperature=1.0), seeded)).tokens
     again = Sampler(seed=9)(rows[[0]], requests(seeded)).tokens
     assert first[0] == again[0]  # a seeded chain row draws the same whatever its batch
+
+
+def test_a_batch_of_chain_rows_draws_what_each_row_sorted_whole_in_float64_draws() -> None:
+    # The batch's first windows are found together (Sampler: first_windows); rows whose top-k cuts
+    # first, rows without top-k and rows tempered before their nucleus, at several spreads.
+    generator = torch.Generator().manual_seed(3)
+    vocab = 151_936
+    logits = torch.randn(6, vocab, generator=generator) * torch.tensor([[8.0], [2.0], [8.0], [0.5], [4.0], [8.0]])
+    settings = [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT),
+                dict(top_k=0, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT),
+                dict(top_k=0, top_p=0.9, temperature=1.5, sampler_chain=("temperature", "top_p")),
+                dict(top_k=0, top_p=0.95, temperature=1.0, sampler_chain=LLAMA_DEFAULT),
+                dict(top_k=1000, top_p=0.99, temperature=1.0, sampler_chain=("top_p", "top_k", "temperature")),
+                dict(top_k=0, min_p=0.2, temperature=0.7, sampler_chain=("min_p", "temperature"))]
+    params = [SamplingParams(seed=11 + i, **setting) for i, setting in enumerate(settings)]  # type: ignore[arg-type]
+    drawn = Sampler(seed=0)(logits, requests(*params)).tokens
+    for i, p in enumerate(params):
+        uniform = float(torch.rand(1, generator=torch.Generator().manual_seed(11 + i)))
+        assert drawn[i] == draw_by_chain(logits[i].double(), p.sampler_chain or (), p.top_k, p.top_p, p.min_p,
+                                         p.temperature, uniform, None, width=vocab), i
 
 
 def test_an_unknown_step_is_refused() -> None:
