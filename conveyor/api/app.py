@@ -1,5 +1,5 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
-Anthropic's /v1/messages, /v1/models, Ollama's /api/..., llama.cpp's /completion and /infill,
+Anthropic's /v1/messages, /v1/models, Ollama's /api/..., llama.cpp's /completion, /infill and /embedding,
 /tokenize, /detokenize, /version, /health, /metrics."""
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ from conveyor.api.chat_translation import renamed
 from conveyor.api.anthropic_messages import CHAT_FIELDS as MESSAGES_CHAT_FIELDS
 from conveyor.api.anthropic_messages import CountTokensRequest, MessageBuilder, MessagesRequest
 from conveyor.api.llama_cpp import (
-    ApplyTemplateRequest, InfillFrame, LlamaCompletionRequest, LlamaInfillRequest, LlamaReply, LlamaTokenizeRequest,
-    bias_entries, infill_prompt, prompt_ids, token_entry,
+    ApplyTemplateRequest, InfillFrame, LlamaCompletionRequest, LlamaEmbeddingRequest, LlamaInfillRequest, LlamaReply,
+    LlamaTokenizeRequest, bias_entries, embedding_entries, infill_prompt, prompt_ids, token_entry,
 )
 from conveyor.api.ollama import (
     CHAT_FIELDS as OLLAMA_CHAT_FIELDS, GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS, OLLAMA_API_VERSION,
@@ -479,6 +479,31 @@ def build_app(state: ServerState) -> FastAPI:
     @llama.post("/infill")
     async def llama_infill(request: Request) -> Response:
         return await _llama_answer(request, state, parse(LlamaInfillRequest, await _read_json(request, state)))
+
+    @llama.post("/embedding")
+    @llama.post("/embeddings")
+    async def llama_embedding(request: Request) -> Response:
+        """llama-server's own embeddings: each prompt pooled by the server's pooling (as /v1/embeddings),
+        normalised as `embd_normalize` says, in llama-server's shape."""
+        data = await _read_json(request, state)
+        for name in ("content", "input"):
+            _check_prompt_sizes(state, data, name, generates=False)
+        body = parse(LlamaEmbeddingRequest, data)
+        tokenizer = state.tokenizer
+        named = await asyncio.to_thread(prompt_ids, body.prompt,
+                                        lambda text, bos: tokenizer.encode(text, add_special_tokens=bos),
+                                        body.prompt_field)
+        prompts = _tokenize_prompts(state, named, field=body.prompt_field)  # each checked: not empty, in vocabulary
+        for i, ids in enumerate(prompts):
+            if len(ids) > state.capacity:
+                where = body.prompt_field if len(prompts) == 1 else f"{body.prompt_field}[{i}]"
+                raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
+                                  "tokens", param=body.prompt_field, code=CONTEXT_LENGTH_EXCEEDED)
+        pooling = dataclasses.replace(state.engine.default_pooling, normalize=False)  # embd_normalize's, below
+        vectors = await _embed(request, state, prompts, SamplingParams.for_pooling(pooling), uuid.uuid4().hex)
+        if vectors is None:
+            return Response(status_code=499)
+        return JSONResponse(embedding_entries(vectors, body.embd_normalize))
 
     @llama.post("/apply-template")
     async def llama_apply_template(request: Request) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """llama.cpp's own server API (POST /completion, llama-server's older name, /completions, /infill,
-the `content` forms of /tokenize and /detokenize, /apply-template and GET /props), for the
+/embedding and /embeddings, the `content` forms of /tokenize and /detokenize, /apply-template and
+GET /props), for the
 clients written against llama-server: its README's examples (`n_predict`, `content`, `stop_type`,
 `timings`), scripts and front ends built on them, and the editor plugins that complete code by
 fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`, `n_indent`,
@@ -26,7 +27,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Literal, cast
 
 from pydantic import AliasChoices, Field, model_validator
 
@@ -34,6 +35,7 @@ from conveyor.api.errors import APIError, bad_request
 from conveyor.api.generation import Choice, Generation, TokenLogprob, take_token_ids
 from conveyor.api.protocol import Text, _Strict
 from conveyor.api.responses import failure
+from conveyor.sampling.pooling import EUCLIDEAN, NO_NORM, normalized
 
 # llama-server's default order (common_params_sampling.samplers) and its names' aliases.
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -218,10 +220,10 @@ def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]
     return out
 
 
-def prompt_ids(prompt: str | list[Any], encode: Callable[[str, bool], list[int]]) -> list[list[int]]:
+def prompt_ids(prompt: str | list[Any], encode: Callable[[str, bool], list[int]], field: str = "prompt") -> list[list[int]]:
     """llama.cpp's prompt shapes as token-id prompts: a text; token ids and texts mixed (one
     prompt); or a list of texts or of such lists (one prompt each). A text that starts a prompt
-    takes the model's BOS (`encode(text, first)`)."""
+    takes the model's BOS (`encode(text, first)`). `field`: what a refusal names."""
     def one(item: str | list[Any]) -> list[int]:
         if isinstance(item, str):
             return encode(item, True)
@@ -232,18 +234,18 @@ def prompt_ids(prompt: str | list[Any], encode: Callable[[str, bool], list[int]]
             elif isinstance(part, int) and not isinstance(part, bool):
                 ids.append(part)
             else:
-                raise bad_request(f"prompt: an element is a token id or a text, got {part!r}", param="prompt")
+                raise bad_request(f"{field}: an element is a token id or a text, got {part!r}", param=field)
         return ids
 
     if isinstance(prompt, str):
         return [one(prompt)]
     if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
+        raise bad_request(f"{field} must not be empty", param=field)
     if any(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return [one(prompt)]  # ids, perhaps with texts between them
     if all(isinstance(p, (str, list)) for p in prompt):
         return [one(p) for p in prompt]
-    raise bad_request("prompt is a text, token ids (with texts between them), or a list of those", param="prompt")
+    raise bad_request(f"{field} is a text, token ids (with texts between them), or a list of those", param=field)
 
 
 @dataclass(frozen=True)
@@ -480,6 +482,47 @@ def token_entry(token: int, raw: bytes) -> dict[str, Any]:
         return {"id": token, "piece": raw.decode("utf-8")}
     except UnicodeDecodeError:
         return {"id": token, "piece": list(raw)}
+
+
+class LlamaEmbeddingRequest(_Strict):
+    """llama-server's /embedding and /embeddings (not OpenAI's shape: /v1/embeddings has that): the
+    `content` (or `input`) in /completion's prompt shapes, each prompt pooled into one vector and
+    scaled by `embd_normalize` (llama.cpp's codes: -1 none, 0 max absolute in int16's range, 1
+    taxicab, 2 Euclidean, its default; a p above 2, the p-norm)."""
+
+    model: Text | None = None
+    content: Text | list[Any] | None = None
+    input: Text | list[Any] | None = None
+    embd_normalize: int = Field(EUCLIDEAN, ge=NO_NORM)
+    # llama-server reads it here but answers numbers whatever it says: base64 is /v1/embeddings'.
+    encoding_format: Literal["float"] = "float"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "LlamaEmbeddingRequest":
+        if self.content is None and self.input is None:
+            raise ValueError("content (or input) must be provided")
+        if self.content is not None and self.input is not None:
+            raise ValueError("content and input are the same field: send one")
+        return self
+
+    @property
+    def prompt(self) -> Text | list[Any]:
+        return self.content if self.content is not None else cast(Any, self.input)
+
+    @property
+    def prompt_field(self) -> str:
+        return "content" if self.content is not None else "input"
+
+
+def embedding_entries(vectors: list[list[float]], embd_normalize: int) -> list[dict[str, Any]]:
+    """llama-server's answer: one entry a prompt, its pooled vector (normalised) in a list of one,
+    where `--pooling none` would list every token's."""
+    return [{"index": i, "embedding": [normalized(v, embd_normalize)]} for i, v in enumerate(vectors)]
 
 
 class ApplyTemplateRequest(_Strict):

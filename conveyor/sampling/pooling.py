@@ -46,9 +46,31 @@ class PoolingParams:
     def embedding(self, total: list[float], count: int) -> list[float]:
         """The embedding from the sum of the pooled positions' hidden states and their count."""
         vector = [v / count for v in total] if count > 1 else list(total)
-        if self.normalize:
-            # llama.cpp's and vLLM's: divided by the Euclidean norm, a zero vector left as it is
-            norm = math.sqrt(math.fsum(v * v for v in vector))
-            if norm > 0.0:
-                vector = [v / norm for v in vector]
-        return vector
+        return normalized(vector, EUCLIDEAN) if self.normalize else vector
+
+
+# llama.cpp's codes for a normalisation (its `embd_normalize`, `--embd-normalize`); a p above 2 is
+# the p-norm.
+NO_NORM, MAX_ABSOLUTE, TAXICAB, EUCLIDEAN = -1, 0, 1, 2
+_INT16_RANGE = 32760.0  # llama.cpp's: the largest value of a MAX_ABSOLUTE vector
+
+
+def normalized(vector: list[float], norm: int) -> list[float]:
+    """`vector` divided by its norm `norm` (llama.cpp's codes above; the Euclidean one is vLLM's
+    and OpenAI's unit length), a zero vector left as it is. MAX_ABSOLUTE scales the largest
+    magnitude to llama.cpp's int16 range."""
+    if norm < NO_NORM:
+        raise InvalidRequestError(f"a normalisation is -1 (none), 0 (max absolute), 1 (taxicab), 2 (Euclidean) or a p "
+                                  f"above 2 (p-norm), got {norm}", param="embd_normalize")
+    if norm == NO_NORM:
+        return list(vector)
+    largest = max((abs(v) for v in vector), default=0.0)
+    if norm == MAX_ABSOLUTE:
+        size = largest / _INT16_RANGE
+    elif norm == EUCLIDEAN:
+        size = math.sqrt(math.fsum(v * v for v in vector))
+    elif largest > 0.0:  # in units of the largest magnitude, so that no power overflows
+        size = largest * math.fsum((abs(v) / largest) ** norm for v in vector) ** (1.0 / norm)
+    else:
+        size = 0.0
+    return [v / size for v in vector] if size > 0.0 else list(vector)

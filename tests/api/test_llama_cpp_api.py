@@ -305,3 +305,48 @@ def test_props_give_the_context_a_request_holds(http):
     assert props["default_generation_settings"]["params"]["samplers"] == ["top_k", "top_p", "min_p", "temperature"]
     assert props["total_slots"] == 4 and "<|im_start|>" in props["chat_template"]
     assert props["eos_token"] and props["model_path"].endswith(".gguf")
+
+
+def test_embedding_in_llama_cpps_shape_pools_as_v1_embeddings_and_normalises_by_embd_normalize(http):
+    texts = ["def add(a, b):", "The capital of France is"]
+    openai = http.post("/v1/embeddings", json={"model": MODEL, "input": texts, "normalize": False}).json()["data"]
+    for path in ("/embedding", "/embeddings"):
+        raw = http.post(path, json={"content": texts, "embd_normalize": -1})
+        assert raw.status_code == 200, raw.text
+        entries = raw.json()
+        assert [e["index"] for e in entries] == [0, 1] and all(len(e["embedding"]) == 1 for e in entries)
+        for entry, same in zip(entries, openai):
+            assert entry["embedding"][0] == pytest.approx(same["embedding"], rel=1e-6)
+    one = http.post("/embedding", json={"content": texts[0]}).json()  # llama.cpp's default: Euclidean
+    vector = one[0]["embedding"][0]
+    assert len(one) == 1 and len(vector) == 896 and sum(v * v for v in vector) == pytest.approx(1.0)
+    taxicab = http.post("/embedding", json={"input": texts[0], "embd_normalize": 1}).json()[0]["embedding"][0]
+    assert sum(abs(v) for v in taxicab) == pytest.approx(1.0)
+    int16 = http.post("/embedding", json={"content": texts[0], "embd_normalize": 0}).json()[0]["embedding"][0]
+    assert max(abs(v) for v in int16) == pytest.approx(32760.0)
+    ids = http.post("/tokenize", json={"content": texts[0]}).json()["tokens"]
+    by_ids = http.post("/embedding", json={"content": ids}).json()[0]["embedding"][0]
+    assert by_ids == pytest.approx(vector, rel=1e-6)  # a text prompt takes no BOS on this model
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "content"),
+    ({"content": "a", "input": "b"}, "content"),
+    ({"content": ""}, "content"),
+    ({"input": []}, "input"),
+    ({"content": ["a", 1.5]}, "content"),
+    ({"content": [10**9]}, "content"),
+    ({"content": "x", "embd_normalize": -2}, "embd_normalize"),
+    ({"content": "x", "encoding_format": "base64"}, "encoding_format"),
+    ({"content": "x", "pooling": "none"}, "pooling"),
+])
+def test_an_embedding_request_that_cannot_be_served_is_refused_naming_the_field(app, body, field):
+    http, state = app
+    reply = http.post("/embedding", json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    assert not state.engine.engine.has_unfinished_requests  # type: ignore[attr-defined]
+
+
+def test_an_embedding_input_past_the_context_is_refused(http):
+    reply = http.post("/embedding", json={"content": [1] * 600})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "content", reply.text
