@@ -1077,8 +1077,11 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
         # llama.cpp ends a generation at any of its end-of-generation tokens: the model's ends of a
         # middle (padding, the next file) too.
         ends = [] if params.ignore_eos or tokenizer.infill is None else list(tokenizer.infill.ends)
+        # ignore_eos: llama.cpp bans its end-of-generation tokens (vLLM's samples past them).
+        banned = [[t] for t in tokenizer.end_of_generation_ids] if params.ignore_eos else []
         params = dataclasses.replace(params, sampler_chain=chain,
-                                     stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])))
+                                     stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])),
+                                     bad_words_token_ids=[*params.bad_words_token_ids, *banned])
     except APIError as exc:
         raise renamed(exc, LLAMA_FIELDS) from None
     except InvalidRequestError as exc:

@@ -266,6 +266,13 @@ class Tokenizer:
         return self._tok
 
     @property
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """llama.cpp's end-of-generation set: EOS and the ends of a turn (eos_token_ids), and a code
+        model's ends of a middle (padding, the next file)."""
+        middle_ends = self.infill.ends if self.infill is not None else ()
+        return tuple(dict.fromkeys([*self.eos_token_ids, *middle_ends]))
+
+    @property
     def special_tokens(self) -> dict[str, str]:
         """bos/eos/unk/pad token strings known for this checkpoint (the chat template's variables)."""
         return {k: v for k, v in self._template_vars.items() if isinstance(v, str)}

@@ -124,8 +124,8 @@ def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
     """The vocabulary facts a sampler chain's infill step reads (None without a tokenizer or EOS)."""
     if tokenizer is None or tokenizer.eos_token_id is None:
         return None
-    ends = [*tokenizer.eos_token_ids, *(tokenizer.infill.ends if tokenizer.infill is not None else ())]
-    return InfillVocabulary(frozenset(ends), tokenizer.eos_token_id, functools.partial(token_piece, tokenizer))
+    return InfillVocabulary(frozenset(tokenizer.end_of_generation_ids), tokenizer.eos_token_id,
+                            functools.partial(token_piece, tokenizer))
 
 
 @dataclass

@@ -350,3 +350,14 @@ def test_an_embedding_request_that_cannot_be_served_is_refused_naming_the_field(
 def test_an_embedding_input_past_the_context_is_refused(http):
     reply = http.post("/embedding", json={"content": [1] * 600})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "content", reply.text
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens_as_llama_cpp_does(app):
+    http, state = app
+    ends = set(state.tokenizer.end_of_generation_ids)
+    chat = http.post("/apply-template", json={"messages": [{"role": "user", "content": "Say hi."}]}).json()["prompt"]
+    ended = complete(http, prompt=chat, n_predict=48, temperature=0, return_tokens=True)
+    assert ended["stop_type"] == "eos" and ended["tokens_predicted"] < 48  # the model ends its turn
+    onward = complete(http, prompt=chat, n_predict=48, temperature=0, ignore_eos=True, return_tokens=True)
+    assert onward["tokens_predicted"] == 48 and onward["stop_type"] == "limit"
+    assert not ends & set(onward["tokens"])  # never sampled, where vLLM's ignore_eos samples past them
