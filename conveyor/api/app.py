@@ -217,11 +217,7 @@ def build_app(state: ServerState) -> FastAPI:
             pooling = dataclasses.replace(pooling, normalize=body.normalize)
         prompts = await asyncio.to_thread(_tokenize_prompts, state, body.input, body.add_special_tokens, "input")
         prompts = _truncate(state, prompts, body.truncate_prompt_tokens, generates=False)
-        for i, ids in enumerate(prompts):  # as the size check before tokenizing says it, naming which
-            if len(ids) > state.capacity:
-                where = "the input" if len(prompts) == 1 else f"input[{i}]"
-                raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
-                                  "tokens", param="input", code=CONTEXT_LENGTH_EXCEEDED)
+        _check_inputs_fit(state, prompts, "input")
         params = SamplingParams.for_pooling(pooling, body.priority or 0, body.cache_salt)
         request_id = body.request_id or uuid.uuid4().hex
         vectors = await _embed(request, state, prompts, params, request_id)
@@ -489,18 +485,17 @@ def build_app(state: ServerState) -> FastAPI:
         for name in ("content", "input"):
             _check_prompt_sizes(state, data, name, generates=False)
         body = parse(LlamaEmbeddingRequest, data)
+        _check_model(state, body.model)
+        _check_dimensions(state, body.dimensions)
         tokenizer = state.tokenizer
         named = await asyncio.to_thread(prompt_ids, body.prompt,
                                         lambda text, bos: tokenizer.encode(text, add_special_tokens=bos),
                                         body.prompt_field)
         prompts = _tokenize_prompts(state, named, field=body.prompt_field)  # each checked: not empty, in vocabulary
-        for i, ids in enumerate(prompts):
-            if len(ids) > state.capacity:
-                where = body.prompt_field if len(prompts) == 1 else f"{body.prompt_field}[{i}]"
-                raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
-                                  "tokens", param=body.prompt_field, code=CONTEXT_LENGTH_EXCEEDED)
+        _check_inputs_fit(state, prompts, body.prompt_field)
         pooling = dataclasses.replace(state.engine.default_pooling, normalize=False)  # embd_normalize's, below
-        vectors = await _embed(request, state, prompts, SamplingParams.for_pooling(pooling), uuid.uuid4().hex)
+        vectors = await _embed(request, state, prompts, SamplingParams.for_pooling(pooling), uuid.uuid4().hex,
+                               body.prompt_field)
         if vectors is None:
             return Response(status_code=499)
         return JSONResponse(embedding_entries(vectors, body.embd_normalize))
@@ -906,7 +901,7 @@ async def _completion_params(state: ServerState, body: CompletionRequest, max_to
 
 
 async def _embed(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                 request_id: str) -> list[list[float]] | None:
+                 request_id: str, prompt_field: str = "input") -> list[list[float]] | None:
     """Each prompt's embedding (None: the client went away). In waves of a running batch's worth: a
     list of inputs longer than the waiting queue's bound (OpenAI takes 2,048) is served a wave after
     another rather than refused for good."""
@@ -918,7 +913,7 @@ async def _embed(request: Request, state: ServerState, prompts: list[list[int]],
             # A later wave's ids hold a space, which a caller's request_id cannot: no two collide.
             gen = Generation(state.engine, state.tokenizer, params, None, "embd",
                              request_id=request_id if not start else f"{request_id} +{start}")
-            release = await _admit(state, gen, prompts[start: start + wave], prompt_field="input", new=not start)
+            release = await _admit(state, gen, prompts[start: start + wave], prompt_field=prompt_field, new=not start)
             try:
                 if not await run_to_end(request, gen):
                     return None
@@ -961,6 +956,16 @@ def _fit_num_ctx(state: ServerState, gen: Generation, prompt: list[int], num_ctx
                           f"({num_ctx})", param="options.num_ctx", code=CONTEXT_LENGTH_EXCEEDED)
     if gen.params.max_tokens is None or gen.params.max_tokens > room:
         gen.params = dataclasses.replace(gen.params, max_tokens=room)
+
+
+def _check_inputs_fit(state: ServerState, prompts: list[list[int]], field: str) -> None:
+    """An embedding's inputs each within the context (they generate nothing, so they may fill it),
+    as the size check before tokenizing says it, naming which."""
+    for i, ids in enumerate(prompts):
+        if len(ids) > state.capacity:
+            where = f"the {field}" if len(prompts) == 1 else f"{field}[{i}]"
+            raise bad_request(f"{where} ({len(ids)} tokens) cannot fit the maximum model length of {state.capacity} "
+                              "tokens", param=field, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _check_dimensions(state: ServerState, dimensions: int | None) -> None:

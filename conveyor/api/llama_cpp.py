@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, cast
+from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
@@ -58,6 +58,14 @@ INFILL_BATCH = 2048
 _KEEP_ONE = 1e-9
 
 
+class _LlamaRequest(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """A null is a field not sent (llama-server reads it as its default)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class InputChunk(_Strict):
     """A file's text given as context to /infill (llama.vim and llama.vscode send the chunks they
     gathered, with the time they took each)."""
@@ -67,7 +75,7 @@ class InputChunk(_Strict):
     time: float | None = None  # when the client took the chunk: for the client's own bookkeeping
 
 
-class LlamaCompletionRequest(_Strict):
+class LlamaCompletionRequest(_LlamaRequest):
     """llama-server's /completion fields (tools/server/README.md)."""
 
     model: Text | None = None
@@ -115,12 +123,6 @@ class LlamaCompletionRequest(_Strict):
         "n_discard": (0,), "n_cache_reuse": (0,), "lora": ([],), "grammar": ("", None), "id_slot": (-1,),
         "n_cmpl": (1,), "n": (1,), "return_progress": (False,), "verbose": (False,), "backend_sampling": (False,),
     }
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        """A null is a field not sent (llama-server reads it as its default)."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _penalties(self) -> "LlamaCompletionRequest":
@@ -461,18 +463,13 @@ def _event(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
 
 
-class LlamaTokenizeRequest(_Strict):
+class LlamaTokenizeRequest(_LlamaRequest):
     """llama-server's /tokenize (told from vLLM's by its `content`)."""
 
     content: Text
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def token_entry(token: int, raw: bytes) -> dict[str, Any]:
@@ -484,7 +481,7 @@ def token_entry(token: int, raw: bytes) -> dict[str, Any]:
         return {"id": token, "piece": list(raw)}
 
 
-class LlamaEmbeddingRequest(_Strict):
+class LlamaEmbeddingRequest(_LlamaRequest):
     """llama-server's /embedding and /embeddings (not OpenAI's shape: /v1/embeddings has that): the
     `content` (or `input`) in /completion's prompt shapes, each prompt pooled into one vector and
     scaled by `embd_normalize` (llama.cpp's codes: -1 none, 0 max absolute in int16's range, 1
@@ -493,14 +490,11 @@ class LlamaEmbeddingRequest(_Strict):
     model: Text | None = None
     content: Text | list[Any] | None = None
     input: Text | list[Any] | None = None
-    embd_normalize: int = Field(EUCLIDEAN, ge=NO_NORM)
+    embd_normalize: int = Field(EUCLIDEAN, ge=NO_NORM, le=2**31 - 1)  # a C int in llama.cpp
     # llama-server reads it here but answers numbers whatever it says: base64 is /v1/embeddings'.
     encoding_format: Literal["float"] = "float"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    dimensions: int | None = None  # as /v1/embeddings: only the model's own width
+    user: Text | None = None  # as /v1/embeddings: taken
 
     @model_validator(mode="after")
     def _one_input(self) -> "LlamaEmbeddingRequest":
@@ -512,7 +506,9 @@ class LlamaEmbeddingRequest(_Strict):
 
     @property
     def prompt(self) -> Text | list[Any]:
-        return self.content if self.content is not None else cast(Any, self.input)
+        prompt = self.content if self.content is not None else self.input
+        assert prompt is not None  # _one_input
+        return prompt
 
     @property
     def prompt_field(self) -> str:

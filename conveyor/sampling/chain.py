@@ -59,27 +59,41 @@ class Window:
     log_total: float | None  # None: not found (cuts_first_by_top_k)
 
 
+def kept_by_top_k(top_k: int, size: int) -> int:
+    """How many tokens a top-k step keeps of a row of `size` (0 or less, or k past the row: all)."""
+    return top_k if 0 < top_k < size else size
+
+
 def first_width(chain: tuple[str, ...], top_k: int, size: int) -> int:
     """The window a chain starts from: a top-k step's k where it is wider than the default."""
-    k = top_k if 0 < top_k < size else size
+    k = kept_by_top_k(top_k, size)
     return min(size, max(FIRST_CANDIDATE_WIDTH, k if "top_k" in chain and k < size else 0))
 
 
 def cuts_first_by_top_k(chain: tuple[str, ...], top_k: int, size: int) -> bool:
     """Whether top-k cuts the row before anything reads its total: only min-p (whose cut is
     relative to the best) and temperature (which keeps the order) come before it."""
-    return 0 < top_k < size and "top_k" in chain and set(chain[:chain.index("top_k")]) <= {"min_p", "temperature"}
+    return (kept_by_top_k(top_k, size) < size and "top_k" in chain
+            and set(chain[:chain.index("top_k")]) <= {"min_p", "temperature"})
 
 
-def first_windows(logits: torch.Tensor, width: int, totals_wanted: list[bool]) -> list[Window]:
-    """Each row's Window of `width` tokens, with its total where `totals_wanted` says."""
-    values, ids = logits.topk(min(width, logits.shape[-1]), dim=-1)
-    wanted = [i for i, want in enumerate(totals_wanted) if want]
-    found = log_totals(logits if all(totals_wanted) else logits[wanted]).tolist() if wanted else []
-    totals: list[float | None] = [None] * logits.shape[0]
-    for i, total in zip(wanted, found):
-        totals[i] = total
-    return [Window(values[i], ids[i], totals[i]) for i in range(logits.shape[0])]
+def first_windows(logits: torch.Tensor, widths: list[int], totals_wanted: list[bool]) -> list[Window]:
+    """Each row's Window of its width, with its total where `totals_wanted` says. Rows of one width
+    take one topk together: a row's window, tied logits' order included, is then what its own
+    topk gives, whatever its batch-mates ask."""
+    windows: list[Window | None] = [None] * logits.shape[0]
+    for width in sorted(set(widths)):
+        rows = [i for i, w in enumerate(widths) if w == width]
+        group = logits if len(rows) == logits.shape[0] else logits[rows]  # a copy only of some rows
+        values, ids = group.topk(min(width, logits.shape[-1]), dim=-1)
+        wanted = [j for j, i in enumerate(rows) if totals_wanted[i]]
+        found = log_totals(group if len(wanted) == len(rows) else group[wanted]).tolist() if wanted else []
+        totals: list[float | None] = [None] * len(rows)
+        for j, total in zip(wanted, found):
+            totals[j] = total
+        for j, i in enumerate(rows):
+            windows[i] = Window(values[j], ids[j], totals[j])
+    return [w for w in windows if w is not None]
 
 
 def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
@@ -89,9 +103,10 @@ def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: 
     then a draw of `uniform` over the softmax of what is left, likeliest first. The steps run on
     the row's `width` best tokens (first_width's by default; `window`: those already found, as
     many or more), and on eight times as many while a step's cut or the draw runs past them: the
-    token a full sort of the row gives, but for rounding at a cut's edge."""
+    token a full sort of the row gives, but for rounding at a cut's edge and the order of tied
+    logits (topk's, not sort's)."""
     size = row.shape[-1]
-    k = top_k if 0 < top_k < size else size
+    k = kept_by_top_k(top_k, size)
     width = first_width(chain, top_k, size) if width is None else min(size, width)
     while True:
         token, wider = _chain_on_window(row, chain, k, top_p, min_p, temperature, uniform, vocabulary, width, window)

@@ -61,7 +61,7 @@ def normalized(vector: list[float], norm: int) -> list[float]:
     magnitude to llama.cpp's int16 range."""
     if norm < NO_NORM:
         raise InvalidRequestError(f"a normalisation is -1 (none), 0 (max absolute), 1 (taxicab), 2 (Euclidean) or a p "
-                                  f"above 2 (p-norm), got {norm}", param="embd_normalize")
+                                  f"above 2 (p-norm), got {norm}", param="norm")
     if norm == NO_NORM:
         return list(vector)
     largest = max((abs(v) for v in vector), default=0.0)

@@ -346,10 +346,10 @@ class Sampler:
         chained = [i for i in drawn if params[i].sampler_chain is not None]  # llama.cpp's order, row by row
         if chained:
             vocab = logits.shape[-1]
-            width = max(first_width(params[i].sampler_chain or (), params[i].top_k, vocab) for i in chained)
+            widths = [first_width(params[i].sampler_chain or (), params[i].top_k, vocab) for i in chained]
             totals = [not cuts_first_by_top_k(params[i].sampler_chain or (), params[i].top_k, vocab) for i in chained]
             chain_logits = logits if len(chained) == logits.shape[0] else logits[chained]  # a copy only of some rows
-            for i, window in zip(chained, first_windows(chain_logits, width, totals)):
+            for i, window in zip(chained, first_windows(chain_logits, widths, totals)):
                 p = params[i]
                 tokens[i] = draw_by_chain(logits[i], p.sampler_chain or (), p.top_k, p.top_p, p.min_p, p.temperature,
                                           float(uniform[i]), self._infill, window=window)

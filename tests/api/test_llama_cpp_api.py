@@ -339,6 +339,8 @@ def test_embedding_in_llama_cpps_shape_pools_as_v1_embeddings_and_normalises_by_
     ({"content": "x", "embd_normalize": -2}, "embd_normalize"),
     ({"content": "x", "encoding_format": "base64"}, "encoding_format"),
     ({"content": "x", "pooling": "none"}, "pooling"),
+    ({"content": "x", "embd_normalize": 10**400}, "embd_normalize"),
+    ({"content": "x", "dimensions": 10}, "dimensions"),
 ])
 def test_an_embedding_request_that_cannot_be_served_is_refused_naming_the_field(app, body, field):
     http, state = app
@@ -361,3 +363,10 @@ def test_ignore_eos_bans_the_end_of_generation_tokens_as_llama_cpp_does(app):
     onward = complete(http, prompt=chat, n_predict=48, temperature=0, ignore_eos=True, return_tokens=True)
     assert onward["tokens_predicted"] == 48 and onward["stop_type"] == "limit"
     assert not ends & set(onward["tokens"])  # never sampled, where vLLM's ignore_eos samples past them
+
+
+def test_an_embedding_request_takes_v1s_model_dimensions_and_user(http):
+    fine = http.post("/embedding", json={"content": "x", "model": MODEL, "dimensions": 896, "user": "me"})
+    assert fine.status_code == 200 and len(fine.json()[0]["embedding"][0]) == 896
+    other = http.post("/embedding", json={"content": "x", "model": "nope"})
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"

@@ -3,6 +3,7 @@ step as llama.cpp's infill sampler decides, and the Sampler routing such rows to
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -194,6 +195,66 @@ def test_a_batch_of_chain_rows_draws_what_each_row_sorted_whole_in_float64_draws
         uniform = float(torch.rand(1, generator=torch.Generator().manual_seed(11 + i)))
         assert drawn[i] == draw_by_chain(logits[i].double(), p.sampler_chain or (), p.top_k, p.top_p, p.min_p,
                                          p.temperature, uniform, None, width=vocab), i
+
+
+def reference_draw(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
+                   temperature: float, uniform: float, vocabulary: InfillVocabulary | None) -> int:
+    """llama.cpp's chain read literally, in float64 on the whole row sorted: the specification the
+    window is held to (the infill step is infill_step's, tested above)."""
+    values, ids = row.double().sort(descending=True, stable=True)
+    for step in chain:
+        if step == "top_k" and 0 < top_k < values.numel():
+            values, ids = values[:top_k], ids[:top_k]
+        elif step == "top_p" and top_p < 1.0:
+            probs = torch.softmax(values, 0)
+            before = torch.cat([torch.zeros(1, dtype=probs.dtype), probs.cumsum(0)[:-1]])
+            keep = max(1, int((before < top_p).sum()))
+            values, ids = values[:keep], ids[:keep]
+        elif step == "min_p" and min_p > 0.0:
+            keep = max(1, int((values >= values[0] + math.log(min_p)).sum()))
+            values, ids = values[:keep], ids[:keep]
+        elif step == "temperature":
+            values, ids = (values[:1], ids[:1]) if temperature < 1e-5 else (values / temperature, ids)
+        elif step == "infill":
+            assert vocabulary is not None
+            values, ids = infill_step(values, ids, vocabulary)
+    cdf = torch.softmax(values, 0).cumsum(0)
+    return int(ids[min(int((cdf < uniform * float(cdf[-1])).sum()), values.numel() - 1)])
+
+
+def test_random_chains_on_rows_with_banned_tokens_draw_what_the_literal_chain_draws() -> None:
+    # Any order of the five steps, some twice, on rows mostly banned (-inf: a logit bias, a grammar),
+    # peaked or flat, top-k past the window or the row, greedy temperatures; the infill step judges
+    # the ends against the texts (token 0 ends; each token's text is distinct).
+    generator = torch.Generator().manual_seed(5)
+    pick = random.Random(5)
+    vocab = 3000
+    infill = vocabulary({t: f"t{t}".encode() for t in range(vocab)}, {0}, 0)
+    for case in range(400):
+        row = torch.randn(vocab, generator=generator) * pick.choice([0.5, 3.0, 10.0])
+        if case % 3 == 0:
+            banned = torch.rand(vocab, generator=generator) < pick.choice([0.9, 0.995])
+            banned[int(row.argmax())] = False
+            row = row.masked_fill(banned, float("-inf"))
+        chain = tuple(pick.choice(["top_k", "top_p", "min_p", "temperature", "infill"])
+                      for _ in range(pick.randint(0, 4)))
+        settings = (pick.choice([0, -1, 5, 40, 300, 2999, 3000, 5000]), pick.choice([1.0, 0.95, 0.5, 0.1]),
+                    pick.choice([0.0, 0.05, 0.3]), pick.choice([0.0, 0.7, 1.0, 2.0]), pick.random())
+        drawn = draw_by_chain(row, chain, *settings, infill)
+        assert drawn == reference_draw(row, chain, *settings, infill), (case, chain, settings)
+
+
+def test_a_seeded_chain_row_draws_the_same_beside_any_batch_mate() -> None:
+    # Logits rounded as bf16 weights give them, so ties are common: a row's window must not depend on
+    # how wide its batch-mates' windows are.
+    generator = torch.Generator().manual_seed(2)
+    row = (torch.randn(151_936, generator=generator) * 4).to(torch.bfloat16).float()
+    mate = SamplingParams(seed=999, top_k=5000, top_p=0.95, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
+    for seed in range(40):
+        mine = SamplingParams(seed=seed, top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
+        alone = Sampler()(row[None], requests(mine)).tokens[0]
+        again = SamplingParams(seed=seed, top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
+        assert Sampler()(torch.stack([row, row]), requests(again, mate)).tokens[0] == alone, seed
 
 
 def test_an_unknown_step_is_refused() -> None:

@@ -36,4 +36,4 @@ def test_a_high_p_does_not_overflow_and_a_zero_vector_stays() -> None:
 def test_a_code_below_minus_one_is_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError) as refused:
         normalized(VECTOR, -2)
-    assert refused.value.param == "embd_normalize"
+    assert refused.value.param == "norm"
