@@ -1075,7 +1075,7 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
     bias = bias_entries(body, lambda text: tokenizer.encode(text, add_special_tokens=False, parse_special=False))
     try:
         completion = parse(CompletionRequest, {"model": body.model, "prompt": prompts if len(prompts) > 1 else prompts[0],
-                                               "logit_bias": bias or None, **fields})
+                                               "logit_bias": bias.added or None, **fields})
         # -1: until the context is full, as llama-server (not capped by the model's recommendation)
         max_tokens = room if body.n_predict < 0 else max(body.n_predict, 1)
         prompts, params = await _completion_params(state, completion, max_tokens, body.n_probs or None)
@@ -1083,10 +1083,15 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
         # middle (padding, the next file) too.
         ends = [] if params.ignore_eos or tokenizer.infill is None else list(tokenizer.infill.ends)
         # ignore_eos: llama.cpp bans its end-of-generation tokens (vLLM's samples past them).
-        banned = [[t] for t in tokenizer.end_of_generation_ids] if params.ignore_eos else []
+        banned = [*bias.banned, *(tokenizer.end_of_generation_ids if params.ignore_eos else ())]
+        outside = [t for t in bias.banned if not 0 <= t < tokenizer.vocab_size]
+        if outside:
+            raise bad_request(f"logit_bias: token ids out of vocabulary [0, {tokenizer.vocab_size}): {outside[:5]}",
+                              param="logit_bias")
         params = dataclasses.replace(params, sampler_chain=chain,
                                      stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])),
-                                     bad_words_token_ids=[*params.bad_words_token_ids, *banned])
+                                     bad_words_token_ids=[*params.bad_words_token_ids,
+                                                          *([t] for t in dict.fromkeys(banned))])
     except APIError as exc:
         raise renamed(exc, LLAMA_FIELDS) from None
     except InvalidRequestError as exc:

@@ -197,18 +197,26 @@ class LlamaInfillRequest(LlamaCompletionRequest):
     input_extra: list[InputChunk] = []
 
 
-def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]]) -> dict[str, float]:
+@dataclass(frozen=True)
+class Biases:
+    """A llama.cpp logit_bias as this server applies it: /v1/completions' {id: bias}, and the ids
+    `false` bans (never sampled, as llama.cpp's -inf bias; the engine masks them)."""
+
+    added: dict[str, float]
+    banned: list[int]
+
+
+def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]]) -> Biases:
     """llama.cpp's logit_bias ([[token, bias], ...] or {token: bias}; a token as an id or as text,
-    each of whose tokens then takes the bias; `false` bans it) as /v1/completions' {id: bias}."""
+    each of whose tokens then takes the bias; `false` bans it)."""
     pairs = body.logit_bias.items() if isinstance(body.logit_bias, dict) else (body.logit_bias or [])
-    out: dict[str, float] = {}
+    added: dict[str, float] = {}
+    banned: dict[int, None] = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise bad_request("logit_bias takes [token, bias] pairs", param="logit_bias")
         token, bias = pair
-        if bias is False:
-            bias = -100.0  # OpenAI's floor: as good as never
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
             raise bad_request(f"logit_bias: a bias is a number or false, got {bias!r}", param="logit_bias")
         if isinstance(token, str) and isinstance(body.logit_bias, dict) and re.fullmatch(r"-?\d+", token):
             ids = [int(token)]  # an object's keys are strings: an integer names a token id
@@ -218,8 +226,11 @@ def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]
             ids = [token]
         else:
             raise bad_request(f"logit_bias: a token is an id or a text, got {token!r}", param="logit_bias")
-        out.update({str(i): float(bias) for i in ids})
-    return out
+        if bias is False:
+            banned.update(dict.fromkeys(ids))
+        else:
+            added.update({str(i): float(bias) for i in ids})
+    return Biases(added, list(banned))
 
 
 def prompt_ids(prompt: str | list[Any], encode: Callable[[str, bool], list[int]], field: str = "prompt") -> list[list[int]]:

@@ -120,6 +120,12 @@ def test_logit_bias_in_each_of_llama_cpps_forms(http):
     for bias in ([[first, False]], {str(first): -100}, [[greedy["content"], -100]]):
         other = complete(http, prompt=PROMPT, n_predict=1, temperature=0, return_tokens=True, logit_bias=bias)
         assert other["tokens"][0] != first, bias
+    # false bans the token outright, as llama.cpp's -inf: no bias beside it brings it back
+    banned = complete(http, prompt=PROMPT, n_predict=1, temperature=0, return_tokens=True,
+                      logit_bias=[[first, False], [first, 100]])
+    assert banned["tokens"][0] != first
+    outside = http.post("/completion", json={"prompt": PROMPT, "logit_bias": [[10**9, False]]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
 
 
 def test_response_fields_keep_only_those_asked(http):
