@@ -1071,7 +1071,9 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
         where = "input_prefix" if isinstance(body, LlamaInfillRequest) else "prompt"
         raise bad_request(f"the prompt ({state.capacity - room} tokens) leaves no room to generate within the maximum of "
                           f"{state.capacity} tokens", param=where, code=CONTEXT_LENGTH_EXCEEDED)
-    fields = body.completion_fields()
+    # llama.cpp does not bound a temperature at OpenAI's 2: the completion is checked inside /v1's
+    # range, and its sampling parameters then take the request's own (up to the sampler's bound).
+    fields = {**body.completion_fields(), "temperature": min(body.temperature, 2.0)}
     bias = bias_entries(body, lambda text: tokenizer.encode(text, add_special_tokens=False, parse_special=False))
     try:
         completion = parse(CompletionRequest, {"model": body.model, "prompt": prompts if len(prompts) > 1 else prompts[0],
@@ -1088,7 +1090,7 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
         if outside:
             raise bad_request(f"logit_bias: token ids out of vocabulary [0, {tokenizer.vocab_size}): {outside[:5]}",
                               param="logit_bias")
-        params = dataclasses.replace(params, sampler_chain=chain,
+        params = dataclasses.replace(params, sampler_chain=chain, temperature=body.temperature,
                                      stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])),
                                      bad_words_token_ids=[*params.bad_words_token_ids,
                                                           *([t] for t in dict.fromkeys(banned))])

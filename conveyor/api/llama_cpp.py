@@ -23,6 +23,7 @@ slots: `id_slot` is -1, and every answer says 0. A null field is one not sent.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -54,6 +55,9 @@ _APPLIED = ("top_k", "top_p", "min_p", "temperature", "infill")
 # llama-server's default logical batch (-b): its /infill takes up to 3/4 of it of the prefix and
 # the rest of a quarter of the suffix.
 INFILL_BATCH = 2048
+# The sampler's bound on a temperature (SamplingParams; /v1 keeps OpenAI's 2): past it a row is
+# as flat as it gets.
+MAX_TEMPERATURE = 100.0
 # A top_p of 0 keeps the likeliest token alone (llama.cpp's min_keep 1); the engine takes (0, 1].
 _KEEP_ONE = 1e-9
 
@@ -81,7 +85,7 @@ class LlamaCompletionRequest(_LlamaRequest):
     model: Text | None = None
     prompt: Text | list[Any] = ""
     n_predict: int = Field(-1, ge=-1, validation_alias=AliasChoices("n_predict", "max_tokens", "max_completion_tokens"))
-    temperature: float = Field(0.8, ge=0)
+    temperature: float = Field(0.8, ge=0, le=MAX_TEMPERATURE)  # unbounded in llama.cpp; the sampler's bound
     top_k: int = Field(40, ge=0)
     top_p: float = Field(0.95, ge=0, le=1)
     min_p: float = Field(0.05, ge=0, le=1)
@@ -206,6 +210,13 @@ class Biases:
     banned: list[int]
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer past float's range
+        return False
+
+
 def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]]) -> Biases:
     """llama.cpp's logit_bias ([[token, bias], ...] or {token: bias}; a token as an id or as text,
     each of whose tokens then takes the bias; `false` bans it)."""
@@ -216,8 +227,8 @@ def bias_entries(body: LlamaCompletionRequest, encode: Callable[[str], list[int]
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise bad_request("logit_bias takes [token, bias] pairs", param="logit_bias")
         token, bias = pair
-        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
-            raise bad_request(f"logit_bias: a bias is a number or false, got {bias!r}", param="logit_bias")
+        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not _finite(bias)):
+            raise bad_request(f"logit_bias: a bias is a finite number or false, got {bias!r}", param="logit_bias")
         if isinstance(token, str) and isinstance(body.logit_bias, dict) and re.fullmatch(r"-?\d+", token):
             ids = [int(token)]  # an object's keys are strings: an integer names a token id
         elif isinstance(token, str):

@@ -126,6 +126,20 @@ def test_logit_bias_in_each_of_llama_cpps_forms(http):
     assert banned["tokens"][0] != first
     outside = http.post("/completion", json={"prompt": PROMPT, "logit_bias": [[10**9, False]]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
+    for bad in (f'[[{first}, {10**400}]]', "[[1000000000, 5.0]]", f"[[{first}, 500]]"):
+        refused = http.post("/completion", content=f'{{"prompt": "x", "n_predict": 1, "logit_bias": {bad}}}',
+                            headers={"content-type": "application/json"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", (bad, refused.text)
+
+
+def test_a_temperature_past_openais_range_is_llama_cpps_to_take(http):
+    # llama.cpp does not stop at 2: a temperature of 5 flattens the row (up to the sampler's 100).
+    hot = complete(http, prompt=PROMPT, n_predict=8, temperature=5.0, seed=3, return_tokens=True)
+    assert hot["generation_settings"]["temperature"] == 5.0 and hot["tokens_predicted"] == 8
+    cold = complete(http, prompt=PROMPT, n_predict=8, temperature=0.8, seed=3, return_tokens=True)
+    assert hot["tokens"] != cold["tokens"]
+    refused = http.post("/completion", json={"prompt": PROMPT, "temperature": 101})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
 
 
 def test_response_fields_keep_only_those_asked(http):
