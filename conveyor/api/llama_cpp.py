@@ -1,10 +1,9 @@
 """llama.cpp's own server API (POST /completion, llama-server's older name, /completions, /infill,
 /embedding and /embeddings, the `content` forms of /tokenize and /detokenize, /apply-template and
-GET /props), for the
-clients written against llama-server: its README's examples (`n_predict`, `content`, `stop_type`,
-`timings`), scripts and front ends built on them, and the editor plugins that complete code by
-fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`, `n_indent`,
-`t_max_predict_ms` and the `infill` sampler).
+GET /props), for the clients written against llama-server: its README's examples (`n_predict`,
+`content`, `stop_type`, `timings`), scripts and front ends built on them, and the editor plugins
+that complete code by fill-in-the-middle (llama.vim, llama.vscode: /infill with `input_extra`,
+`n_indent`, `t_max_predict_ms` and the `infill` sampler).
 
 A request is served as the completion it amounts to, through /v1/completions' pipeline, sampled in
 llama.cpp's way: its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) and its order of
