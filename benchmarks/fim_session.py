@@ -2,16 +2,19 @@
 a few lines of a source file are cut out at the cursor and typed back a few characters at a time,
 and at each keystroke the client asks for the middle (the text between the code before the cursor
 and the code after it), one request at a time, as an editor waiting for its suggestion does.
-conveyor is asked through OpenAI's `suffix` on /v1/completions, llama-server through its own
-/infill, run as llama.vim's preset for Qwen2.5-Coder runs it (-b 1024 -ub 1024 --cache-reuse
-256). The prompts differ: /infill puts a short repository header first and cuts the code to its
-batch (3/4 before the cursor, 1/4 after); conveyor takes the whole file unless --truncate gives it
-truncate_prompt_tokens (the same 3:1 split). Both reuse the KV of the prompt's unchanged start
+conveyor is asked through OpenAI's `suffix` on /v1/completions (`--conveyor-infill`: through its
+own /infill, the request llama-server gets, whose layout it cuts as llama-server at its default
+batch of 2,048 does), llama-server through its own /infill, run as llama.vim's preset for
+Qwen2.5-Coder runs it (-b 1024 -ub 1024 --cache-reuse 256). The prompts differ: /infill puts a
+short repository header first and cuts the code to its batch (3/4 before the cursor, 1/4 after);
+/v1/completions takes the whole file unless --truncate gives it truncate_prompt_tokens (the same
+3:1 split). Both reuse the KV of the prompt's unchanged start
 (prefix caching; llama.cpp's cache_prompt), and llama-server also moves cached KV that reappears at
 a shifted position (--cache-reuse).
 
     .venv/bin/python benchmarks/fim_session.py --rounds 2
     .venv/bin/python benchmarks/fim_session.py --rounds 2 --truncate 1024
+    .venv/bin/python benchmarks/fim_session.py --rounds 2 --conveyor-infill --llama-batch 2048
     .venv/bin/python benchmarks/fim_session.py --llama-batch 2048 --file conveyor/api/app.py --cursor-line 150
 
 Prints, per server and round, the latency of a suggestion (median, p90, max; the session's first
@@ -99,6 +102,8 @@ def main() -> int:
     p.add_argument("--llama-batch", type=int, default=1024, help="llama-server's -b and -ub (its default: 2048 / 512)")
     p.add_argument("--truncate", type=int, default=None,
                    help="conveyor's truncate_prompt_tokens (default: the whole file, as the client sends it)")
+    p.add_argument("--conveyor-infill", action="store_true",
+                   help="ask conveyor through its own /infill, as llama-server is asked (default: /v1/completions)")
     p.add_argument("--out-dir", default="out/fim")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -112,7 +117,8 @@ def main() -> int:
         return conveyor_request(port, prefix, suffix, max_tokens, args.truncate)
 
     servers = [("conveyor", [str(CONVEYOR), "serve", str(path), "--port", "8141", "--log-level", "warning",
-                             "--num-threads", str(args.threads)], 8141, ask_conveyor)]
+                             "--num-threads", str(args.threads)], 8141,
+                 llama_request if args.conveyor_infill else ask_conveyor)]
     if LLAMA_SERVER.is_file():
         # llama.vim's preset for Qwen2.5-Coder (llama-server --fim-qwen-*-default): a 1,024-token batch,
         # which also caps /infill's prompt (3/4 of it for the code before the cursor, 1/4 after),
@@ -125,7 +131,7 @@ def main() -> int:
     print(f"{path.name}: {args.file} lines {args.cursor_line}..{args.cursor_line + args.lines_cut - 1} typed back "
           f"{args.chars} characters a request, {len(strokes)} requests, max_tokens {args.max_tokens}, "
           f"{args.threads} threads; llama-server -b/-ub {args.llama_batch} --cache-reuse {args.cache_reuse}, "
-          f"conveyor truncate_prompt_tokens {args.truncate}")
+          f"conveyor {'/infill' if args.conveyor_infill else f'truncate_prompt_tokens {args.truncate}'}")
     print(f"{'round':>5} {'server':<13} {'median ms':>9} {'p90 ms':>7} {'max ms':>7} {'cold ms':>8} "
           f"{'computed/req':>12} {'out/req':>7} {'agree':>6}")
     for round_ in range(1, args.rounds + 1):
