@@ -54,6 +54,9 @@ _APPLIED = ("top_k", "top_p", "min_p", "temperature", "infill")
 # llama-server's default logical batch (-b): its /infill takes up to 3/4 of it of the prefix and
 # the rest of a quarter of the suffix.
 INFILL_BATCH = 2048
+# A cut prefix starts on a grid of this many tokens (infill_prompt), so that it moves once every
+# this many tokens typed.
+PREFIX_GRID = 256
 # The sampler's bound on a temperature (SamplingParams; /v1 keeps OpenAI's 2): past it a row is
 # as flat as it gets.
 MAX_TEMPERATURE = 100.0
@@ -289,7 +292,13 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
     model has its tokens, else each after a separator line), then prefix, prompt, suffix and the
     middle token; the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the
     prompt, the extra files (their latest part) what is left of the context after a batch and twice
-    the server's n_predict (-1: so 2 more), and, here, never so much that nothing can be written."""
+    the server's n_predict (-1: so 2 more), and, here, never so much that nothing can be written.
+
+    Where the context holds a batch and PREFIX_GRID more, a cut prefix starts on a PREFIX_GRID-token
+    grid (keeping up to PREFIX_GRID - 1 tokens more than llama-server, taken from the extra files'
+    share): as the user types, the cut then moves once every PREFIX_GRID tokens rather than with
+    each keystroke, so the prompt's start stays in the prefix cache. llama-server keeps its cut
+    exact and moves the cached KV along instead (--cache-reuse), which conveyor does not do."""
     extra: list[int] = []
     if frame.repo is not None:
         extra += [frame.repo, *encode("myproject\n")]
@@ -302,11 +311,18 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
     if frame.file_separator is not None:
         extra += [frame.file_separator, *encode("filename\n")]
     before, after = encode(body.input_prefix), encode(body.input_suffix)
-    before = before[len(before) - min(len(before), 3 * (INFILL_BATCH // 4)):]
+    extra_room = n_ctx - INFILL_BATCH + 2
+    start = max(0, len(before) - 3 * (INFILL_BATCH // 4))
+    if n_ctx - INFILL_BATCH - PREFIX_GRID - 2 >= 0:
+        start -= start % PREFIX_GRID
+        # What the grid may add comes out of the extra files' share, whatever this keystroke's cut,
+        # so that their part (the prompt's start) stays the same from one keystroke to the next.
+        extra_room -= PREFIX_GRID + 4
+    before = before[start:]
     after = after[:min(len(after), max(0, INFILL_BATCH // 4 - (2 + len(prompt))))]
     head = [frame.bos] if frame.bos is not None else []
     rest = [*head, frame.prefix, *before, *prompt, frame.suffix, *after, frame.middle]
-    take = max(0, min(n_ctx - INFILL_BATCH + 2, len(extra), n_ctx - 1 - len(rest)))
+    take = max(0, min(extra_room, len(extra), n_ctx - 1 - len(rest)))
     return [*extra[len(extra) - take:], *rest]
 
 

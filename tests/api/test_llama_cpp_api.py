@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conveyor.api.app import ServerState
-from conveyor.api.llama_cpp import INFILL_BATCH, IndentLimit, InfillFrame, LlamaInfillRequest, infill_prompt
+from conveyor.api.llama_cpp import (INFILL_BATCH, PREFIX_GRID, IndentLimit, InfillFrame, LlamaInfillRequest,
+                                   infill_prompt)
 from tests.api.conftest import in_process_app
 
 MODEL = "qwen2.5-coder-0.5b"
@@ -218,6 +219,21 @@ def test_the_infill_prompt_is_llama_servers():
     no_repo = InfillFrame(prefix=-1, suffix=-2, middle=-3, repo=None, file_separator=None, bos=7)
     ids = infill_prompt(body, no_repo, _Plain.encode, [], n_ctx=INFILL_BATCH + 100)
     assert ids[:ids.index(7)] == [*map(ord, "\n\n--- snippet ---\n\n"), ord("x")] and ids[ids.index(7) + 1] == -1
+
+
+def test_a_cut_prefix_starts_on_a_grid_so_typing_keeps_the_prompts_start():
+    # With room for a batch and the grid, a prefix past 3/4 of a batch is cut on a PREFIX_GRID grid:
+    # keystroke after keystroke the prompt up to the cursor is the one before it plus the typed text,
+    # which the prefix cache then holds; the extra files' share leaves the grid its room.
+    extra_text = [{"filename": "f", "text": "x" * 9000}]
+    prompts = [infill_prompt(LlamaInfillRequest(input_prefix="q" * n, input_suffix="w" * 900, input_extra=extra_text),
+                             FRAME, _Plain.encode, [], n_ctx=8192) for n in range(5000, 5000 + PREFIX_GRID)]
+    kept = [p.count(ord("q")) for p in prompts]
+    assert all(3 * INFILL_BATCH // 4 <= k < 3 * INFILL_BATCH // 4 + PREFIX_GRID for k in kept)
+    cursor = [p.index(-2) for p in prompts]  # the suffix token follows the cursor
+    changed = [i for i in range(1, len(prompts)) if prompts[i][:cursor[i - 1]] != prompts[i - 1][:cursor[i - 1]]]
+    assert len(changed) == 1  # the cut moved once in PREFIX_GRID keystrokes
+    assert all(len(p) <= 8192 - 1 for p in prompts)
 
 
 def test_the_indent_limit_holds_a_lines_indentation_until_it_is_known():
