@@ -1030,7 +1030,8 @@ async def _ollama_answer(request: Request, state: ServerState, gen: Generation, 
 
 # /v1/completions' fields as llama.cpp's API names them, for the refusals its pipeline raises.
 LLAMA_FIELDS = (("^max_tokens", "n_predict"), ("^repetition_penalty", "repeat_penalty"), ("^logprobs", "n_probs"),
-                ("^response_format", "json_schema"), ("^messages", "prompt"))
+                ("^response_format", "json_schema"), ("^messages", "prompt"),
+                ("^bad_words", "logit_bias"))  # where its `false` bans go
 
 
 def _llama_prompts(state: ServerState, body: LlamaCompletionRequest) -> list[list[int]]:

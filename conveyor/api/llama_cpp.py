@@ -296,9 +296,10 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
 
     Where the context holds a batch and PREFIX_GRID more, a cut prefix starts on a PREFIX_GRID-token
     grid (keeping up to PREFIX_GRID - 1 tokens more than llama-server, taken from the extra files'
-    share): as the user types, the cut then moves once every PREFIX_GRID tokens rather than with
-    each keystroke, so the prompt's start stays in the prefix cache. llama-server keeps its cut
-    exact and moves the cached KV along instead (--cache-reuse), which conveyor does not do."""
+    share): as a client that sends all the text before the cursor types, the cut then moves once
+    every PREFIX_GRID tokens rather than with each keystroke, so the prompt's start stays in the
+    prefix cache. llama-server keeps its cut exact and moves the cached KV along instead
+    (--cache-reuse), which conveyor does not do."""
     extra: list[int] = []
     if frame.repo is not None:
         extra += [frame.repo, *encode("myproject\n")]
@@ -313,7 +314,7 @@ def infill_prompt(body: LlamaInfillRequest, frame: InfillFrame, encode: Callable
     before, after = encode(body.input_prefix), encode(body.input_suffix)
     extra_room = n_ctx - INFILL_BATCH + 2
     start = max(0, len(before) - 3 * (INFILL_BATCH // 4))
-    if n_ctx - INFILL_BATCH - PREFIX_GRID - 2 >= 0:
+    if start > 0 and n_ctx - INFILL_BATCH - PREFIX_GRID - 2 >= 0:
         start -= start % PREFIX_GRID
         # What the grid may add comes out of the extra files' share, whatever this keystroke's cut,
         # so that their part (the prompt's start) stays the same from one keystroke to the next.

@@ -36,13 +36,14 @@ class Proposer(Protocol):
 def can_speculate(request: Request) -> bool:
     """Whether the request's next tokens may be proposed and verified in one step: it decodes
     (every known token but the last is computed), and each of its rows is sampled as it would be
-    without speculation: no logprobs (reported one token a step), no penalties, bad words or
-    min_tokens, whose adjustments depend on the output so far. A grammar's masks are made for each
-    row (conveyor/structured: a proposal is cut at the first token its grammar forbids)."""
+    without speculation: no logprobs (reported one token a step), no penalties, bad words of more
+    than one token or min_tokens, whose adjustments depend on the output so far (a banned single
+    token is masked in every row alike). A grammar's masks are made for each row
+    (conveyor/structured: a proposal is cut at the first token its grammar forbids)."""
     p = request.sampling_params
     return (request.status is RequestStatus.RUNNING and bool(request.output_token_ids)
             and request.num_computed_tokens == request.num_tokens - 1
-            and p.logprobs is None and not p.penalized and not p.bad_words_token_ids
+            and p.logprobs is None and not p.penalized and all(len(ids) == 1 for ids in p.bad_words_token_ids)
             and len(request.output_token_ids) >= p.min_tokens)
 
 

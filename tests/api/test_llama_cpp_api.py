@@ -127,6 +127,8 @@ def test_logit_bias_in_each_of_llama_cpps_forms(http):
     assert banned["tokens"][0] != first
     outside = http.post("/completion", json={"prompt": PROMPT, "logit_bias": [[10**9, False]]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "logit_bias"
+    many = http.post("/completion", json={"prompt": PROMPT, "logit_bias": [[t, False] for t in range(1000, 3000)]})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "logit_bias", many.text  # the engine's bound
     for bad in (f'[[{first}, {10**400}]]', "[[1000000000, 5.0]]", f"[[{first}, 500]]"):
         refused = http.post("/completion", content=f'{{"prompt": "x", "n_predict": 1, "logit_bias": {bad}}}',
                             headers={"content-type": "application/json"})

@@ -117,6 +117,8 @@ def test_who_may_speculate() -> None:
     assert not can_speculate(request([1, 2], [3], logprobs=2))
     assert not can_speculate(request([1, 2], [3], repetition_penalty=1.2))
     assert not can_speculate(request([1, 2], [3], min_tokens=5))
+    assert not can_speculate(request([1, 2], [3], bad_words_token_ids=[[4, 5]]))  # depends on the output so far
+    assert can_speculate(request([1, 2], [3], bad_words_token_ids=[[4], [6]]))  # banned in every row alike
     assert can_speculate(request([1, 2], [3], temperature=0.7, seed=1, top_k=5))
     prefilling = request([1, 2, 3], [4])
     prefilling.num_computed_tokens = 1
