@@ -123,6 +123,16 @@ def test_stops_end_where_they_would(default_model: LoadedModel) -> None:
     assert outputs[True].finish_reason == outputs[False].finish_reason == "stop"
 
 
+def test_single_token_bans_speculate_and_change_nothing(default_model: LoadedModel) -> None:
+    # llama.cpp's ignore_eos and logit_bias false ban single tokens, masked in every verified row alike
+    plain, _ = generate(default_model, None, [COPY], GREEDY)
+    banned_token = plain[0][17]  # in the middle of a run of accepted proposals
+    banned = SamplingParams(max_tokens=40, temperature=0.0, bad_words_token_ids=[[banned_token]])
+    engine = assert_unchanged(default_model, [COPY], banned)
+    got, _ = generate(default_model, FORCED, [COPY], banned)
+    assert banned_token not in got[0] and engine.speculator is not None
+
+
 def test_n_samples_and_seeds_do_not_change(default_model: LoadedModel) -> None:
     seeded = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=11)
     assert_unchanged(default_model, [COPY, PLAIN], seeded)
