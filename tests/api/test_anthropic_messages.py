@@ -6,35 +6,25 @@ field at fault."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState
-from tests.api.conftest import in_process_app
+from tests.api import coder_app
+from tests.api.coder_app import MODEL
 
+app, http = coder_app.app, coder_app.http  # the real model's app, one for this module
 
 anthropic = pytest.importorskip("anthropic")
 
-MODEL = "qwen2.5-coder-0.5b"
 GREEDY = {"temperature": 0}  # sent in extra_body: newer anthropic clients no longer take sampling fields
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                             "required": ["city"], "additionalProperties": False}}
 AS_CHAT_TOOL = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                  "parameters": WEATHER["input_schema"]}}
-
-
-@pytest.fixture(scope="module")
-def app() -> Iterator[tuple[TestClient, ServerState]]:
-    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
-
-
-@pytest.fixture(scope="module")
-def http(app: tuple[TestClient, ServerState]) -> TestClient:
-    return app[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,28 +7,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState
 from conveyor.api.llama_cpp import (INFILL_BATCH, PREFIX_GRID, IndentLimit, InfillFrame, LlamaInfillRequest,
                                    infill_prompt)
-from tests.api.conftest import in_process_app
+from tests.api import coder_app
+from tests.api.coder_app import MODEL
 
-MODEL = "qwen2.5-coder-0.5b"
+app, http = coder_app.app, coder_app.http  # the real model's app, one for this module
+
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def app() -> Iterator[tuple[TestClient, ServerState]]:
-    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
-
-
-@pytest.fixture(scope="module")
-def http(app: tuple[TestClient, ServerState]) -> TestClient:
-    return app[0]
 
 
 def complete(http: TestClient, path: str = "/completion", **fields: Any) -> Any:

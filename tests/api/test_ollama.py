@@ -8,19 +8,20 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.api.app import ServerState
-from tests.api.conftest import in_process_app
+from tests.api import coder_app
+from tests.api.coder_app import MODEL
+
+app, http = coder_app.app, coder_app.http  # the real model's app, one for this module
 
 ollama = pytest.importorskip("ollama")
 
-MODEL = "qwen2.5-coder-0.5b"
 GREEDY = {"temperature": 0}
 # Keys in the order Ollama's client sends them (its Tool type's), which a template's tojson keeps.
 WEATHER = {"type": "function", "function": {
@@ -40,16 +41,6 @@ class _Through(httpx.BaseTransport):
         reply = self.http.request(request.method, request.url.path, content=request.read(),
                                   headers={k: v for k, v in request.headers.items() if k.lower() != "host"})
         return httpx.Response(reply.status_code, headers=dict(reply.headers), content=reply.content)
-
-
-@pytest.fixture(scope="module")
-def app() -> Iterator[tuple[TestClient, ServerState]]:
-    yield from in_process_app(MODEL, num_kv_blocks=96, max_num_seqs=4, max_model_len=512)
-
-
-@pytest.fixture(scope="module")
-def http(app: tuple[TestClient, ServerState]) -> TestClient:
-    return app[0]
 
 
 @pytest.fixture(scope="module")
