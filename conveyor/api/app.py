@@ -1087,10 +1087,6 @@ async def _llama_answer(request: Request, state: ServerState, body: LlamaComplet
         ends = [] if params.ignore_eos or tokenizer.infill is None else list(tokenizer.infill.ends)
         # ignore_eos: llama.cpp bans its end-of-generation tokens (vLLM's samples past them).
         banned = [*bias.banned, *(tokenizer.end_of_generation_ids if params.ignore_eos else ())]
-        outside = [t for t in bias.banned if not 0 <= t < tokenizer.vocab_size]
-        if outside:
-            raise bad_request(f"logit_bias: token ids out of vocabulary [0, {tokenizer.vocab_size}): {outside[:5]}",
-                              param="logit_bias")
         params = dataclasses.replace(params, sampler_chain=chain, temperature=body.temperature,
                                      stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *ends])),
                                      bad_words_token_ids=[*params.bad_words_token_ids,

@@ -26,9 +26,9 @@ from conveyor.model.tokenizer import Tokenizer, token_piece
 from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
 from conveyor.runner.stats import StepStats
+from conveyor.sampling.chain import InfillVocabulary
 from conveyor.sampling.outputs import SamplerOutput, verify_rows
 from conveyor.structured.masking import apply_token_masks
-from conveyor.sampling.chain import InfillVocabulary
 from conveyor.sampling.sampler import Sampler
 from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput

@@ -19,7 +19,7 @@ import torch
 
 from conveyor.request import Request
 from conveyor.sampling.chain import (FIRST_CANDIDATE_WIDTH, InfillVocabulary, cuts_first_by_top_k, draw_by_chain,
-                                     first_width, first_windows)
+                                     first_width, first_windows, kept_by_top_k)
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.outputs import SamplerOutput, TokenLogprobs, verify_rows
 
@@ -191,7 +191,7 @@ def nucleus_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams], w
     The tokens a full sort of the row keeps, found by `topk` over a window that widens, for the
     rows whose nucleus runs past it only."""
     vocab = scaled.shape[-1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = [kept_by_top_k(p.top_k, vocab) for p in params]
     limit = torch.tensor(top_k)
     top_p = torch.tensor([p.top_p for p in params])
     by_k = limit < vocab
