@@ -40,8 +40,10 @@ def split_qkv(qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), as torch's F.silu computes it: x / (1 + exp(-x))."""
-    return x / (np.float32(1) + np.exp(-x))
+    """x * sigmoid(x), as torch's F.silu computes it: x / (1 + exp(-x)) (exp overflowing to inf for
+    x below -88 gives -0, the limit)."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1) + np.exp(-x))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
