@@ -229,7 +229,7 @@ class ModelRunner:
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=layer_ops(torch.float32).argmax_rows, infill=infill_vocabulary(tokenizer))
-        build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
+        build_kernels(fp32=dtype == torch.float32)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @property
     def prompt_rows_apart(self) -> bool:
