@@ -44,12 +44,12 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# The C++ kernels, built once before the suite (or found in torch's cache: under a second), so that
+# The C++ kernels, built once before the suite (or found in their cache: under a second), so that
 # no test worker stalls on a build inside a test. It says which kernels it builds.
 kernels: install
 	@echo "make: building the C++ kernels side by side (each once; later starts load them from the cache)"
-	@$(PY) -c "import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
-	from conveyor.model.kernels import build_kernels; build_kernels(torch.float32)"
+	@$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	from conveyor.model.kernels import build_kernels; build_kernels()"
 
 # Two workers, each taking whole test files (module fixtures such as a server or a reference
 # model load once): about half of a serial run's time is spent waiting on servers and subprocesses.

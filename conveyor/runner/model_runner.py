@@ -267,7 +267,9 @@ class ModelRunner:
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
                                argmax=_sampler_argmax(layer_ops().argmax_rows), infill=infill_vocabulary(tokenizer))
-        build_kernels()  # build (or load) every C++ kernel the model runs now, not inside a request
+        # build (or load) every C++ kernel the model runs now, not inside a request; activations are
+        # fp32 whatever the weights are held in, so the fused ops and attention kernels are always run
+        build_kernels(fp32=True)
 
     @property
     def prompt_rows_apart(self) -> bool:
