@@ -200,8 +200,10 @@ class LlamaModel:
             x = layer.forward(x, layer_cos, layer_sin, kv, layer_meta, ops, matmul, mlp_parts, decode_kernel,
                               prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
-        return ops.rms_norm(np.ascontiguousarray(x[np.asarray(logits_indices, dtype=np.int64)]), self.norm,
-                            self.cfg.rms_norm_eps)
+        rows = np.ascontiguousarray(x[np.asarray(logits_indices, dtype=np.int64)])
+        if rows.shape[0] == 0:  # no row samples (a chunk mid-prompt): numpy's empty arrays have no row stride to pass
+            return np.empty((0, self.cfg.hidden_size), dtype=np.float32)
+        return ops.rms_norm(rows, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, h: np.ndarray, sampled: np.ndarray | None = None) -> np.ndarray:
         """fp32 logits of h's rows. The rows `sampled` marks (a bool a row: its request draws its
