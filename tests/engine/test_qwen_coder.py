@@ -64,7 +64,7 @@ def test_every_weight_is_held_once_in_its_blocks(qwen_path: Path, qwen: LoadedMo
     # The untied embedding is read by rows only: the file's own Q5_0 blocks, left in its mapping.
     embed = model.embed
     assert embed.weight is None and embed.packed is None and embed.blocks is not None and embed.blocks.qtype == "Q5_0"
-    address = embed.blocks.blocks.data_ptr()
+    address = embed.blocks.blocks.ctypes.data
     mapped = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
     assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16) and m[-1] == str(qwen_path)
                for m in mapped if len(m) == 6)
