@@ -43,7 +43,7 @@ def no_huge_pages_from_numpy() -> None:
     a time, and a block partly written counted whole. Turned off, so the allocator policy here works
     in the pages it was measured in (docs/PERF.md, "Memory"), as it did under torch's allocator."""
     try:
-        from numpy._core.multiarray import _set_madvise_hugepage
+        from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]
     except ImportError:  # a numpy without the switch
         return
     _set_madvise_hugepage(False)
