@@ -7,7 +7,9 @@ import math
 import mmap
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
 from conveyor.config import EngineConfig, SchedulerConfig, parse_memory
@@ -120,6 +122,12 @@ def zeros_mapped_on_use(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return torch.frombuffer(area, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
 
 
+def _numpy_argmax(argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[np.ndarray], np.ndarray]:
+    """The model's vectorised argmax (first index of the maximum, NaN first) on the sampler's numpy
+    logits. Temporary bridge, removed by the kernels' port to numpy."""
+    return lambda logits: argmax_rows(torch.from_numpy(logits)).numpy()
+
+
 def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
     """The vocabulary facts a sampler chain's infill step reads (None without a tokenizer or EOS)."""
     if tokenizer is None or tokenizer.eos_token_id is None:
@@ -228,7 +236,8 @@ class ModelRunner:
         self._window_layers = frozenset(layer for layer in range(model.cfg.num_layers)
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
-                               argmax=layer_ops(torch.float32).argmax_rows, infill=infill_vocabulary(tokenizer))
+                               argmax=_numpy_argmax(layer_ops(torch.float32).argmax_rows),
+                               infill=infill_vocabulary(tokenizer))
         build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
 
     @property
@@ -313,7 +322,9 @@ class ModelRunner:
         row_requests = [r for r in requests for _ in range(1 + len(r.spec_token_ids))] if speculating else requests
         sampled_rows = torch.tensor([not r.sampling_params.greedy for r in row_requests]
                                     + [False] * (h.shape[0] - num_sampling), dtype=torch.bool)
-        logits = self.model.logits(h, sampled_rows)
+        # Temporary bridge, removed by the model's port to numpy: the masks and the sampler take the
+        # logits as a numpy array, a view of the tensor's memory (masks write through it).
+        logits = self.model.logits(h, sampled_rows).numpy()
         t2 = time.perf_counter()
         masked_rows: list[int] = []
         if token_masks is not None:
@@ -344,7 +355,7 @@ class ModelRunner:
             at += count
         return sums
 
-    def _prompt_logprobs(self, logits: torch.Tensor, rows: list) -> dict[str, list[dict[int, float]]]:
+    def _prompt_logprobs(self, logits: np.ndarray, rows: list) -> dict[str, list[dict[int, float]]]:
         result, at = {}, 0
         for request, start, count in rows:
             targets = request.prompt_token_ids[start + 1 : start + 1 + count]
