@@ -9,7 +9,7 @@ alike. Switches:
 - `packed-linear`: the matmul on weights packed at load vs `F.linear` on dense fp32 copies of them
 - `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
-- `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
+- `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs numpy.argmax (the sampler's own)
 - `screened-argmax`: greedy tokens from the int8-screened head (linear.screened_argmax) vs
   the full vocabulary projection and the sampler
 - `sampled-head`: rows that sample at a temperature taking the vocabulary projection in the
@@ -73,7 +73,7 @@ from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
 from conveyor.model.quantized import HALF_TYPES
 from conveyor.runner.model_runner import LoadedModel, ModelRunner
-from conveyor.sampling.sampler import torch_argmax
+from conveyor.sampling.sampler import numpy_argmax
 
 # benchmarks/kernels by its path: an installed package named `kernels` (transformers depends on one)
 # would win over the directory as a namespace package.
@@ -184,7 +184,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "packed-linear": lambda runner: _dense_switch(runner.model, F.linear),
     "kernels": lambda runner: _env_switch("CONVEYOR_KERNELS"),
     "panel-gemm": lambda runner: _onednn_switch(runner.model),
-    "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
+    "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", numpy_argmax),
     "screened-argmax": lambda runner: _patch_switch(runner.model, "greedy_tokens", lambda h: None),
     "half-weights": lambda runner: _half_weights_switch(runner.model),
     "sampled-head": lambda runner: _patch_switch(runner.model, "logits",

@@ -26,6 +26,7 @@ from conveyor.kv import blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.sampler import check_generator_state
 
 
 def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
@@ -128,10 +129,8 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
         held_from = 0  # nothing of the payload is written: the window blocks in sight are this engine's
     if payload.sampler_state is not None:  # checked before the request is queued: a bad one must not leave it there
         try:
-            import torch  # bridge: torch-free-sampling (the sampler's generator state is a torch one until it lands)
-
-            torch.Generator().set_state(payload.sampler_state)
-        except (RuntimeError, TypeError, ValueError) as e:
+            check_generator_state(payload.sampler_state)
+        except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"KV of {payload.request_id!r} carries a sampler state that is not one: {e}") from e
 
     # Where each layer's blocks are in the payload: (array, its row, the block its data starts at).
