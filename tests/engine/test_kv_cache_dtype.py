@@ -25,8 +25,8 @@ def engine(loaded: LoadedModel, **kwargs: object) -> LLMEngine:
 def test_default_cache_is_float16_and_holds_twice_the_tokens(default_model: LoadedModel) -> None:
     half, full = engine(default_model, kv_cache_memory="32MiB"), engine(default_model, kv_cache_memory="32MiB",
                                                                         kv_cache_dtype="float32")
-    assert {c.dtype for pair in half.runner.kv_caches for c in pair} == {np.float16}
-    assert {c.dtype for pair in full.runner.kv_caches for c in pair} == {np.float32}
+    assert {c.dtype for pair in half.runner.kv_caches for c in pair} == {np.dtype(np.float16)}
+    assert {c.dtype for pair in full.runner.kv_caches for c in pair} == {np.dtype(np.float32)}
     full_blocks = full.scheduler.kv.num_blocks
     assert half.scheduler.kv.num_blocks in (2 * full_blocks, 2 * full_blocks + 1)  # each the most that fit
     for e in (half, full):
