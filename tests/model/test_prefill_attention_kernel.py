@@ -1,7 +1,10 @@
-"""The C++ prefill attention kernel (paged_prefill.cpp) against causal attention in float64 over the
-same keys, and against the SDPA path it replaces inside `attend`."""
+"""The C++ prefill attention kernel (paged_prefill.cpp) on numpy arrays against causal attention in
+float64 over the same keys, and against the SDPA path it replaces inside `attend`."""
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
@@ -10,42 +13,53 @@ from conveyor.model.kernels import paged_prefill_kernel
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernel() -> Any:
     fn = paged_prefill_kernel()
     if fn is None:
-        pytest.skip("C++ kernel could not be built here (no compiler/ninja)")
+        pytest.skip("C++ kernel could not be built here (no compiler)")
     return fn
 
 
-def _chunk(num_cached: int, num_tokens: int, block_size: int, heads: int, kv_heads: int, d: int, seed: int = 0):
+def _chunk(num_cached: int, num_tokens: int, block_size: int, heads: int, kv_heads: int, d: int, seed: int = 0
+           ) -> tuple[np.ndarray, ...]:
     """A cache holding positions 0 .. num_cached + num_tokens - 1 in shuffled blocks, plus spare
     blocks full of garbage (a kernel reading past its table would pick it up)."""
-    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     total = num_cached + num_tokens
     used = -(-total // block_size)
     num_blocks = used + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen) * 50
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen) * 50
-    table = torch.randperm(num_blocks, generator=gen)[:used]
-    keys, values = torch.randn(total, kv_heads, d, generator=gen), torch.randn(total, kv_heads, d, generator=gen)
-    slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
-    write_kv(k_cache, v_cache, keys, values, slots)
-    q = torch.randn(num_tokens, heads, d, generator=gen)
+    k_cache = (rng.standard_normal((num_blocks, block_size, kv_heads, d)) * 50).astype(np.float32)
+    v_cache = (rng.standard_normal((num_blocks, block_size, kv_heads, d)) * 50).astype(np.float32)
+    table = rng.permutation(num_blocks)[:used].astype(np.int64)
+    keys = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    values = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+    slots = table[np.arange(total) // block_size] * block_size + np.arange(total) % block_size
+    k_cache.reshape(-1, kv_heads, d)[slots] = keys
+    v_cache.reshape(-1, kv_heads, d)[slots] = values
+    q = rng.standard_normal((num_tokens, heads, d)).astype(np.float32)
     return q, k_cache, v_cache, table, keys, values, slots
 
 
-def _reference(q, keys, values, num_cached, scale, window=0):
+def _reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, num_cached: int, scale: float,
+               window: int = 0) -> np.ndarray:
     """Every query on its own in float64 over the positions it sees."""
     heads, kv_heads = q.shape[1], keys.shape[1]
-    k = keys.double().repeat_interleave(heads // kv_heads, dim=1)
-    v = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    k = keys.astype(np.float64).repeat(heads // kv_heads, axis=1)
+    v = values.astype(np.float64).repeat(heads // kv_heads, axis=1)
     rows = []
     for i in range(q.shape[0]):
         pos = num_cached + i
         first = max(0, pos - window + 1) if window else 0
-        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k[first:pos + 1]) * scale, dim=-1)
-        rows.append(torch.einsum("ht,thd->hd", weights, v[first:pos + 1]))
-    return torch.stack(rows).float()
+        scores = np.einsum("hd,thd->ht", q[i].astype(np.float64), k[first:pos + 1]) * scale
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        rows.append(np.einsum("ht,thd->hd", weights, v[first:pos + 1]))
+    return np.stack(rows)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, tolerance: float = 2e-5) -> None:
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
 
 
 # Fresh prompts and cache hits, lengths on and off the 16-key steps and the blocks, tiles of one
@@ -57,7 +71,7 @@ def _reference(q, keys, values, num_cached, scale, window=0):
 def test_kernel_matches_causal_attention(kernel, num_cached, num_tokens, heads, kv_heads):
     q, k_cache, v_cache, table, keys, values, _ = _chunk(num_cached, num_tokens, 16, heads, kv_heads, 64)
     out = kernel(q, k_cache, v_cache, table, num_cached, 0.125, 0)
-    torch.testing.assert_close(out, _reference(q, keys, values, num_cached, 0.125), rtol=2e-5, atol=2e-5)
+    assert_close(out, _reference(q, keys, values, num_cached, 0.125))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -65,7 +79,9 @@ def test_kernel_matches_causal_attention(kernel, num_cached, num_tokens, heads, 
 def test_head_dims_and_block_sizes(kernel, d, block_size):
     q, k_cache, v_cache, table, keys, values, _ = _chunk(21, 40, block_size, 6, 2, d, seed=d + block_size)
     out = kernel(q, k_cache, v_cache, table, 21, d**-0.5, 0)
-    torch.testing.assert_close(out, _reference(q, keys, values, 21, d**-0.5), rtol=2e-5, atol=2e-5)
+    assert_close(out, _reference(q, keys, values, 21, d**-0.5))
+    # a table of int32 block ids is read as int64 (converted, as torch's .to(kLong) did)
+    assert np.array_equal(out, kernel(q, k_cache, v_cache, table.astype(np.int32), 21, d**-0.5, 0))
 
 
 # Windows of one position, inside a step, on a step's edge, across the cached part, longer than
@@ -75,7 +91,7 @@ def test_head_dims_and_block_sizes(kernel, d, block_size):
 def test_sliding_window(kernel, window, num_cached, num_tokens):
     q, k_cache, v_cache, table, keys, values, _ = _chunk(num_cached, num_tokens, 16, 4, 1, 256, seed=window)
     out = kernel(q, k_cache, v_cache, table, num_cached, 0.0625, window)
-    torch.testing.assert_close(out, _reference(q, keys, values, num_cached, 0.0625, window), rtol=2e-5, atol=2e-5)
+    assert_close(out, _reference(q, keys, values, num_cached, 0.0625, window))
 
 
 def test_large_scores_stay_finite(kernel):
@@ -83,9 +99,9 @@ def test_large_scores_stay_finite(kernel):
     q, k_cache, v_cache, table, keys, values, _ = _chunk(40, 60, 16, 9, 3, 64)
     q = q * 30
     out = kernel(q, k_cache, v_cache, table, 40, 1.0, 0)
-    assert torch.isfinite(out).all()
+    assert np.isfinite(out).all()
     # fp32 scores of ~500 carry ~1e-4 of rounding, which the exp passes on to the weights.
-    torch.testing.assert_close(out, _reference(q, keys, values, 40, 1.0), rtol=1e-3, atol=1e-3)
+    assert_close(out, _reference(q, keys, values, 40, 1.0), tolerance=1e-3)
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -123,11 +139,13 @@ def test_bad_arguments_are_refused(kernel):
     with pytest.raises(RuntimeError, match="block table too short"):
         kernel(q, k_cache, v_cache, table[:1], 10, 0.1, 0)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        kernel(q, k_cache, v_cache, torch.tensor([0, 99]), 10, 0.1, 0)
+        kernel(q, k_cache, v_cache, np.array([0, 99]), 10, 0.1, 0)
     with pytest.raises(RuntimeError, match="heads"):
         kernel(q[:, :3], k_cache, v_cache, table, 10, 0.1, 0)
     with pytest.raises(RuntimeError, match="head dim"):
-        kernel(q[..., :60], k_cache[..., :60].contiguous(), v_cache[..., :60].contiguous(), table, 10, 0.1, 0)
+        kernel(q[..., :60], k_cache[..., :60].copy(), v_cache[..., :60].copy(), table, 10, 0.1, 0)
+    with pytest.raises(RuntimeError, match="no conversion"):
+        kernel(q, k_cache, v_cache, table.astype(np.float16), 10, 0.1, 0)
 
 
 # A float16 cache is widened to fp32 as the kernel copies it out of the blocks: the result is causal
@@ -136,9 +154,9 @@ def test_bad_arguments_are_refused(kernel):
 @pytest.mark.parametrize("d, heads, kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1)])
 def test_float16_cache(kernel, num_cached, num_tokens, window, d, heads, kv_heads):
     q, k_cache, v_cache, table, keys, values, _ = _chunk(num_cached, num_tokens, 16, heads, kv_heads, d)
-    k_half, v_half = k_cache.half(), v_cache.half()
+    k_half, v_half = k_cache.astype(np.float16), v_cache.astype(np.float16)
     out = kernel(q, k_half, v_half, table, num_cached, d**-0.5, window)
-    torch.testing.assert_close(out, _reference(q, keys.half(), values.half(), num_cached, d**-0.5, window),
-                               rtol=2e-5, atol=2e-5)
+    want = _reference(q, keys.astype(np.float16), values.astype(np.float16), num_cached, d**-0.5, window)
+    assert_close(out, want)
     with pytest.raises(RuntimeError, match="fp32 or fp16"):
         kernel(q, k_half, v_cache, table, num_cached, d**-0.5, window)
