@@ -1,12 +1,11 @@
 """The C++ paged decode kernel (paged_decode.cpp) on numpy arrays against each row's softmax in
-float64, and against the torch fallback (gather + padded SDPA) inside `attend`."""
+float64, and against the numpy fallback (gather + a padded, masked softmax) inside `attend`."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from conveyor.model.attention import AttentionMetadata, PrefillChunk, attend, write_kv
 from conveyor.model.kernels import paged_decode_kernel
@@ -89,47 +88,57 @@ def test_kernel_sliding_window(kernel, context_lens, window):
     assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.0625, window))
 
 
+def _last_slots(tables: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    return np.array([int(tables[i, (c - 1) // 4]) * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch, window):
-    q, k_cache, v_cache, tables, lens = map(torch.from_numpy, _decode_batch([9, 30, 2, 16]))
-    slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
-    new_k = k_cache.view(-1, *k_cache.shape[2:])[slots].clone()  # rewriting the last token in place: a no-op
-    new_v = v_cache.view(-1, *v_cache.shape[2:])[slots].clone()
+    q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
+    slots = _last_slots(tables, lens)
+    new_k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].copy()  # rewriting the last token in place: a no-op
+    new_v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].copy()
 
-    def run() -> torch.Tensor:
+    def run() -> np.ndarray:
         meta = AttentionMetadata(slots, 4, tables, lens, prefills=[])
-        caches = k_cache.clone(), v_cache.clone()
+        caches = k_cache.copy(), v_cache.copy()
         write_kv(*caches, new_k, new_v, slots)
         return attend(q, new_k, new_v, *caches, meta, 0.125, window=window)
 
     with_kernel = run()
-    want = _reference(*(t.numpy() for t in (q, k_cache, v_cache, tables, lens)), 0.125, window)
-    torch.testing.assert_close(with_kernel, torch.from_numpy(want).float(), rtol=1e-5, atol=1e-5)
+    assert_close(with_kernel, _reference(q, k_cache, v_cache, tables, lens, 0.125, window))
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
-    torch.testing.assert_close(with_kernel, run(), rtol=1e-5, atol=1e-5)
+    assert_close(run(), with_kernel)
 
 
 @pytest.mark.parametrize("window", [3, 8, 13])
 @pytest.mark.parametrize("num_cached, num_tokens", [(0, 20), (0, 5), (6, 9), (16, 4), (11, 17)])
 def test_prefill_chunk_sliding_window(num_cached, num_tokens, window):
     """A prefill chunk on a local layer against full causal attention masked to the window."""
-    gen = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
     block_size, heads, kv_heads, d = 4, 4, 2, 8
     total = num_cached + num_tokens
     num_blocks = -(-total // block_size) + 2
-    k_cache, v_cache = torch.zeros(num_blocks, block_size, kv_heads, d), torch.zeros(num_blocks, block_size, kv_heads, d)
-    table = torch.randperm(num_blocks, generator=gen)[: -(-total // block_size)]
-    keys, values = torch.randn(total, kv_heads, d, generator=gen), torch.randn(total, kv_heads, d, generator=gen)
-    slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
+    k_cache = np.zeros((num_blocks, block_size, kv_heads, d), dtype=np.float32)
+    v_cache = np.zeros((num_blocks, block_size, kv_heads, d), dtype=np.float32)
+    table = rng.permutation(num_blocks)[: -(-total // block_size)]
+    keys = rng.standard_normal((total, kv_heads, d), dtype=np.float32)
+    values = rng.standard_normal((total, kv_heads, d), dtype=np.float32)
+    slots = table[np.arange(total) // block_size] * block_size + np.arange(total) % block_size
     write_kv(k_cache, v_cache, keys, values, slots)  # the cached part and the chunk's own tokens
-    q = torch.randn(num_tokens, heads, d, generator=gen)
+    q = rng.standard_normal((num_tokens, heads, d), dtype=np.float32)
     meta = AttentionMetadata(slots[num_cached:], 0, None, None, [PrefillChunk(0, num_tokens, num_cached, table)])
     out = attend(q, keys[num_cached:], values[num_cached:], k_cache, v_cache, meta, 0.3, window=window)
-    query_pos, key_pos = torch.arange(num_cached, total)[:, None], torch.arange(total)[None, :]
+    # full causal attention masked to the window, in float64; query head h reads KV head h // 2
+    query_pos, key_pos = np.arange(num_cached, total)[:, None], np.arange(total)[None, :]
     mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    k64 = keys.astype(np.float64).repeat(heads // kv_heads, axis=1)
+    scores = np.einsum("nhd,thd->hnt", q.astype(np.float64), k64) * 0.3
+    scores = np.where(mask[None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    expected = np.einsum("hnt,thd->nhd", weights, values.astype(np.float64).repeat(heads // kv_heads, axis=1))
+    assert_close(out, expected)
 
 
 def test_kernel_rejects_a_context_longer_than_its_table(kernel):
@@ -213,23 +222,23 @@ def test_kernel_refuses_mixed_or_other_caches(kernel):
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_float16_cache_kernel_and_fallback_agree_inside_attend(kernel, monkeypatch, window):
-    """write_kv rounds new keys and values into a float16 cache; attend's kernel and its torch fallback
-    (which widens the gathered blocks to the queries' dtype) then read the same values."""
-    q, k_cache, v_cache, tables, lens = map(torch.from_numpy, _decode_batch([9, 30, 2, 16]))
-    k_cache, v_cache = k_cache.half(), v_cache.half()
-    slots = torch.tensor([tables[i, (c - 1) // 4].item() * 4 + (c - 1) % 4 for i, c in enumerate(lens.tolist())])
-    new_k, new_v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    """write_kv rounds new keys and values into a float16 cache; attend's kernel and its numpy fallback
+    (which widens the gathered blocks to fp32) then read the same values."""
+    q, k_cache, v_cache, tables, lens = _decode_batch([9, 30, 2, 16])
+    k_cache, v_cache = k_cache.astype(np.float16), v_cache.astype(np.float16)
+    slots = _last_slots(tables, lens)
+    rng = np.random.default_rng(2)
+    new_k, new_v = rng.standard_normal((4, 2, 16), dtype=np.float32), rng.standard_normal((4, 2, 16), dtype=np.float32)
 
-    def run() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def run() -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         meta = AttentionMetadata(slots, 4, tables, lens, prefills=[])
-        caches = k_cache.clone(), v_cache.clone()
+        caches = k_cache.copy(), v_cache.copy()
         write_kv(*caches, new_k, new_v, slots)
         return attend(q, new_k, new_v, *caches, meta, 0.125, window=window), caches
 
     with_kernel, caches = run()
-    assert caches[0].dtype == torch.float16
-    assert torch.equal(caches[0].view(-1, 2, 16)[slots], new_k.half())
-    want = _reference(*(t.numpy() for t in (q, *caches, tables, lens)), 0.125, window)
-    torch.testing.assert_close(with_kernel, torch.from_numpy(want).float(), rtol=1e-5, atol=1e-5)
+    assert caches[0].dtype == np.float16
+    assert np.array_equal(caches[0].reshape(-1, 2, 16)[slots], new_k.astype(np.float16))
+    assert_close(with_kernel, _reference(q, *caches, tables, lens, 0.125, window))
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
-    torch.testing.assert_close(with_kernel, run()[0], rtol=1e-5, atol=1e-5)
+    assert_close(run()[0], with_kernel)
