@@ -39,13 +39,18 @@ def bf16_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: Lo
 
 
 @pytest.fixture(scope="module")
-def f16_gguf(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint, smollm_gguf_path: Path) -> Path:
-    """SmolLM2's weights (its blocks' values, fp32) written as F16: values that bf16 cannot all hold."""
+def fp32_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
+    """SmolLM2's weights (its blocks' values) as an fp32 HF folder."""
     from conveyor.model.export import export_hf_folder
 
     c = default_checkpoint
     dense = {n: w for n, w in c.weights.items() if isinstance(w, np.ndarray)}
-    fp32_folder = export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("fp32") / "smollm2", "float32")
+    return export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("fp32") / "smollm2", "float32")
+
+
+@pytest.fixture(scope="module")
+def f16_gguf(tmp_path_factory: pytest.TempPathFactory, fp32_folder: Path, smollm_gguf_path: Path) -> Path:
+    """SmolLM2's weights (its blocks' values, fp32) written as F16: values that bf16 cannot all hold."""
     path = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
     write_gguf_from_hf(path, "llama", fp32_folder, smollm_gguf_path, matrices="F16")
     return path
@@ -154,6 +159,21 @@ def test_greedy_tokens_equal_transformers_on_the_bf16_folder(bf16_folder: Path) 
             logits = hf(torch.tensor([prompt + tokens[:-1]]),
                         logits_to_keep=torch.arange(len(prompt) - 1, len(prompt) + NEW_TOKENS - 1)).logits[0]
         assert logits.argmax(-1).tolist() == tokens, text
+
+
+def test_dtype_bfloat16_holds_fp32_weights_as_the_bf16_folder_does(fp32_folder: Path, bf16_folder: Path) -> None:
+    """`--dtype bfloat16` on an fp32 folder rounds each matrix to bf16 (nearest even) into the BF16
+    panels, the activations staying fp32: the same panels, logprobs and tokens as the bf16 folder
+    (those values, rounded once by export) served in fp32, at half the bytes of fp32 weights."""
+    bf16 = load_model(EngineConfig(model=str(fp32_folder), dtype="bfloat16", activation_dtype="float32"))
+    stored = load_model(EngineConfig(model=str(bf16_folder), activation_dtype="float32"))
+    for ours, theirs in zip(bf16.model.modules(), stored.model.modules()):
+        assert ours.packed is not None and theirs.packed is not None and ours.packed.layout == "BF16"
+        assert np.array_equal(ours.packed.data, theirs.packed.data)
+    assert bf16.model.dtype == "bfloat16" and np.array_equal(bf16.model.norm, stored.model.norm)
+    assert run(bf16, fp32_folder) == run(stored, bf16_folder)
+    dense = load_model(EngineConfig(model=str(fp32_folder), activation_dtype="float32"))
+    assert 0.49 < model_bytes(bf16.model) / model_bytes(dense.model) < 0.51
 
 
 def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ inline Dims contiguous_strides(const Dims& shape) {
 }  // namespace detail
 
 class Array;
-Array empty(const Dims& shape, DType dtype);
+inline Array empty(const Dims& shape, DType dtype);
 
 // An n-dimensional strided array: a numpy array passed in (borrowed: `base_` is that array, which
 // outlives the call) or a buffer allocated here (`buffer_`, shared by every array over it).

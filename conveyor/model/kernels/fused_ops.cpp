@@ -35,7 +35,7 @@ void check_rows(const Array& t, const char* name) {
 
 void check_weight(const Array& weight, int64_t n) {
   CHECK(weight.dtype() == DType::kFloat32 && weight.is_contiguous() && weight.numel() == n,
-              "the norm weight must be a contiguous float32 vector of the row size");
+        "the norm weight must be a contiguous float32 vector of the row size");
 }
 
 // The order of HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then times the weight.
@@ -64,7 +64,7 @@ Array rms_norm(const Array& x, const Array& weight, double eps) {
 
 // residual += delta (the residual stream is updated in place), then returns rms_norm(residual).
 Array add_rms_norm_(Array residual, const Array& delta, const Array& weight,
-                            double eps) {
+                    double eps) {
   check_rows(residual, "residual");
   check_rows(delta, "delta");
   CHECK(residual.writeable(), "residual must be writeable: it is updated in place");
@@ -113,15 +113,15 @@ std::tuple<Array, Array, Array> rope_and_cache(
         "qkv and the caches must be writeable: they are written in place");
   const bool half_cache = k_cache.dtype() == DType::kFloat16;
   CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && (half_cache || k_cache.dtype() == DType::kFloat32) &&
-                  v_cache.dtype() == k_cache.dtype(),
-              "caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, d]");
+            v_cache.is_contiguous() && (half_cache || k_cache.dtype() == DType::kFloat32) &&
+            v_cache.dtype() == k_cache.dtype(),
+        "caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, d]");
   const int64_t rows = qkv.size(0), d = k_cache.size(3), half = d / 2, stride = qkv.stride(0);
   CHECK(k_cache.size(2) == num_kv_heads && d % 2 == 0 && d <= kMaxHeadDim, "cache head layout mismatch");
   CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv row size must be (heads + 2 kv_heads) * d");
   CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == DType::kFloat32 &&
-                  sin.dtype() == DType::kFloat32, "cos and sin must be contiguous float32 [T, d]");
+            cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == DType::kFloat32 &&
+            sin.dtype() == DType::kFloat32, "cos and sin must be contiguous float32 [T, d]");
   CHECK(slots.dtype() == DType::kInt64 && slots.is_contiguous() && slots.numel() == rows, "one int64 slot per row");
   CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
   if (q_norm.has_value()) {
@@ -259,7 +259,7 @@ Array argmax_rows(const Array& logits) {
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
 PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
   def_thread_functions(m);
-  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] tensor",
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] array",
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta in place, then RMSNorm of the residual",
         py::call_guard<py::gil_scoped_release>());

@@ -374,13 +374,13 @@ constexpr UnsharedSpan kUnsharedSpan = UnsharedSpan::kToken;
 
 template <int64_t D, class T>
 Array decode_attention(const Array& q, const Array& k_cache,
-                               const Array& v_cache, const Array& block_tables,
-                               const Array& context_lens, double scale, int64_t window,
-                               UnsharedSpan unshared) {
+                       const Array& v_cache, const Array& block_tables,
+                       const Array& context_lens, double scale, int64_t window,
+                       UnsharedSpan unshared) {
   CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   CHECK(block_tables.dtype() == DType::kInt64 && context_lens.dtype() == DType::kInt64, "int64 tables");
   CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs only");
+            block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs only");
   const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head layout mismatch");
@@ -509,8 +509,8 @@ Array decode_attention(const Array& q, const Array& k_cache,
 
 template <class T>
 Array decode_attention_of(const Array& q, const Array& k_cache,
-                                  const Array& v_cache, const Array& block_tables,
-                                  const Array& context_lens, double scale, int64_t window, UnsharedSpan unshared) {
+                          const Array& v_cache, const Array& block_tables,
+                          const Array& context_lens, double scale, int64_t window, UnsharedSpan unshared) {
   switch (q.size(-1)) {
     case 64: return decode_attention<64, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
     case 128: return decode_attention<128, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
@@ -520,13 +520,13 @@ Array decode_attention_of(const Array& q, const Array& k_cache,
 }
 
 Array paged_decode_attention(const Array& q, const Array& k_cache,
-                                     const Array& v_cache, const Array& block_tables,
-                                     const Array& context_lens, double scale, int64_t window,
-                                     const std::string& unshared_span) {
+                             const Array& v_cache, const Array& block_tables,
+                             const Array& context_lens, double scale, int64_t window,
+                             const std::string& unshared_span) {
   CHECK(q.dtype() == DType::kFloat32, "q must be float32");
   CHECK(v_cache.dtype() == k_cache.dtype(), "k_cache and v_cache must have one dtype");
   CHECK(unshared_span == "auto" || unshared_span == "token" || unshared_span == "vector",
-              "unshared_span must be auto, token or vector, not ", unshared_span);
+        "unshared_span must be auto, token or vector, not ", unshared_span);
   const UnsharedSpan unshared = unshared_span == "token"    ? UnsharedSpan::kToken
                                 : unshared_span == "vector" ? UnsharedSpan::kVector
                                                             : kUnsharedSpan;

@@ -153,18 +153,18 @@ void run_tile(const Chunk& c, const Task& t, Scratch& w) {
 // q [n, heads, d]: the chunk's queries at positions num_cached .. num_cached + n - 1, whose keys
 // and values are in the cache (with those of every earlier position) through block_table.
 Array paged_prefill_attention(const Array& q, const Array& k_cache,
-                                      const Array& v_cache, const Array& block_table,
-                                      int64_t num_cached, double scale, int64_t window) {
+                              const Array& v_cache, const Array& block_table,
+                              int64_t num_cached, double scale, int64_t window) {
   CHECK(q.dim() == 3 && q.dtype() == DType::kFloat32, "paged_prefill_attention: q must be [n, heads, d] fp32");
   const bool half = k_cache.dtype() == DType::kFloat16;
   CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  (half || k_cache.dtype() == DType::kFloat32) && v_cache.dtype() == k_cache.dtype() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_prefill_attention: caches must be contiguous fp32 or fp16 [blocks, block_size, kv_heads, d]");
+            (half || k_cache.dtype() == DType::kFloat32) && v_cache.dtype() == k_cache.dtype() &&
+            k_cache.is_contiguous() && v_cache.is_contiguous(),
+        "paged_prefill_attention: caches must be contiguous fp32 or fp16 [blocks, block_size, kv_heads, d]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   CHECK(k_cache.size(3) == d && (d == 64 || d == 128 || d == 256), "paged_prefill_attention: head dim ", d,
-              " unsupported (64, 128 or 256)");
+        " unsupported (64, 128 or 256)");
   CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: heads not a multiple of KV heads");
   CHECK(num_cached >= 0 && window >= 0, "paged_prefill_attention: negative num_cached or window");
   const auto table = block_table.to(DType::kInt64).contiguous();

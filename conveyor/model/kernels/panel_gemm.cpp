@@ -40,12 +40,12 @@ Array pack_panels(const Array& weight) {
 }
 
 Array panel_matmul(const Array& x, const Array& packed, int64_t out_features,
-                           const std::optional<Array>& bias) {
+                   const std::optional<Array>& bias) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "panel_matmul: x must be 2-D fp32");
   CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "panel_matmul: bad packed weight");
   CHECK(packed.size(1) == x.size(1), "panel_matmul: x has ", x.size(1), " features, the weight ", packed.size(1));
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "panel_matmul: out_features does not match the packed weight");
+        "panel_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   const float* bias_ptr = nullptr;
   Array b;

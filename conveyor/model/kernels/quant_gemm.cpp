@@ -822,19 +822,19 @@ float exact_q8_0(const float* x, const uint8_t* w, int64_t units, int64_t col) {
 }  // namespace
 
 // GGUF blocks [N, K / block * block bytes] -> `out` [ceil(N/16), K / block, unit bytes], a contiguous
-// tensor or a run of whole panels of one (a loader packs a large matrix a run of rows at a time);
+// array or a run of whole panels of one (a loader packs a large matrix a run of rows at a time);
 // columns past N in the last panel get zero scales and codes, so they come out as zero weights.
 void pack_quantized_into(const Array& blocks, int64_t qtype, Array out) {
   CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
   CHECK(blocks.dim() == 2 && blocks.dtype() == DType::kUInt8 && blocks.size(1) % f.gguf_bytes == 0,
-              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
+        "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   const auto b = blocks.contiguous();
   const int64_t n = b.size(0), units = b.size(1) / f.gguf_bytes, panels = (n + kPanel - 1) / kPanel;
   CHECK(out.dim() == 3 && out.dtype() == DType::kUInt8 && out.is_contiguous() && out.size(0) == panels &&
-              out.size(1) == units && out.size(2) == f.panel_bytes,
-              "pack_quantized: out must be contiguous uint8 [", panels, ", ", units, ", ", f.panel_bytes, "]");
+        out.size(1) == units && out.size(2) == f.panel_bytes,
+        "pack_quantized: out must be contiguous uint8 [", panels, ", ", units, ", ", f.panel_bytes, "]");
   CHECK(out.writeable(), "pack_quantized: out must be writeable");
   const uint8_t* src = b.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -852,7 +852,7 @@ Array pack_quantized(const Array& blocks, int64_t qtype) {
   CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const Format f = format_of(static_cast<QType>(qtype));
   CHECK(blocks.dim() == 2 && blocks.size(1) % f.gguf_bytes == 0,
-              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
+        "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   auto packed = empty({(blocks.size(0) + kPanel - 1) / kPanel, blocks.size(1) / f.gguf_bytes, f.panel_bytes},
                              DType::kUInt8);
   pack_quantized_into(blocks, qtype, packed);
@@ -860,17 +860,17 @@ Array pack_quantized(const Array& blocks, int64_t qtype) {
 }
 
 Array quantized_matmul(const Array& x, const Array& packed, int64_t out_features,
-                               const std::optional<Array>& bias, int64_t qtype) {
+                       const std::optional<Array>& bias, int64_t qtype) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "quantized_matmul: x must be 2-D fp32");
   CHECK(known(qtype), "quantized_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
+        packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
   CHECK(packed.size(1) * f.unit_k == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
-              packed.size(1) * f.unit_k);
+        packed.size(1) * f.unit_k);
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "quantized_matmul: out_features does not match the packed weight");
+        "quantized_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   Array b;
   const float* bias_ptr = nullptr;
@@ -917,13 +917,13 @@ void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t
 // on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or whose
 // approximate logits overflow (the caller then takes the full product). x must be finite.
 Array q8_0_argmax(const Array& x, const Array& packed, int64_t out_features,
-                          int64_t max_candidates) {
+                  int64_t max_candidates) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "q8_0_argmax: x must be 2-D fp32");
   const Format f = format_of(QType::kQ8_0);
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
+        packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "q8_0_argmax: out_features does not match the packed weight");
+        "q8_0_argmax: out_features does not match the packed weight");
   const auto xs = x.contiguous();
   const int64_t m = xs.size(0), k_dim = xs.size(1), panels = packed.size(0), units = packed.size(1);
   const float* xp = xs.data_ptr<float>();
@@ -990,7 +990,7 @@ Array dequantize_rows(const Array& packed, int64_t out_features, const Array& id
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
+        packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
   CHECK(ids.dim() == 1 && ids.dtype() == DType::kInt64, "dequantize_rows: ids must be 1-D int64");
   const auto idx = ids.contiguous();
   const int64_t n = idx.size(0), units = packed.size(1);
@@ -1030,9 +1030,9 @@ Array column_norms(const Array& packed, int64_t out_features, int64_t qtype) {
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "column_norms: bad packed weight");
+        packed.size(2) == f.panel_bytes, "column_norms: bad packed weight");
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "column_norms: out_features does not match the packed weight");
+        "column_norms: out_features does not match the packed weight");
   auto out = empty({out_features}, DType::kFloat64);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   double* op = out.data_ptr<double>();

@@ -1165,21 +1165,21 @@ void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uin
 // The checks both products make and their dispatch on the block type: product(kind, x, x_stride,
 // m, w, panels, units, bias, y, out_features), kind a std::integral_constant<QType, T>. `out`: where
 // to write y (contiguous fp32 [M, out_features], e.g. a run of a larger result's rows), else a new
-// tensor.
+// array.
 template <class Product>
 Array on_blocks(const char* name, const Array& x, const Array& packed, int64_t out_features,
-                        const std::optional<Array>& bias, int64_t qtype, const std::optional<Array>& out,
-                        Product&& product) {
+                const std::optional<Array>& bias, int64_t qtype, const std::optional<Array>& out,
+                Product&& product) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, name, ": x must be 2-D fp32");
   CHECK(known(qtype), name, ": qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Layout l = layout_of(type);
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == l.unit_bytes, name, ": bad packed weight (not pack_quantized's for this qtype)");
+        packed.size(2) == l.unit_bytes, name, ": bad packed weight (not pack_quantized's for this qtype)");
   CHECK(packed.size(1) * l.unit_k == x.size(1), name, ": x has ", x.size(1), " features, the weight ",
-              packed.size(1) * l.unit_k);
+        packed.size(1) * l.unit_k);
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              name, ": out_features does not match the packed weight");
+        name, ": out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   Array b;
   const float* bias_ptr = nullptr;
@@ -1191,8 +1191,8 @@ Array on_blocks(const char* name, const Array& x, const Array& packed, int64_t o
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
   if (out.has_value())
     CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == out_features &&
-                out->dtype() == DType::kFloat32 && out->is_contiguous(),
-                name, ": out must be a contiguous fp32 [", m, ", ", out_features, "] array");
+          out->dtype() == DType::kFloat32 && out->is_contiguous(),
+          name, ": out must be a contiguous fp32 [", m, ", ", out_features, "] array");
   if (out.has_value()) CHECK(out->writeable(), name, ": out must be writeable");
   auto y = out.has_value() ? *out : empty({m, out_features}, x.dtype());
   if (m == 0) return y;
@@ -1213,8 +1213,8 @@ Array on_blocks(const char* name, const Array& x, const Array& packed, int64_t o
 }
 
 Array int8_matmul(const Array& x, const Array& packed, int64_t out_features,
-                          const std::optional<Array>& bias, int64_t qtype,
-                          const std::optional<Array>& out) {
+                  const std::optional<Array>& bias, int64_t qtype,
+                  const std::optional<Array>& out) {
   return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
     matmul<decltype(kind)::value>(args...);
   });
@@ -1222,8 +1222,8 @@ Array int8_matmul(const Array& x, const Array& packed, int64_t out_features,
 
 // The same product on AMX tiles in bf16 (see bf16_matmul); only where the CPU and the build have them.
 Array bf16_tile_matmul(const Array& x, const Array& packed, int64_t out_features,
-                               const std::optional<Array>& bias, int64_t qtype,
-                               const std::optional<Array>& out) {
+                       const std::optional<Array>& bias, int64_t qtype,
+                       const std::optional<Array>& out) {
 #if defined(CONVEYOR_AMX_BF16)
   CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
   return on_blocks("bf16_tile_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
@@ -1247,17 +1247,17 @@ bool bf16_tiles() {
 // x [M, K] @ W^T (+ bias) for W in BF16 or F16 panels (quant_gemm.pack_quantized, qtype 30 or 1), x
 // rounded to bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()).
 Array bf16_dot_matmul(const Array& x, const Array& packed, int64_t out_features,
-                              const std::optional<Array>& bias, int64_t qtype) {
+                      const std::optional<Array>& bias, int64_t qtype) {
 #if defined(CONVEYOR_BF16_DOT)
   CHECK(qtype == static_cast<int64_t>(30) || qtype == static_cast<int64_t>(1),
-              "bf16_dot_matmul: qtype ", qtype, " is not BF16 (30) or F16 (1)");
+        "bf16_dot_matmul: qtype ", qtype, " is not BF16 (30) or F16 (1)");
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "bf16_dot_matmul: x must be 2-D fp32");
   CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
-              packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not 16-bit panels)");
+        packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not 16-bit panels)");
   CHECK(packed.size(1) * kHalfUnitK == x.size(1), "bf16_dot_matmul: x has ", x.size(1),
-              " features, the weight ", packed.size(1) * kHalfUnitK);
+        " features, the weight ", packed.size(1) * kHalfUnitK);
   CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "bf16_dot_matmul: out_features does not match the packed weight");
+        "bf16_dot_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
   Array b;
   const float* bias_ptr = nullptr;
@@ -1293,7 +1293,7 @@ bool bf16_dot() {
 // tests and for callers that bound the quantisation error.
 std::vector<Array> quantize_activations(const Array& x) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32 && x.size(1) % 32 == 0,
-              "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
+        "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
   const auto xs = x.contiguous();
   const int64_t m = xs.size(0), k_dim = xs.size(1), groups = k_dim / 32;
   auto codes = empty({m, k_dim}, DType::kInt8);
@@ -1325,7 +1325,7 @@ PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
   def_thread_functions(m);
   m.def("int8_matmul", &int8_matmul,
         "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8; "
-        "out: a contiguous [M, N] fp32 tensor to write it into",
+        "out: a contiguous [M, N] fp32 array to write it into",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations,
