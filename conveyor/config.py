@@ -213,7 +213,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive (leave it out for the default), got {value}")
-        if not 0 <= self.seed < 2**64:  # what torch's generators take
+        if not 0 <= self.seed < 2**64:  # a 64-bit generator seed
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
         parse_memory(self.kv_cache_memory)
         if self.speculative_config is not None:

@@ -68,15 +68,28 @@ def top_window(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, ids, -1), ids
 
 
+def _exponentials(row: np.ndarray, out: np.ndarray) -> float:
+    """exp(row - its maximum) into `out` (the row's dtype); returns the maximum."""
+    top = row.max()
+    np.subtract(row, top, out=out)
+    np.exp(out, out=out)
+    return float(top)
+
+
 def log_totals(logits: np.ndarray) -> np.ndarray:
     """Each row's log of its total softmax mass (over the last axis), in float64: exponentials in
     the logits' dtype but summed in float64, since a flat row's total is a sum of a hundred
     thousand terms that a draw in its tail reads to a few parts in a billion (float32's sum is
-    off by a part in ten million). A row of -inf only gives NaN."""
-    top = logits.max(axis=-1, keepdims=True)
+    off by a part in ten million). Row by row, each in cache while its passes run. A row of -inf
+    only gives NaN."""
+    x = logits.reshape(-1, logits.shape[-1])
+    totals = np.empty(x.shape[0])
+    scratch = np.empty(x.shape[-1], dtype=x.dtype)
     with np.errstate(invalid="ignore", divide="ignore"):
-        exps = np.exp(logits - top)
-        return np.log(exps.sum(axis=-1, dtype=np.float64)) + top.squeeze(-1).astype(np.float64)
+        for r, row in enumerate(x):
+            top = _exponentials(row, scratch)
+            totals[r] = np.log(scratch.sum(dtype=np.float64)) + top
+    return totals.reshape(logits.shape[:-1])
 
 
 def softmax64(values: np.ndarray) -> np.ndarray:
@@ -87,13 +100,15 @@ def softmax64(values: np.ndarray) -> np.ndarray:
         return exps / exps.sum()
 
 
+def log_normalizers(logits: np.ndarray) -> np.ndarray:
+    """What log-softmax subtracts from each row, in the logits' dtype (float32 for a step's
+    logits): its maximum plus the log of its exponentials' sum, summed in float64."""
+    return log_totals(logits).astype(logits.dtype)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Log-softmax over the last axis, in the logits' dtype (float32 for a step's logits); the
-    exponentials are summed in float64."""
-    top = logits.max(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        total = np.log(np.exp(logits - top).sum(axis=-1, dtype=np.float64, keepdims=True))
-    return logits - (top + total.astype(logits.dtype))
+    """Log-softmax over the last axis, in the logits' dtype."""
+    return logits - log_normalizers(logits)[..., None]
 
 
 def whole_row_draw(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
@@ -102,22 +117,22 @@ def whole_row_draw(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     block the draw lands in, a running sum finds the token within it: a running sum over the whole
     row (np.cumsum is sequential) costs several times the rest."""
     rows, n = logits.shape
-    top = logits.max(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore"):
-        exps = np.exp(logits - top)
     whole = n // _DRAW_BLOCK * _DRAW_BLOCK
-    sums = exps[:, :whole].reshape(rows, -1, _DRAW_BLOCK).sum(axis=2, dtype=np.float64)
-    if whole < n:
-        sums = np.concatenate([sums, exps[:, whole:].sum(axis=1, dtype=np.float64, keepdims=True)], axis=1)
-    cumulative = np.cumsum(sums, axis=1)
-    targets = uniform.astype(np.float64) * cumulative[:, -1]
+    exps = np.empty(n, dtype=logits.dtype)
     positions = np.empty(rows, dtype=np.int64)
     for r in range(rows):
-        block = min(int(np.searchsorted(cumulative[r], targets[r], side="right")), sums.shape[1] - 1)
+        with np.errstate(invalid="ignore"):
+            _exponentials(logits[r], exps)
+        sums = exps[:whole].reshape(-1, _DRAW_BLOCK).sum(axis=1, dtype=np.float64)
+        if whole < n:
+            sums = np.append(sums, exps[whole:].sum(dtype=np.float64))
+        cumulative = np.cumsum(sums)
+        target = float(uniform[r]) * float(cumulative[-1])
+        block = min(int(np.searchsorted(cumulative, target, side="right")), sums.size - 1)
         start = block * _DRAW_BLOCK
-        part = exps[r, start:start + _DRAW_BLOCK]
-        before = float(cumulative[r, block - 1]) if block else 0.0
-        at = int(np.searchsorted(before + np.cumsum(part, dtype=np.float64), targets[r], side="right"))
+        part = exps[start:start + _DRAW_BLOCK]
+        before = float(cumulative[block - 1]) if block else 0.0
+        at = int(np.searchsorted(before + np.cumsum(part, dtype=np.float64), target, side="right"))
         if at >= part.size:  # the block's running sum rounded below its block sum: its last token with mass
             nonzero = np.flatnonzero(part)
             at = int(nonzero[-1]) if nonzero.size else part.size - 1

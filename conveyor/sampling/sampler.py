@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 import numpy as np
 
 from conveyor.request import Request
-from conveyor.sampling.arrays import log_softmax, log_totals, top_window, whole_row_draw
+from conveyor.sampling.arrays import log_normalizers, log_totals, top_window, whole_row_draw
 from conveyor.sampling.chain import (FIRST_CANDIDATE_WIDTH, InfillVocabulary, cuts_first_by_top_k, draw_by_chain,
                                      first_width, first_windows, kept_by_top_k)
 from conveyor.sampling.params import SamplingParams
@@ -177,8 +177,18 @@ def _min_p(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
     return np.where(logits < floor, NEG_INF, logits)
 
 
-def _draw_from_vocabulary(scaled: np.ndarray, params: Sequence[SamplingParams], uniform: np.ndarray) -> np.ndarray:
-    return whole_row_draw(scaled, uniform)
+def _draw_from_vocabulary(logits: np.ndarray, rows: Sequence[int], params: Sequence[SamplingParams],
+                          uniform: np.ndarray) -> np.ndarray:
+    """The rows' tokens drawn over their whole rows, tempered and cut by min-p as _min_p cuts,
+    one row at a time (each row stays in cache through its passes)."""
+    tokens = np.empty(len(rows), dtype=np.int64)
+    scaled = np.empty((1, logits.shape[-1]), dtype=logits.dtype)
+    for j, (i, p) in enumerate(zip(rows, params)):
+        np.divide(logits[i], logits.dtype.type(p.temperature), out=scaled[0])
+        if p.min_p > 0.0:
+            np.putmask(scaled, scaled < scaled.max() + np.log(logits.dtype.type(p.min_p)), NEG_INF)
+        tokens[j] = whole_row_draw(scaled, uniform[j:j + 1])[0]
+    return tokens
 
 
 def nucleus_candidates(scaled: np.ndarray, params: Sequence[SamplingParams], width: int = FIRST_CANDIDATE_WIDTH,
@@ -232,25 +242,37 @@ def _draw_from_candidates(scaled: np.ndarray, params: Sequence[SamplingParams], 
     a seeded request draws the token it would draw were its row sorted whole: each row's first
     candidate whose cumulative mass (float64) exceeds its uniform number's share of the total."""
     ids, values = nucleus_candidates(scaled, params)
-    dropped = values == NEG_INF
-    vocab_order = np.argsort(np.where(dropped, scaled.shape[-1], ids), axis=-1, kind="stable")
-    ids, values = np.take_along_axis(ids, vocab_order, -1), np.take_along_axis(values, vocab_order, -1)
-    with np.errstate(invalid="ignore"):
-        probs = np.exp(values.astype(np.float64) - values.max(axis=-1, keepdims=True))
-    cdf = np.cumsum(probs, axis=-1)
-    targets = uniform * cdf[:, -1]
-    positions = (cdf <= targets[:, None]).sum(axis=-1)
-    positions = np.minimum(positions, np.maximum((~dropped).sum(axis=-1) - 1, 0))
-    return ids[np.arange(len(ids)), positions]
+    tokens = ids[:, 0].copy()  # a row with no candidate (NaN) keeps its first
+    for r in range(len(ids)):
+        kept = np.sort(ids[r][values[r] > NEG_INF])  # vocabulary order
+        if kept.size:
+            with np.errstate(invalid="ignore"):
+                cdf = np.cumsum(np.exp(scaled[r, kept].astype(np.float64) - float(values[r, 0])))
+            position = int(np.searchsorted(cdf, float(uniform[r]) * float(cdf[-1]), side="right"))
+            tokens[r] = kept[min(position, kept.size - 1)]
+    return tokens
 
 
-def _ranks(logp: np.ndarray, chosen: np.ndarray, rows_at_once: int = 64) -> list[int]:
-    """Each row's count of tokens at least as likely as its chosen one (vLLM's rank; 1: the
-    likeliest), a few rows at a time: a prompt's thousands of rows would otherwise hold a
-    vocabulary-wide comparison for all of them at once."""
-    counts = [np.count_nonzero(logp[i:i + rows_at_once] >= chosen[i:i + rows_at_once, None], axis=-1)
-              for i in range(0, logp.shape[0], rows_at_once)]
-    return np.maximum(np.concatenate(counts), 1).tolist() if counts else []
+def _token_logprobs(logits: np.ndarray, chosen: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Each row's {token: logprob} for its chosen token and its `top` likeliest, in float32 as
+    log-softmax gives them, with the chosen token's rank (vLLM's: tokens at least as likely count
+    before it; 1: the likeliest). The full log-softmax is never made: a logprob is its logit less
+    the row's normaliser, and the order and ranks are the logits' own (the logprobs' order, with
+    no ties made by rounding)."""
+    rows = logits.shape[0]
+    normalizers = log_normalizers(logits)
+    chosen_ids = np.array(chosen, dtype=np.intp)
+    chosen_logits = logits[np.arange(rows), chosen_ids]
+    top_logits, top_ids = top_window(logits, top)
+    top_values = (top_logits - normalizers[:, None]).tolist()
+    chosen_values = (chosen_logits - normalizers).tolist()
+    result = []
+    for r in range(rows):
+        entry = dict(zip(top_ids[r].tolist(), top_values[r]))
+        entry[int(chosen_ids[r])] = chosen_values[r]
+        rank = max(1, int(np.count_nonzero(logits[r] >= chosen_logits[r])))
+        result.append(TokenLogprobs(entry, rank))
+    return result
 
 
 # A seeded request's generator state, as it travels with a KV handover: PCG64's 128-bit state and
@@ -353,33 +375,18 @@ class Sampler:
     def prompt_logprobs(logits: np.ndarray, targets: list[int], top: int) -> list[dict[int, float]]:
         """{token: logprob} for each row's target token and its `top` best alternatives, with the
         target's rank (TokenLogprobs); logits: numpy fp32 [len(targets), vocab]."""
-        logp = log_softmax(logits)
-        chosen = logp[np.arange(len(targets)), np.array(targets, dtype=np.intp)]
-        ranks = _ranks(logp, chosen)
-        top_values, top_ids = top_window(logp, top)
-        result: list[dict[int, float]] = []
-        for target, value, rank, ids, values in zip(targets, chosen.tolist(), ranks, top_ids.tolist(),
-                                                     top_values.tolist()):
-            entry = dict(zip(ids, values))
-            entry[target] = value
-            result.append(TokenLogprobs(entry, rank))
-        return result
+        return list(_token_logprobs(logits, targets, top))
 
     @staticmethod
     def _logprobs(logits: np.ndarray, tokens: list[int], wanted: list[int | None]) -> list[dict[int, float] | None]:
         # Of the model's own distribution (before temperature and truncation), as vLLM reports them.
         rows = [i for i, k in enumerate(wanted) if k is not None]
-        logp = log_softmax(logits if len(rows) == logits.shape[0] else logits[rows])
-        top = max(k for k in wanted if k is not None)
-        top_values, top_ids = top_window(logp, top)
-        chosen = logp[np.arange(len(rows)), np.array([tokens[i] for i in rows], dtype=np.intp)]
-        ranks = _ranks(logp, chosen)
         result: list[dict[int, float] | None] = [None] * len(tokens)
-        for j, i in enumerate(rows):
-            k = wanted[i]
-            entry = dict(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
-            entry[tokens[i]] = float(chosen[j])
-            result[i] = TokenLogprobs(entry, ranks[j])
+        for k in sorted({k for k in wanted if k is not None}):
+            same = [i for i in rows if wanted[i] == k]
+            picked = logits if len(same) == logits.shape[0] else logits[same]
+            for i, entry in zip(same, _token_logprobs(picked, [tokens[i] for i in same], k)):
+                result[i] = entry
         return result
 
     def _sample(self, logits: np.ndarray, requests: Sequence[Request]) -> list[int]:
@@ -403,14 +410,15 @@ class Sampler:
         drawn = [i for i in drawn if params[i].sampler_chain is None]
         whole = [i for i in drawn if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         truncated = [i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0]
-        for rows, draw in ((whole, _draw_from_vocabulary), (truncated, _draw_from_candidates)):
-            if rows:
-                row_params = [params[i] for i in rows]
-                temperatures = np.array([p.temperature for p in row_params], dtype=logits.dtype)
-                scaled = logits[rows] / temperatures[:, None]
-                if any(p.min_p > 0.0 for p in row_params):
-                    scaled = _min_p(scaled, row_params)
-                tokens[rows] = draw(scaled, row_params, uniform[rows])
+        if whole:
+            tokens[whole] = _draw_from_vocabulary(logits, whole, [params[i] for i in whole], uniform[whole])
+        if truncated:
+            row_params = [params[i] for i in truncated]
+            temperatures = np.array([p.temperature for p in row_params], dtype=logits.dtype)
+            scaled = (logits if len(truncated) == logits.shape[0] else logits[truncated]) / temperatures[:, None]
+            if any(p.min_p > 0.0 for p in row_params):
+                scaled = _min_p(scaled, row_params)
+            tokens[truncated] = _draw_from_candidates(scaled, row_params, uniform[truncated])
         return tokens.tolist()
 
     # A seeded request that moves to another engine (KV handover) takes its draws along with it.

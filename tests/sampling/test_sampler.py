@@ -572,16 +572,3 @@ def test_a_tokens_rank_counts_those_at_least_as_likely_as_vllm_counts_them() -> 
     drawn = Sampler._logprobs(logits[:2], [1, 4], [0, 2])
     assert [step.rank for step in drawn] == [3, 5] and len(drawn[1]) == 3  # its own entry and the top 2
 
-
-def test_sampling_and_structured_outputs_import_no_torch() -> None:
-    # The serving process is to import no torch (docs/PERF.md, "Memory"): these never pull it in.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    code = ("import sys; import conveyor.sampling.sampler, conveyor.structured.masking, conveyor.structured.matchers; "
-            "sys.exit('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=root, env={**os.environ, "PYTHONPATH": root})
-    assert done.returncode == 0
