@@ -164,7 +164,7 @@ def blocked_rows(logits: np.ndarray, requests: Sequence[Request], masked_rows: S
 
 
 def numpy_argmax(logits: np.ndarray) -> np.ndarray:
-    """Each row's first index of its maximum, NaN first (as torch.argmax)."""
+    """Each row's first index of its maximum, NaN first."""
     return np.argmax(logits, axis=-1)
 
 
@@ -314,8 +314,8 @@ class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  argmax: Callable[[np.ndarray], np.ndarray] = numpy_argmax,
                  infill: InfillVocabulary | None = None) -> None:
-        """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as
-        torch.argmax; the runner may pass the model's vectorised one (sampling sits above no model).
+        """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as numpy's
+        argmax; the runner may pass the model's vectorised one (sampling sits above no model).
         infill: what a sampler chain's infill step needs of the vocabulary (None: no such step)."""
         self._argmax = argmax
         self._infill = infill

@@ -1,9 +1,9 @@
 """Applying a step's grammar masks to the logits: one bit unpack and one masked write per
 constrained row.
 
-Done in numpy on the logits' own memory: a single-threaded pass costs a few milliseconds less
-than torch's OpenMP-parallel masked_fill on a loaded 2-core machine (SmolLM2-135M's vocabulary,
-batch 32), where the parallel version waits at barriers for a core (benchmarks/structured_cost.py).
+Done in numpy on the logits' own memory, on one thread: on a loaded 2-core machine a threaded
+fill (torch's OpenMP-parallel masked_fill, before) waited at barriers for a core. What masks cost
+a step: benchmarks/structured_cost.py.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ _VECTOR_WIDTH_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x
 # Without it gcc keeps floor() a scalar call (it would have to preserve FP exception flags), so
 # no loop calling fast_exp vectorizes; nothing here reads those flags.
 _COMMON_FLAGS = ["-march=native", "-fopenmp", "-fno-trapping-math", *_VECTOR_WIDTH_FLAGS]
-# fused_ops rounds its products and sums one by one, as the torch ops it replaces do.
+# fused_ops rounds its products and sums one by one, as its numpy reference (model/ops.py) does.
 _MODULE_FLAGS = {"fused_ops": ["-ffp-contract=off"]}
 # The panel kernels are written with their loops unrolled by pragma, so -O3 adds little to them
 # (within noise but for the fp32 vocabulary projection at 32+ rows: docs/PERF.md, "Building the
@@ -363,8 +363,8 @@ def quant_int8() -> object | None:
 def build_kernels(fp32: bool = True) -> None:
     """Builds (or loads from the cache) every kernel a forward pass resolves, so that none is built
     inside a request: the matmul path resolves the three matmul kernels whatever the dtype
-    (conveyor/model/linear.py); `fp32` (a float32 model) adds the fused ops and the attention
-    kernels, which are float32 only."""
+    (conveyor/model/linear.py); `fp32` (fp32 activations, which every model now has, whatever its
+    weights are held in) adds the fused ops and the attention kernels, which take fp32 only."""
     kernels: list[Callable[[], object]] = [quant_int8, quant_gemm, panel_gemm]
     if fp32:
         kernels += [paged_decode_kernel, paged_prefill_kernel, fused_ops]

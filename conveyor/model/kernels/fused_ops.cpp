@@ -1,8 +1,8 @@
 // The small per-layer ops of a decoder layer, one pass over the rows each: RMSNorm (alone and
 // after the residual add), rotary embedding fused with the KV-cache write, and SiLU(gate) * up.
-// In torch each is 2-16 ops on tensors of a few KiB, so at decode sizes their dispatch costs more
-// than their arithmetic. Built with -ffp-contract=off: products and sums round as torch's
-// separate ops round them (rotary embedding matches torch bit for bit).
+// As separate array ops each is 2-16 passes over a few KiB, so at decode sizes their dispatch costs
+// more than their arithmetic. Built with -ffp-contract=off: products and sums round as separate ops
+// round them (model/ops.py's numpy reference; rotary embedding matches it bit for bit).
 #include "array.h"
 
 #include <algorithm>
@@ -196,10 +196,10 @@ Array silu_and_mul(const Array& gate_up) {
   return out;
 }
 
-// First index of the row's largest value, a NaN counting as larger than any number: torch.argmax's
-// answer. torch's CPU argmax compares element by element (for Gemma 3's 262,144-token vocabulary,
-// ~2% of a decode step); here one vectorised pass finds the maximum (and whether a NaN is there),
-// a second the first element equal to it (or the first NaN).
+// First index of the row's largest value, a NaN counting as larger than any number: numpy's (and
+// torch's) argmax answer. One vectorised pass finds the maximum (and whether a NaN is there), a
+// second the first element equal to it (or the first NaN); torch's CPU argmax, which this replaced,
+// compared element by element (for Gemma 3's 262,144-token vocabulary, ~2% of a decode step).
 #if defined(__AVX2__)
 int64_t argmax_row(const float* x, int64_t n) {
   constexpr int64_t kStep = 32;  // 4 vectors: 4 independent max chains
@@ -267,6 +267,6 @@ PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over fused gate_up rows",
         py::call_guard<py::gil_scoped_release>());
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (first index of the maximum, NaN first), as torch.argmax",
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (first index of the maximum, NaN first), as numpy's argmax",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,8 @@
-// The KV cache's 16-bit element: IEEE binary16, as torch.float16 stores it. The attention kernels
-// read it into fp32 lanes (F16C's vcvtph2ps, on every AVX2 and AVX-512 CPU) and compute in fp32;
-// the cache write rounds to nearest even, as tensor.to(torch.float16) does, so a kernel-written
-// cache equals one written by torch bit for bit. Without F16C (not x86) the portable conversions
-// below do the same, element by element.
+// The KV cache's 16-bit element: IEEE binary16, numpy's float16 (the cache array's dtype). The
+// attention kernels read it into fp32 lanes (F16C's vcvtph2ps, on every AVX2 and AVX-512 CPU) and
+// compute in fp32; the cache write rounds to nearest even, as numpy's astype(float16) does, so a
+// kernel-written cache equals one the numpy path writes (attention.write_kv) bit for bit. Without
+// F16C (not x86) the portable conversions below do the same, element by element.
 #pragma once
 
 #include <cstdint>

@@ -10,7 +10,8 @@
 // arithmetic between loads that one core keeps too few cache misses in flight to pull its share
 // of DRAM bandwidth, so the first tile prefetches the stream 2 KiB ahead (faster at 4-32 rows,
 // docs/PERF.md; at 1-2 rows the core is waiting on memory anyway and gains nothing).
-// Sums run over k in order, one FMA per step: results differ from MKL/oneDNN in rounding only.
+// Sums run over k in order, one FMA per step: results differ from a BLAS's (numpy's matmul, the
+// fallback) in rounding only.
 #include "array.h"
 
 #include "panel_tile.h"

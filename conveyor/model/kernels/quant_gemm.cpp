@@ -913,9 +913,9 @@ void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t
 }
 
 #if defined(CONVEYOR_SCREENED_ARGMAX)
-// Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as torch.argmax
-// on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or whose
-// approximate logits overflow (the caller then takes the full product). x must be finite.
+// Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as numpy's
+// argmax on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or
+// whose approximate logits overflow (the caller then takes the full product). x must be finite.
 Array q8_0_argmax(const Array& x, const Array& packed, int64_t out_features,
                   int64_t max_candidates) {
   CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "q8_0_argmax: x must be 2-D fp32");
