@@ -7,11 +7,13 @@ after round; the table gives each setting's median over rounds and their ratio.
 
 The logits: `flat` is randn x 3 (a top-p 0.95 nucleus of ~13,000 tokens, as random prompts give),
 `peaked` is randn x 2 with ten tokens 15 higher (a nucleus of a few tokens, as a chat model's
-next token usually is). Each sampler gets the runner's argmax (the fused kernel; a sampler taking
-numpy arrays gets it through torch.from_numpy), except "greedy, own argmax", which takes each
-sampler's default. On a machine other processes also load, torch's threads wait at barriers for a
-core (several ms a call): `--threads 1` measures the two on one core each. A revision whose
-sampler takes torch tensors (before the numpy port) is handed a tensor sharing the same logits.
+next token usually is). Each sampler gets the runner's argmax (the fused kernel), except "greedy,
+own argmax", which takes each sampler's default. On a machine other processes also load, the
+kernels' threads wait at barriers for a core (several ms a call): `--threads 1` measures the two on
+one core each. A revision whose kernels take numpy arrays runs with no torch at all; one from
+before that port (torch-bound kernels, `layer_ops(dtype)`) imports torch, and the argmax kernel
+is handed a tensor sharing the logits (torch.from_numpy) where its sampler takes numpy arrays,
+the sampler itself a tensor where it takes torch tensors.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -55,7 +57,7 @@ def logits_of(kind: str, rows: int) -> np.ndarray:
 
 def child(args: argparse.Namespace) -> None:
     """Times this revision's sampler; prints {setting: {kind: {rows: median seconds}}} as JSON."""
-    import torch
+    import inspect
 
     from conveyor.model.kernels import build_kernels
     from conveyor.model.ops import layer_ops
@@ -66,12 +68,25 @@ def child(args: argparse.Namespace) -> None:
     from conveyor.model.memory import reuse_freed_memory
 
     reuse_freed_memory(1 << 29)  # as a serving process: a step's freed memory is kept for the next
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    build_kernels(torch.float32)
-    kernel = layer_ops(torch.float32).argmax_rows
     takes_numpy = "torch" not in Sampler.__call__.__annotations__.get("logits", "torch")
-    argmax = (lambda a: kernel(torch.from_numpy(a)).numpy()) if takes_numpy else kernel
+    given_as: Callable[[np.ndarray], Any] = np.asarray  # the logits as this revision's sampler takes them (no copy)
+    if inspect.signature(layer_ops).parameters:  # a revision before the numpy port: torch-bound kernels
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        build_kernels(torch.float32)
+        kernel = layer_ops(torch.float32).argmax_rows
+        argmax = (lambda a: kernel(torch.from_numpy(a)).numpy()) if takes_numpy else kernel
+        if not takes_numpy:
+            given_as = torch.from_numpy
+    else:  # numpy-bound kernels: no torch in this process
+        if args.threads:
+            from conveyor.model.threads import set_num_threads
+
+            set_num_threads(args.threads)
+        build_kernels()
+        argmax = layer_ops().argmax_rows
     rng = np.random.default_rng(0)
     prior = rng.integers(0, VOCAB, 500).tolist()
     results: dict[str, dict[str, dict[int, float]]] = {}
@@ -81,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
             results[name][kind] = {}
             for rows in args.rows:
                 logits = logits_of(kind, rows)
-                given = logits if takes_numpy else torch.from_numpy(logits)
+                given = given_as(logits)
                 requests = []
                 for i in range(rows):
                     params = dict(setting, seed=i) if "seed" in setting else setting
@@ -113,7 +128,7 @@ def compare(args: argparse.Namespace) -> None:
             runs[path].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {round_ + 1}: {path} done", file=sys.stderr)
     print(f"median ms per call over {args.rounds} rounds (each the median of its calls); "
-          f"A = {a}, B = {b}; B / A; torch threads: {args.threads or 'its default'}")
+          f"A = {a}, B = {b}; B / A; kernel threads: {args.threads or 'the default'}")
     print("| setting | logits | " + " | ".join(f"{r} row{'s' if r > 1 else ''}: A, B, B/A" for r in args.rows) + " |")
     print("|---|---|" + "---|" * len(args.rows))
     for name in SETTINGS:
@@ -133,8 +148,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=30, help="timed calls per setting at 1 row (a third at more rows)")
-    p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default, one a core); numpy "
-                   "runs the sampler on one")
+    p.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: the default, one a core); "
+                   "numpy runs the sampler on one")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
