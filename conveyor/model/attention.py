@@ -79,10 +79,21 @@ def _gather(cache: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
     return np.swapaxes(flat, -3, -2)
 
 
+# The reference attention takes a prefill chunk's queries this many at a time: its scores are
+# [heads, queries, keys] fp32, which for a whole 2,048-token chunk of a 32-head model is 512 MiB.
+QUERY_BLOCK = 256
+
+
 def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, scale: float) -> np.ndarray:
     """The reference attention: q [..., heads, n, d], k and v [..., kv_heads, L, d] (a query head h
     reads KV head h // (heads / kv_heads), as HF's repeat_kv), visible [..., n, L] bool. softmax(q k^T
-    scale, masked) v in fp32, the maximum subtracted first. Returns [..., heads, n, d]."""
+    scale, masked) v in fp32, the maximum subtracted first, QUERY_BLOCK queries at a time (each row's
+    arithmetic is its own). Returns [..., heads, n, d]."""
+    n = q.shape[-2]
+    if n > QUERY_BLOCK:
+        return np.concatenate([masked_attention(q[..., start:start + QUERY_BLOCK, :], k, v,
+                                                visible[..., start:start + QUERY_BLOCK, :], scale)
+                               for start in range(0, n, QUERY_BLOCK)], axis=-2)
     heads, kv_heads = q.shape[-3], k.shape[-3]
     group = heads // kv_heads
     qg = q.reshape(*q.shape[:-3], kv_heads, group, *q.shape[-2:])  # [..., kv_heads, group, n, d]

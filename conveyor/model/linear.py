@@ -89,8 +89,10 @@ class PackedWeight:
         for p in flat:
             last = merged[-1] if merged else None
             if last is not None and last.layout == p.layout and last.out_features % PANEL == 0:
-                merged[-1] = PackedWeight(np.concatenate([last.data, p.data]), last.out_features + p.out_features,
-                                          p.layout, finite=last.finite and p.finite)
+                joined = aligned_empty((last.data.shape[0] + p.data.shape[0], *p.data.shape[1:]), p.data.dtype)
+                np.concatenate([last.data, p.data], out=joined)
+                merged[-1] = PackedWeight(joined, last.out_features + p.out_features, p.layout,
+                                          finite=last.finite and p.finite)
             else:
                 merged.append(p)
         if len(merged) == 1:
@@ -109,6 +111,17 @@ class PackedWeight:
 
 
 PANEL = 16  # output columns a panel holds (kernels/panel_tile.h's kPanel)
+CACHE_LINE = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new C-contiguous array whose data starts on a cache line, as the kernels' own outputs (and
+    torch's tensors) do. numpy's start 16 bytes past one: a weight's panels streamed from there
+    split every vector load of the stream across two lines."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def packing_enabled() -> bool:
@@ -142,8 +155,8 @@ def pack_blocks(quantized: QuantizedWeight, taken: Callable[[int, int], None] | 
         return None
     kernel, qtype = _quant_kernel(), KERNEL_QTYPE[quantized.qtype]
     rows, row_bytes = quantized.blocks.shape
-    data = np.empty(((rows + PANEL - 1) // PANEL, quantized.in_features // KERNEL_UNIT_K[quantized.qtype],
-                     PANEL_UNIT_BYTES[quantized.qtype]), dtype=np.uint8)
+    data = aligned_empty(((rows + PANEL - 1) // PANEL, quantized.in_features // KERNEL_UNIT_K[quantized.qtype],
+                          PANEL_UNIT_BYTES[quantized.qtype]), np.dtype(np.uint8))
     run = max(PANEL, PACK_RUN_BYTES // max(row_bytes, 1) // PANEL * PANEL)
     finite = True
     for first in range(0, rows, run):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -49,13 +50,14 @@ def silu(x: np.ndarray) -> np.ndarray:
 _GELU_BETA, _GELU_KAPPA = np.float32(math.sqrt(2 / math.pi)), np.float32(0.044715)
 
 
-def gelu_tanh(x: np.ndarray, times: np.ndarray | None = None) -> np.ndarray:
+def gelu_tanh(x: np.ndarray, times: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """GELU's tanh approximation (torch's F.gelu(approximate="tanh"), HF's gelu_pytorch_tanh):
     0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32, in torch's order of operations (numpy's
     tanh, not torch's, so within a few ulp of it), times `times` where given. One array, updated in
     place: Gemma's MLP runs it on every row of a step (3-4x the time of the same passes each making
-    a new array; the scaling by 0.5 is exact, so its place changes no bit)."""
-    t = x * x
+    a new array; the scaling by 0.5 is exact, so its place changes no bit). `out`: the array to
+    compute in (x's shape, float32), else a new one."""
+    t = np.multiply(x, x, out=out)
     t *= x
     t *= _GELU_KAPPA
     t += x
@@ -110,16 +112,50 @@ class ReferenceOps:
         return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
 
 
+# From this many rows Gemma's GELU-tanh is split into runs of rows computed side by side, one a
+# kernel thread (numpy releases the GIL inside its loops): at a prefill's rows it is several
+# milliseconds a layer on one core, where the products and fused ops around it use every core.
+GELU_ROWS_APART = 64
+
+
+@functools.cache
+def _gelu_helpers(count: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=count, thread_name_prefix="conveyor-gelu")
+
+
+def gelu_tanh_and_mul_by_rows(gate_up: np.ndarray, threads: int) -> np.ndarray:
+    """ReferenceOps.gelu_tanh_and_mul with its rows in `threads` runs at once: each element's
+    arithmetic is the same, so are its bits."""
+    rows, half = gate_up.shape[0], gate_up.shape[-1] // 2
+    if threads <= 1 or rows < GELU_ROWS_APART:
+        return ReferenceOps.gelu_tanh_and_mul(gate_up)
+    out = np.empty((rows, half), dtype=np.float32)
+    bounds = [rows * i // threads for i in range(threads + 1)]
+
+    def run(part: int) -> None:
+        start, end = bounds[part], bounds[part + 1]
+        gelu_tanh(gate_up[start:end, :half], gate_up[start:end, half:], out=out[start:end])
+    helpers = [_gelu_helpers(threads - 1).submit(run, part) for part in range(1, threads)]
+    run(0)
+    for helper in helpers:
+        helper.result()
+    return out
+
+
 class FusedOps:
-    """The same ops as one C++ pass each (fp32, rows contiguous); GELU-tanh stays in numpy."""
+    """The same ops as one C++ pass each (fp32, rows contiguous); GELU-tanh stays numpy's, its rows
+    split over the kernels' thread count."""
 
     def __init__(self, module: Any) -> None:
         self.rms_norm = module.rms_norm
         self.add_rms_norm_ = module.add_rms_norm_
         self.silu_and_mul = module.silu_and_mul
-        self.gelu_tanh_and_mul = ReferenceOps.gelu_tanh_and_mul
+        self._threads = module.get_num_threads
         self._rope_and_cache = module.rope_and_cache
         self._argmax_rows = module.argmax_rows
+
+    def gelu_tanh_and_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        return gelu_tanh_and_mul_by_rows(gate_up, int(self._threads()))
 
     def argmax_rows(self, logits: np.ndarray) -> np.ndarray:
         # numpy's argmax answer (first index of the maximum, NaN first), vectorised in one pass that

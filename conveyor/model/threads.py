@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -78,3 +79,24 @@ def get_num_threads() -> int:
     from conveyor.model import kernels
 
     return int(kernels.get_num_threads())
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on (torch's default thread count, which OpenMP's
+    one per logical CPU doubles on a host with SMT: memory-bound kernels gain nothing from a core's
+    second thread, and every barrier waits on it)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:  # no sysfs topology (a container without it, another OS): count the CPU
+            cores.add((str(cpu), ""))
+    return max(1, len(cores))
+
+
+def default_num_threads() -> int:
+    """OMP_NUM_THREADS where set (OpenMP reads it itself), else one thread per physical core."""
+    configured = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(configured) if configured.isdigit() and int(configured) > 0 else physical_cores()

@@ -22,7 +22,7 @@ from conveyor.model.loader import checkpoint_bytes, describe_model, load_checkpo
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
-from conveyor.model.threads import set_num_threads
+from conveyor.model.threads import default_num_threads, set_num_threads
 from conveyor.model.tokenizer import Tokenizer, token_piece
 from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
@@ -251,8 +251,8 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: "LoadedModel | None" = None) -> "ModelRunner":
         """Builds the runner; `loaded` lets several engines share one set of weights (tests, benchmarks)."""
-        if config.num_threads:
-            set_num_threads(config.num_threads)  # the kernels' OpenMP threads and numpy's BLAS (model/threads.py)
+        # the kernels' OpenMP threads and numpy's BLAS (model/threads.py)
+        set_num_threads(config.num_threads or default_num_threads())
         loaded = loaded or load_model(config)
         cfg = loaded.model.cfg
         max_model_len = config.max_model_len or cfg.max_position_embeddings

@@ -2,6 +2,7 @@
 transformers, which runs on torch in the test process only)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,49 @@ def test_gelu_tanh_and_mul_is_torchs_formula() -> None:
     got = ReferenceOps.gelu_tanh_and_mul(gate_up)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,threads", [(1, 2), (63, 2), (64, 2), (301, 2), (301, 3), (500, 1)])
+def test_gelu_tanh_by_rows_is_the_reference_bit_for_bit(rows: int, threads: int) -> None:
+    """Gemma's GELU split into runs of rows computed side by side gives every element the
+    reference's bits (and runs whole below GELU_ROWS_APART)."""
+    from conveyor.model.ops import gelu_tanh_and_mul_by_rows
+
+    gate_up = _rand(rows, 2 * 640, seed=rows) * 4
+    want = ReferenceOps.gelu_tanh_and_mul(gate_up)
+    got = gelu_tanh_and_mul_by_rows(gate_up, threads)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_reference_attention_by_query_blocks_is_the_whole_product() -> None:
+    """masked_attention takes a long chunk's queries QUERY_BLOCK at a time (its scores would be
+    heads x n x L fp32 at once): each row's result is the one a single block gives."""
+    from conveyor.model import attention
+
+    rng = np.random.default_rng(3)
+    heads, kv_heads, n, keys, d = 4, 2, 3 * attention.QUERY_BLOCK + 17, 3 * attention.QUERY_BLOCK + 40, 32
+    q = rng.standard_normal((heads, n, d), dtype=np.float32)
+    k = rng.standard_normal((kv_heads, keys, d), dtype=np.float32)
+    v = rng.standard_normal((kv_heads, keys, d), dtype=np.float32)
+    visible = np.arange(keys)[None, :] <= np.arange(keys - n, keys)[:, None]  # causal, offset by a cache
+    blocked = attention.masked_attention(q, k, v, visible, 0.125)
+    rows = [attention.masked_attention(q[:, i:i + 1], k, v, visible[i:i + 1], 0.125) for i in range(0, n, 97)]
+    np.testing.assert_allclose(blocked[:, ::97], np.concatenate(rows, axis=1), rtol=1e-5, atol=1e-6)
+    wide = q.astype(np.float64) @ np.repeat(k, 2, axis=0).astype(np.float64).swapaxes(-1, -2) * 0.125
+    wide = np.where(visible, wide, -np.inf)
+    weights = np.exp(wide - wide.max(axis=-1, keepdims=True))
+    want = (weights / weights.sum(axis=-1, keepdims=True)) @ np.repeat(v, 2, axis=0).astype(np.float64)
+    np.testing.assert_allclose(blocked, want, rtol=1e-4, atol=1e-5)
+
+
+def test_threads_default_to_physical_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.model import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert 1 <= threads.default_num_threads() == threads.physical_cores() <= (os.cpu_count() or 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.default_num_threads() == 3
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 262144), (7, 49152), (3, 37), (2, 1), (4, 33)])
