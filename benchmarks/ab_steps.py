@@ -4,12 +4,15 @@ B requests with chat-like mixed contexts (drawn from `--contexts`: most short, a
 together; the feature is switched between pairs of steps, so the machine's drift hits both sides
 alike. Switches:
 
-- `decode-kernel`: the C++ paged decode kernel vs gather + padded SDPA
-- `fused-ops`: the C++ per-layer ops (RMSNorm, residual add, RoPE + cache write, SiLU * up) vs torch's
-- `packed-linear`: the matmul on weights packed at load vs `F.linear` on dense fp32 copies of them
-- `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default)
+- `decode-kernel`: the C++ paged decode kernel vs gather + a padded, masked softmax in numpy
+- `fused-ops`: the C++ per-layer ops (RMSNorm, residual add, RoPE + cache write, SiLU * up) vs
+  numpy's (ops.ReferenceOps)
+- `packed-linear`: the matmul on weights packed at load vs numpy's matmul on dense fp32 copies of
+  them (linear.reference_product)
+- `panel-gemm`: conveyor's panel matmul vs oneDNN on its own blocked layout (the earlier default),
+  through torch: a peer, run only here (torch must be installed: the test extra)
 - `kernels`: every C++ kernel vs none (CONVEYOR_KERNELS=0)
-- `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs torch.argmax
+- `argmax`: greedy sampling's vectorised argmax (fused_ops.cpp) vs numpy.argmax (the sampler's own)
 - `screened-argmax`: greedy tokens from the int8-screened head (linear.screened_argmax) vs
   the full vocabulary projection and the sampler
 - `sampled-head`: rows that sample at a temperature taking the vocabulary projection in the
@@ -58,22 +61,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from conveyor import LLM
 from conveyor.bench.decode import start_decode_batch
 from conveyor.bench.steps import time_prefill
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.model import linear, llama, memory
-from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight, screen_norms
+from conveyor.model import kernels, linear, llama, memory
+from conveyor.model.linear import Embedding, Linear, PackedWeight, pack_weight, reference_product, screen_norms
+from conveyor.model.llama import LlamaModel
 from conveyor.model.memory import reuse_freed_memory, step_working_set_bytes
 from conveyor.model.ops import ReferenceOps
 from conveyor.model.quantized import HALF_TYPES
 from conveyor.runner.model_runner import LoadedModel, ModelRunner
-from conveyor.sampling.sampler import torch_argmax
+from conveyor.sampling.sampler import numpy_argmax
 
 # benchmarks/kernels by its path: an installed package named `kernels` (transformers depends on one)
 # would win over the directory as a namespace package.
@@ -97,41 +100,51 @@ def _patch_switch(module: object, attr: str, off: object) -> Callable[[bool], No
     return switch
 
 
-def _dense_copies(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+def _dense_rows(packed: PackedWeight) -> np.ndarray:
+    """The packed weight's fp32 values, [out_features, in_features]."""
+    return np.concatenate([leaf.rows(np.arange(leaf.out_features)) for leaf in packed.parts or (packed,)])
+
+
+def _dense_copies(model: LlamaModel) -> dict[int, np.ndarray]:
     """A dense fp32 copy of each packed weight of `model` (weights are held once, packed), by id."""
-    copies = {}
-    for m in model.modules():
-        packed = getattr(m, "packed", None)
-        if isinstance(packed, PackedWeight) and packed.layout != "onednn":
-            copies[id(packed)] = torch.cat([leaf.rows(torch.arange(leaf.out_features)) for leaf in packed.parts or (packed,)])
-    return copies
+    return {id(m.packed): _dense_rows(m.packed) for m in model.modules() if m.packed is not None}
 
 
-def _dense_switch(model: torch.nn.Module, product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
-                  prepare: Callable[[torch.Tensor], torch.Tensor] = lambda w: w) -> Callable[[bool], None]:
+def _dense_switch(model: LlamaModel, product: Callable[[np.ndarray, Any, np.ndarray | None], np.ndarray],
+                  prepare: Callable[[np.ndarray], Any] = lambda w: w) -> Callable[[bool], None]:
     """Off: every packed weight of `model` multiplies as product(x, prepare(its dense fp32 copy), bias)."""
     dense = {key: prepare(w) for key, w in _dense_copies(model).items()}
     original = linear.packed_product
 
-    def off(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, *kernels: object) -> torch.Tensor | None:
+    def off(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None, *kernels: object) -> np.ndarray | None:
         w = dense.get(id(packed))
         return original(x, packed, bias, *kernels) if w is None else product(x, w, bias)
     return _patch_switch(linear, "packed_product", off)
 
 
-def _onednn_switch(model: torch.nn.Module) -> Callable[[bool], None]:
-    """Off: every packed weight of `model` runs through oneDNN on a copy in oneDNN's layout."""
-    return _dense_switch(model, lambda x, w, bias: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], ""),
-                         lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32))
+def _onednn_switch(model: LlamaModel) -> Callable[[bool], None]:
+    """Off: every packed weight of `model` runs through oneDNN on a copy in oneDNN's layout: torch's,
+    a peer (imported here only; x and the result cross without a copy), on the kernels' threads."""
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("--switch panel-gemm compares with oneDNN through torch, which is not installed") from None
+    torch.set_num_threads(kernels.get_num_threads())
+
+    def onednn(x: np.ndarray, w: Any, bias: np.ndarray | None) -> np.ndarray:
+        b = None if bias is None else torch.from_numpy(bias)
+        y = torch.ops.mkldnn._linear_pointwise(torch.from_numpy(np.ascontiguousarray(x)), w, b, "none", [], "")
+        return y.numpy()
+    return _dense_switch(model, onednn, lambda w: torch.ops.mkldnn._reorder_linear_weight(torch.from_numpy(w), 32))
 
 
-def _half_weights_switch(model: torch.nn.Module) -> Callable[[bool], None]:
+def _half_weights_switch(model: LlamaModel) -> Callable[[bool], None]:
     """Off: every weight held in F16 / BF16 panels runs on fp32 panels of the same values."""
     def leaves(p: PackedWeight) -> tuple[PackedWeight, ...]:
         return p.parts or (p,)
 
     def fp32_panels(p: PackedWeight) -> PackedWeight:
-        dense = torch.cat([leaf.rows(torch.arange(leaf.out_features)) for leaf in leaves(p)])
+        dense = _dense_rows(p)
         panels = pack_weight(dense)
         assert panels is not None and panels.layout == "panels"
         return panels
@@ -180,11 +193,11 @@ def _mlp_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
 
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
     "decode-kernel": lambda runner: _patch_switch(llama, "paged_decode_kernel", lambda: None),
-    "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda dtype: ReferenceOps()),
-    "packed-linear": lambda runner: _dense_switch(runner.model, F.linear),
+    "fused-ops": lambda runner: _patch_switch(llama, "layer_ops", lambda: ReferenceOps()),
+    "packed-linear": lambda runner: _dense_switch(runner.model, reference_product),
     "kernels": lambda runner: _env_switch("CONVEYOR_KERNELS"),
     "panel-gemm": lambda runner: _onednn_switch(runner.model),
-    "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", torch_argmax),
+    "argmax": lambda runner: _patch_switch(runner.sampler, "_argmax", numpy_argmax),
     "screened-argmax": lambda runner: _patch_switch(runner.model, "greedy_tokens", lambda h: None),
     "half-weights": lambda runner: _half_weights_switch(runner.model),
     "sampled-head": lambda runner: _patch_switch(runner.model, "logits",
@@ -195,18 +208,26 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
 }
 
 
+def _kernel_at(revision: str, name: str) -> Any:
+    """The module `name` built from its source at `revision`, on the kernels' thread count."""
+    module = kernel_at(revision, name)
+    module.set_num_threads(kernels.get_num_threads())  # type: ignore[attr-defined]
+    return module
+
+
 def _decode_kernel_at(revision: str) -> Callable[[bool], None]:
-    old = kernel_at(revision, "paged_decode").paged_decode_attention  # type: ignore[attr-defined]
+    old = _kernel_at(revision, "paged_decode").paged_decode_attention
     return _patch_switch(llama, "paged_decode_kernel", lambda: old)
 
 
 def _quant_kernel_at(revision: str) -> Callable[[bool], None]:
-    old = kernel_at(revision, "quant_gemm")
-    return _patch_switch(linear, "quant_gemm", lambda: old)
+    old = _kernel_at(revision, "quant_gemm")
+    # linear calls quant_gemm() and, for weights held only in blocks, quant_gemm(force=True)
+    return _patch_switch(linear, "quant_gemm", lambda force=False: old)
 
 
 def _int8_kernel_at(revision: str) -> Callable[[bool], None]:
-    old = kernel_at(revision, "quant_int8")
+    old = _kernel_at(revision, "quant_int8")
     return _patch_switch(linear, "int8_matmul_kernel", lambda: old)
 
 

@@ -29,18 +29,19 @@ import io
 import itertools
 import os
 import shutil
+import sysconfig
 import tarfile
 import tempfile
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from torch.utils.cpp_extension import _get_build_directory, load
 
-from conveyor.model.kernels import _SOURCE_DIR, _kernel_files, _load, _staged_source, panel_gemm, quant_gemm
+from conveyor.model import kernels
+from conveyor.model.kernels import _load, panel_gemm, quant_gemm
 from conveyor.model.loader import model_cache_dir
 from conveyor.model.quantized import BLOCK_SIZES, HALF_TYPES, INT8_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K
 
@@ -95,107 +96,118 @@ def simde_include_dir() -> Path:
     return include
 
 
-def build(name: str, march: str) -> object:
-    """`name`.cpp built for `march`; EMULATED: its AVX-512 code on this AVX2 CPU (at -O1: the
-    emulated intrinsics take minutes to compile at -O3 and run slowly at any level)."""
+def build(name: str, march: str) -> Any:
+    """`name`.cpp built for `march` by the kernels' own builder (conveyor.model.kernels.compile_module),
+    named by content and flags and cached beside the server's builds; EMULATED: its AVX-512 code on
+    this AVX2 CPU (at -O1: the emulated intrinsics take minutes to compile at -O3 and run slowly at
+    any level)."""
+    sources = kernels._sources(name)
     if march != EMULATED:
-        return load(name=f"conveyor_{name}_march_{march.replace('-', '_')}", sources=[str(_SOURCE_DIR / f"{name}.cpp")],
-                    extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"], extra_ldflags=["-fopenmp"])
-    # Named and staged by content, as the server's kernels are (kernels._load): every checkout of the
-    # same sources shares one build.
-    digest = hashlib.sha1()
-    for file in [*_kernel_files(name), EMULATION_HEADER]:
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    include = simde_include_dir()
-    digest.update(str(include).encode())
-    extension = f"conveyor_{name}_avx512_emulated_{digest.hexdigest()[:12]}"
-    folder = Path(_get_build_directory(extension, verbose=False)) / "src"
-    source = _staged_source(name, folder)
-    header = folder / EMULATION_HEADER.name
-    if not header.is_file():
-        partial = folder / f".{header.name}.{os.getpid()}.partial"
-        partial.write_bytes(EMULATION_HEADER.read_bytes())
-        os.replace(partial, header)
-    flags = ["-O1", "-march=haswell", f"-I{include}", "-include", str(header)]
-    return load(name=extension, sources=[str(source)], extra_cflags=[*flags, "-fopenmp", "-fno-trapping-math"],
-                extra_ldflags=["-fopenmp"])
+        flags = ["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"]
+    else:
+        include = simde_include_dir()
+        sources[EMULATION_HEADER.name] = EMULATION_HEADER.read_bytes()
+        flags = ["-O1", "-march=haswell", f"-I{include}", "-include", EMULATION_HEADER.name, "-fopenmp",
+                 "-fno-trapping-math"]
+    digest = hashlib.sha1(" ".join(flags).encode())
+    for file_name, content in sources.items():
+        digest.update(file_name.encode() + b"\0" + content + b"\0")
+    extension = f"conveyor_{name}_march_{march.replace('-', '_')}_{digest.hexdigest()[:12]}"
+    library = kernels._cache_root() / extension / f"{extension}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if library.is_file():
+        return kernels._import_module(extension, library)
+    source = kernels._staged_source(name, library.parent / "src", sources)
+    if march == EMULATED:  # the forced include, found beside the source
+        flags[flags.index(EMULATION_HEADER.name)] = str(source.parent / EMULATION_HEADER.name)
+    return kernels.compile_module(extension, source, flags, library)
 
 
-def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                        lens: list[int], scale: float, window: int) -> torch.Tensor:
+def softmax(scores: np.ndarray) -> np.ndarray:
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def attention_reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
+                        lens: list[int], scale: float, window: int) -> np.ndarray:
     heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     rows = []
     for i, c in enumerate(lens):
         slots = [(int(tables[i, t // block_size]), t % block_size) for t in range(max(0, c - window) if window else 0, c)]
-        k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, dim=1)
-        v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, dim=1)
-        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k) * scale, dim=-1)
-        rows.append(torch.einsum("ht,thd->hd", weights, v).float())
-    return torch.stack(rows)
+        k = np.stack([k_cache[b, o] for b, o in slots]).astype(np.float64).repeat(heads // kv_heads, axis=1)
+        v = np.stack([v_cache[b, o] for b, o in slots]).astype(np.float64).repeat(heads // kv_heads, axis=1)
+        weights = softmax(np.einsum("hd,thd->ht", q[i].astype(np.float64), k) * scale)
+        rows.append(np.einsum("ht,thd->hd", weights, v))
+    return np.stack(rows)
 
 
-def attention_agrees(native: object, other: object) -> bool:
-    gen = torch.Generator().manual_seed(0)
+def attention_agrees(native: Any, other: Any) -> bool:
+    rng = np.random.default_rng(0)
     ok = True
     for head_dim, heads, kv_heads, block_size in ((16, 6, 2, 4), (64, 9, 3, 16), (128, 32, 4, 16), (256, 4, 1, 16),
                                                   (256, 8, 8, 4), (80, 10, 2, 16)):
         for lens, window in (([1], 0), ([37], 0), ([1500], 0), ([5, 1, 17, 8, 300, 70], 0), ([300, 9], 7),
                              ([64, 3, 33, 4, 4, 120], 50)):
             blocks = sum(-(-c // block_size) for c in lens) + 2
-            k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-            v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-            order = torch.randperm(blocks, generator=gen).tolist()
+            k_cache = rng.standard_normal((blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+            v_cache = rng.standard_normal((blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+            order = rng.permutation(blocks).tolist()
             width, tables, used = max(-(-c // block_size) for c in lens), [], 0
             for c in lens:
                 n = -(-c // block_size)
                 tables.append(order[used : used + n] + [0] * (width - n))
                 used += n
-            q = torch.randn(len(lens), heads, head_dim, generator=gen)
+            q = rng.standard_normal((len(lens), heads, head_dim)).astype(np.float32)
             scale = head_dim**-0.5
             # Each row's own blocks (the token-by-token span), then every row's first block row 0's
             # (a prefix-cache hit: the register-blocked span).
             # An fp32 cache and a float16 one (read into fp32: the reference takes the same halves).
-            for shared_first, dtype in itertools.product((False, True), (torch.float32, torch.float16)):
+            for shared_first, dtype in itertools.product((False, True), (np.float32, np.float16)):
                 rows = [[tables[0][0], *t[1:]] if shared_first else t for t in tables]
-                table_tensor = torch.tensor(rows)
-                kc, vc = k_cache.to(dtype), v_cache.to(dtype)
-                want = attention_reference(q, kc, vc, table_tensor, lens, scale, window)
+                table_array = np.array(rows, dtype=np.int64)
+                kc, vc = k_cache.astype(dtype), v_cache.astype(dtype)
+                want = attention_reference(q, kc, vc, table_array, lens, scale, window)
                 for kernel in (native, other):
-                    got = kernel.paged_decode_attention(q, kc, vc, table_tensor, torch.tensor(lens), scale,  # type: ignore[attr-defined]
+                    got = kernel.paged_decode_attention(q, kc, vc, table_array, np.array(lens, dtype=np.int64), scale,
                                                         window)
-                    ok &= torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+                    ok &= bool(np.allclose(got, want, rtol=1e-5, atol=1e-5))
     return ok
 
 
-def prefill_attention_agrees(native: object, other: object) -> bool:
+def prefill_attention_agrees(native: Any, other: Any) -> bool:
     """Both builds' prefill attention against each query's softmax in float64: fresh prompts and
     cache hits, lengths on and off a step's 16 (AVX2: 8) keys, GQA groups 1-32, windows."""
-    gen = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
     ok = True
     cases = ((0, 1, 0), (0, 37, 0), (0, 300, 0), (45, 70, 0), (1024, 9, 0), (30, 20, 17), (100, 7, 40), (0, 50, 1))
     for head_dim, heads, kv_heads, block_size in ((64, 9, 3, 16), (128, 32, 4, 16), (256, 4, 1, 16), (64, 8, 8, 5),
                                                   (128, 32, 1, 16)):
-        for (num_cached, num_tokens, window), dtype in itertools.product(cases, (torch.float32, torch.float16)):
+        for (num_cached, num_tokens, window), dtype in itertools.product(cases, (np.float32, np.float16)):
             total = num_cached + num_tokens
             used = -(-total // block_size)
-            k_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-            v_cache = torch.randn(used + 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-            table = torch.randperm(used + 2, generator=gen)[:used]
-            slots = table[torch.arange(total) // block_size] * block_size + torch.arange(total) % block_size
-            keys = k_cache.view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-            values = v_cache.view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-            q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+            k_cache = rng.standard_normal((used + 2, block_size, kv_heads, head_dim)).astype(dtype)
+            v_cache = rng.standard_normal((used + 2, block_size, kv_heads, head_dim)).astype(dtype)
+            table = rng.permutation(used + 2)[:used].astype(np.int64)
+            slots = table[np.arange(total) // block_size] * block_size + np.arange(total) % block_size
+            keys = k_cache.reshape(-1, kv_heads, head_dim)[slots].astype(np.float64).repeat(heads // kv_heads, axis=1)
+            values = v_cache.reshape(-1, kv_heads, head_dim)[slots].astype(np.float64).repeat(heads // kv_heads, axis=1)
+            q = rng.standard_normal((num_tokens, heads, head_dim)).astype(np.float32)
             scale = head_dim**-0.5
             want = []
             for i in range(num_tokens):
                 pos = num_cached + i
                 first = max(0, pos - window + 1) if window else 0
-                weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), keys[first:pos + 1]) * scale, dim=-1)
-                want.append(torch.einsum("ht,thd->hd", weights, values[first:pos + 1]).float())
+                weights = softmax(np.einsum("hd,thd->ht", q[i].astype(np.float64), keys[first:pos + 1]) * scale)
+                want.append(np.einsum("ht,thd->hd", weights, values[first:pos + 1]))
             for kernel in (native, other):
-                got = kernel.paged_prefill_attention(q, k_cache, v_cache, table, num_cached, scale, window)  # type: ignore[attr-defined]
-                ok &= torch.allclose(got, torch.stack(want), rtol=2e-5, atol=2e-5)
+                got = kernel.paged_prefill_attention(q, k_cache, v_cache, table, num_cached, scale, window)
+                ok &= bool(np.allclose(got, np.stack(want), rtol=2e-5, atol=2e-5))
     return ok
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest even, as the kernels round them), as float64."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def random_blocks(qtype: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -218,68 +230,76 @@ def main() -> None:
     if args.march is None:
         args.march = "haswell" if native_has_avx512() else EMULATED
     print(f"isa_check: the native build against a {args.march} build", flush=True)
-    native_panels, native_quant = panel_gemm(), quant_gemm()
+    native_panels: Any = panel_gemm()
+    native_quant: Any = quant_gemm()
     if native_panels is None or native_quant is None:
         raise SystemExit("the native kernels are not built here")
     other_panels, other_quant = build("panel_gemm", args.march), build("quant_gemm", args.march)
-    native_int8, other_int8 = _load("quant_int8"), build("quant_int8", args.march)
+    native_int8: Any = _load("quant_int8")
+    other_int8 = build("quant_int8", args.march)
     rng = np.random.default_rng(0)
     failures = 0
     for qtype in KERNEL_TYPES:
         unit = KERNEL_UNIT_K[qtype]
         k, n = 3 * unit if unit == 256 else 4 * unit, 40  # 40 outputs: a partial last panel
         raw = random_blocks(qtype, n, k, rng)
-        weight = torch.from_numpy(np.ascontiguousarray(
-            quants.dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float32)).reshape(n, k)
-        blocks, code = torch.from_numpy(raw), KERNEL_QTYPE[qtype]
-        packed = {"native": native_quant.pack_quantized(blocks, code), args.march: other_quant.pack_quantized(blocks, code)}
-        same_packing = torch.equal(packed["native"], packed[args.march])
+        weight = np.ascontiguousarray(quants.dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k)
+        code = KERNEL_QTYPE[qtype]
+        packed = {"native": native_quant.pack_quantized(raw, code), args.march: other_quant.pack_quantized(raw, code)}
+        same_packing = np.array_equal(packed["native"], packed[args.march])
         dense = native_panels.pack_panels(weight)
-        exact = all(torch.equal(kernel.quantized_matmul(torch.eye(k), packed[name], n, None, code).T, weight)
+        eye = np.eye(k, dtype=np.float32)
+        exact = all(np.array_equal(kernel.quantized_matmul(eye, packed[name], n, None, code).T, weight)
                     for name, kernel in (("native", native_quant), (args.march, other_quant)))
         identical = True
-        bias = torch.randn(n)
+        bias = rng.standard_normal(n).astype(np.float32)
         for rows in (1, 2, 3, 4, 5, 7, 8, 10, 11, 13, 32, 33, 131):  # 131: row blocks of 96 and 120
-            x = torch.randn(rows, k)
+            x = rng.standard_normal((rows, k)).astype(np.float32)
             for b in (None, bias):
                 want = native_panels.panel_matmul(x, dense, n, b)
                 got = [native_quant.quantized_matmul(x, packed["native"], n, b, code),
                        other_quant.quantized_matmul(x, packed[args.march], n, b, code),
                        other_panels.panel_matmul(x, other_panels.pack_panels(weight), n, b)]
-                identical &= all(torch.equal(want, g) for g in got)
+                identical &= all(np.array_equal(want, g) for g in got)
         # int8 activations: the integer sums are exact in both builds and the scales apply in the same order
         int8_identical = True
         for rows in (1, 3, 4, 17, 33, 131) if qtype in INT8_TYPES else ():  # F16 / BF16: fp32 products only
-            x = torch.randn(rows, k)
-            x.view(-1)[torch.randperm(x.numel())[: x.numel() // 64]] *= 100.0  # lone large features, carried exactly
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            flat = x.reshape(-1)
+            flat[rng.permutation(x.size)[: x.size // 64]] *= 100.0  # lone large features, carried exactly
             for b in (None, bias):
-                int8_identical &= torch.equal(native_int8.int8_matmul(x, packed["native"], n, b, code),  # type: ignore[attr-defined]
-                                              other_int8.int8_matmul(x, packed[args.march], n, b, code))  # type: ignore[attr-defined]
+                int8_identical &= np.array_equal(native_int8.int8_matmul(x, packed["native"], n, b, code),
+                                                 other_int8.int8_matmul(x, packed[args.march], n, b, code))
         # 16-bit floats with fast activations: x (and F16 weights) rounded to bf16 on vdpbf16ps, in a
         # build for a CPU with AVX512-BF16 only (elsewhere the engine keeps the exact product);
         # against float64.
         bf16_note, bf16_ok = "", True
         if qtype in HALF_TYPES:  # weights of a model's size (any bit pattern's products would overflow)
-            half = torch.bfloat16 if qtype == "BF16" else torch.float16
-            sane = torch.from_numpy(rng.uniform(-1, 1, (n, k)).astype(np.float32)).to(half)
-            sane_blocks = sane.view(torch.uint8).reshape(n, -1)
+            values = rng.uniform(-1, 1, (n, k)).astype(np.float32)
+            if qtype == "BF16":
+                sane_bits = (bf16(values).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                sane = bf16(values)
+            else:
+                sane_bits = values.astype(np.float16).view(np.uint16)
+                sane = values.astype(np.float16).astype(np.float64)
+            sane_blocks = np.ascontiguousarray(sane_bits).view(np.uint8).reshape(n, -1)
             runs = {"native": (native_int8, native_quant), args.march: (other_int8, other_quant)}
             for kernel, packer in runs.values():
-                for rows in (9, 33) if kernel.bf16_dot() else ():  # type: ignore[attr-defined]  # one tile, three
-                    x = torch.randn(rows, k)
-                    xb, wd = x.to(torch.bfloat16).double(), sane.to(torch.bfloat16).double()
-                    y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias, code).double()  # type: ignore[attr-defined]
-                    want = xb @ wd.T + bias.double()
-                    bound = (xb.abs() @ wd.abs().T + bias.double().abs()) * (k + 2) * 2.0**-24
-                    bf16_ok &= bool(((y - want).abs() <= bound + 1e-30).all())
-            built = ", ".join(f"{name} {bool(kernel.bf16_dot())}" for name, (kernel, _) in runs.items())  # type: ignore[attr-defined]
+                for rows in (9, 33) if kernel.bf16_dot() else ():  # one tile, three
+                    x = rng.standard_normal((rows, k)).astype(np.float32)
+                    xb, wd = bf16(x), bf16(sane.astype(np.float32))
+                    y = kernel.bf16_dot_matmul(x, packer.pack_quantized(sane_blocks, code), n, bias, code).astype(np.float64)
+                    want = xb @ wd.T + bias.astype(np.float64)
+                    bound = (np.abs(xb) @ np.abs(wd).T + np.abs(bias.astype(np.float64))) * (k + 2) * 2.0**-24
+                    bf16_ok &= bool((np.abs(y - want) <= bound + 1e-30).all())
+            built = ", ".join(f"{name} {bool(kernel.bf16_dot())}" for name, (kernel, _) in runs.items())
             bf16_note = f"; bf16 products (built: {built}) match float64 {bf16_ok}"
         ok = same_packing and exact and identical and int8_identical and bf16_ok
         failures += not ok
         print(f"{qtype}: packing equal {same_packing}, weights = gguf's in both builds {exact}, "
               f"products bit-identical (native / {args.march} blocks, {args.march} panels vs native panels) {identical}, "
               f"int8 products bit-identical ({native_int8.isa()} / {other_int8.isa()}) "
-              f"{int8_identical if qtype in INT8_TYPES else 'n/a (no int8 product)'}{bf16_note}")  # type: ignore[attr-defined]
+              f"{int8_identical if qtype in INT8_TYPES else 'n/a (no int8 product)'}{bf16_note}")
     attention_ok = attention_agrees(_load("paged_decode"), build("paged_decode", args.march))
     failures += not attention_ok
     print(f"decode attention: native and {args.march} builds match the float64 reference {attention_ok}")

@@ -1,10 +1,11 @@
 """Where a conveyor process's resident memory goes, stage by stage, beside llama-server's whole
 process on the same GGUF file with the same context capacity (benchmarks/footprint.py's settings):
-the interpreter, conveyor's serving layers (api, engine, scheduler, kv: they import no torch),
-torch (the runner's and the model's tensor library), the loaded model (its weights and tokenizer),
-the KV pool with the engine, a few requests served, and SLOTS long prompts at once (footprint.py's
-full-budget prefill). Then what the process would hold without torch's share, against llama-server:
-how much of a gap is the tensor library, not how weights and KV are held.
+the interpreter, conveyor's serving layers (api, engine, scheduler, kv), the loaded model (its
+weights and tokenizer: the model, kernels and runner are numpy, no torch), the KV pool with the
+engine, a few requests served, and SLOTS long prompts at once (footprint.py's full-budget prefill).
+Then whether torch was imported by the end (a serving process imports none: "yes" is a
+regression), and the process against llama-server's after the same 3 requests and after the same
+long prompts.
 
     .venv/bin/python benchmarks/memory_stages.py --model smollm2-135m
     .venv/bin/python benchmarks/memory_stages.py --model gemma3-270m --slots 4 --ctx-per-slot 1024
@@ -45,15 +46,18 @@ def main() -> int:
     p.add_argument("--out-dir", default="out/footprint")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    stages: list[tuple[str, int]] = [("python interpreter", resident())]
+    stages: list[tuple[str, int]] = []
+    torch_from: list[str] = []  # the first stage after which torch was in the process, if any
 
+    def stage(name: str) -> None:
+        stages.append((name, resident()))
+        if not torch_from and "torch" in sys.modules:
+            torch_from.append(name)
+
+    stage("python interpreter")
     import conveyor.api.server  # noqa: F401 - the serving layers: api, engine, scheduler, kv
 
-    torch_free = "torch" not in sys.modules
-    stages.append(("+ conveyor's serving layers" + ("" if torch_free else " (they imported torch)"), resident()))
-    import torch
-
-    stages.append(("+ torch", resident()))
+    stage("+ conveyor's serving layers")
     from conveyor.config import EngineConfig
     from conveyor.engine.llm import LLM
     from conveyor.engine.llm_engine import LLMEngine
@@ -82,20 +86,20 @@ def main() -> int:
     return_freed_memory()
     loaded = load_model(config)
     weights = model_bytes(loaded.model)
-    stages.append(("+ model loaded (weights, tokenizer)", resident()))
+    stage("+ model loaded (weights, tokenizer)")
     engine = LLMEngine.from_config(config, loaded)
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, torch.float32)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype)
     kv = num_blocks * kv_block_bytes(loaded.model.cfg, config.block_size, kv_dtype)
-    stages.append(("+ KV pool and engine", resident()))
+    stage("+ KV pool and engine")
     from footprint import LLAMA_SERVER, SHORT_PROMPT, llama_server_cmd, long_prompt, measure
 
     llm = LLM.from_engine(engine)
     for _ in range(3):  # footprint.py's requests
         llm.generate([SHORT_PROMPT], SamplingParams(max_tokens=64, temperature=0))
-    stages.append(("+ 3 requests served", resident()))
+    stage("+ 3 requests served")
     text = long_prompt(str(path), args.ctx_per_slot)  # footprint.py's full-budget prefill
     llm.generate([f"# {i}\n{text}" for i in range(args.slots)], SamplingParams(max_tokens=16, temperature=0))
-    stages.append((f"+ {args.slots} long prompts at once", resident()))
+    stage(f"+ {args.slots} long prompts at once")
 
     print(f"{path.name}: {args.slots} x {args.ctx_per_slot} tokens of context, {args.threads} threads")
     print(f"{'stage':<44} {'resident MiB':>12} {'added':>8}")
@@ -103,12 +107,11 @@ def main() -> int:
     for name, rss in stages:
         print(f"{name:<44} {rss / MIB:>12.1f} {(rss - last) / MIB:>8.1f}")
         last = rss
-    torch_share = stages[2][1] - stages[1][1]
     final, loaded_final = stages[-2][1], stages[-1][1]
     print(f"of which: weights {weights / MIB:.1f} MiB, KV pool {kv / MIB:.1f} MiB (mapped as its blocks are written), "
-          f"tokenizer {tokenizer / MIB:.1f} MiB, torch's import {torch_share / MIB:.1f} MiB")
-    print(f"without torch's import: {(final - torch_share) / MIB:.1f} MiB, after the long prompts "
-          f"{(loaded_final - torch_share) / MIB:.1f} MiB")
+          f"tokenizer {tokenizer / MIB:.1f} MiB")
+    print("torch imported by the end: " + (f"YES, from the stage '{torch_from[0]}' on (it must not be)" if torch_from
+                                            else "no"))
     del llm, engine, loaded
     gc.collect()
     if not LLAMA_SERVER.is_file():
@@ -121,8 +124,8 @@ def main() -> int:
                    out_dir / "llama.cpp stages.log", text, args.slots)
     for when, ours, theirs in (("after 3 requests", final, peer["rss_gib"] * 2**30),
                                ("after the long prompts", loaded_final, peer["loaded_rss_gib"] * 2**30)):
-        print(f"{when}: llama-server resident {theirs / MIB:.1f} MiB: conveyor {ours / theirs:.2f}x, "
-              f"without torch's import {(ours - torch_share) / theirs:.2f}x")
+        print(f"{when}: llama-server resident {theirs / MIB:.1f} MiB: conveyor {ours / MIB:.1f} MiB, "
+              f"{ours / theirs:.2f}x")
     return 0
 
 

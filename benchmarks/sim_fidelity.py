@@ -1,7 +1,7 @@
 """Simulator fidelity on this machine: fit the profiled cost model, then run each workload on the
 real engine and in the simulator, and print the side-by-side table.
 
-    .venv/bin/python benchmarks/sim_fidelity.py                # ~6-10 min on 2 cores, 1 torch thread
+    .venv/bin/python benchmarks/sim_fidelity.py                # ~6-10 min on 2 cores, 1 thread
     .venv/bin/python benchmarks/sim_fidelity.py --scale 2      # twice the requests
 
 Order: profile grid, the real runs, the profile grid again; the profile is fitted to both grids
@@ -90,11 +90,10 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains these words")
     args = ap.parse_args()
 
-    import torch
-
+    from conveyor.model.threads import set_num_threads
     from conveyor.runner.model_runner import load_model
 
-    torch.set_num_threads(args.num_threads)
+    set_num_threads(args.num_threads)
     t_start = time.perf_counter()
     base = dict(num_threads=args.num_threads, kv_cache_memory="1GiB", block_size=16)
     loaded = load_model(EngineConfig.from_kwargs(**base))

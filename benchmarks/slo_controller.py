@@ -57,11 +57,10 @@ class Row:
 
 # --- engines: the real model, or the simulator ------------------------------------------------------
 def real_engines(args: argparse.Namespace) -> tuple[Callable[..., LLMEngine], Callable[[], None] | None]:
-    import torch
-
+    from conveyor.model.threads import set_num_threads
     from conveyor.runner.model_runner import load_model
 
-    torch.set_num_threads(args.num_threads)
+    set_num_threads(args.num_threads)
     loaded = load_model(EngineConfig.from_kwargs(model=args.model))
 
     def make(**kwargs: Any) -> LLMEngine:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.llm_engine import LLMEngine  # noqa: E402
 from conveyor.runner.model_runner import load_model  # noqa: E402
-import torch  # noqa: E402
+import numpy as np  # noqa: E402
 
 from conveyor.sampling import SamplingParams  # noqa: E402
 from conveyor.structured.masking import apply_token_masks  # noqa: E402
@@ -76,7 +76,7 @@ def step_cost(loaded, batch: int, steps: int) -> None:  # noqa: ANN001
     for _ in range(20):
         masks = mixed.grammars.masks(requests)
     mask_ms = (time.perf_counter() - start) / 20 * 1e3
-    logits = torch.randn(batch, loaded.model.cfg.vocab_size)
+    logits = np.random.default_rng(0).standard_normal((batch, loaded.model.cfg.vocab_size), dtype=np.float32)
     start = time.perf_counter()
     for _ in range(20):
         apply_token_masks(logits, masks)

@@ -1,5 +1,5 @@
 """A Ray worker's engine (conveyor/distributed/worker.py) driven in-process, without Ray: eight
-200-token prompts decode 120 tokens each on two torch threads; prints output tokens per second.
+200-token prompts decode 120 tokens each on two threads; prints output tokens per second.
 For A/B across commits, point PYTHONPATH at a worktree of the other commit and alternate:
 
     git worktree add /tmp/conveyor-before 9f9a781

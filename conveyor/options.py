@@ -23,8 +23,8 @@ HELP = {
                         "activations (results equal to dequantize-then-multiply, as the reference tests need)",
     "prompt_bf16_tiles": "with int8 activations on a CPU with AMX-BF16: a prompt's tokens on bf16 tiles (faster "
                          "prefill), generated tokens on the int8 kernel (default: on; no effect elsewhere)",
-    "kv_cache_dtype": "what the KV cache stores: auto (default: float16 for an fp32 model, as llama.cpp's "
-                      "cache; a bf16 model's own dtype), float16, or float32 (exact: the reference tests)",
+    "kv_cache_dtype": "what the KV cache stores: auto (default: float16, as llama.cpp's cache; for a bf16 "
+                      "model too, whose activations are fp32), float16, or float32 (exact: the reference tests)",
     "block_size": "tokens per KV block",
     "speculative_config": 'speculative decoding, as a JSON object: {"method": "ngram", '
                           '"num_speculative_tokens": 24, "prompt_lookup_max": 12, "prompt_lookup_min": 3, '
@@ -43,7 +43,8 @@ HELP = {
                       "pool of their own, and the rest of the KV memory holds more context (default: on)",
     "max_model_len": "longest request, prompt plus output (default: the model's context length, at most what "
                      "the KV cache holds)",
-    "num_threads": "torch threads (default: one per core; 1 is faster when other processes share the cores)",
+    "num_threads": "threads a step computes on (the kernels' OpenMP threads and numpy's BLAS; default: one per "
+                   "core; 1 is faster when other processes share the cores)",
     "scheduling_policy": "order of the waiting queue and of preemption: fcfs, or priority (requests' "
                          "`priority`, lowest first, then arrival)",
     "max_num_seqs": "most requests in the running batch",

@@ -1,4 +1,7 @@
-"""Test helpers shared across test packages: tiny random HF checkpoints and the HF reference tokenizer."""
+"""Test helpers shared across test packages: tiny random HF checkpoints and the HF reference tokenizer.
+
+torch is imported only where transformers needs it (making a checkpoint, the references), never by
+conveyor's own code."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 SMOLLM_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_VOCAB = 49152  # the SmolLM2 vocabulary, so the copied tokenizer fits the tiny model
@@ -90,6 +93,7 @@ def make_tiny_hf_checkpoint(
     Vocab is SmolLM2's (49152) and the tokenizer files are transformers' save of the GGUF tokenizer,
     so prompts encode to ids the tiny model accepts.
     """
+    import torch
     import transformers
 
     cfg_name, model_name, extra = _TINY_ARCHS[arch]
@@ -114,12 +118,13 @@ def make_tiny_hf_checkpoint(
     return folder
 
 
-def tiny_reference_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """What transformers itself loads from `folder`, as a plain state dict."""
+def tiny_reference_state_dict(folder: Path) -> dict[str, np.ndarray]:
+    """What transformers itself loads from `folder`, as a plain state dict of fp32 numpy arrays."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
 # llama.cpp's tensor names (convert_hf_to_gguf) -> HF's
@@ -135,7 +140,6 @@ def quantize_k(values: Any, qtype: str) -> Any:
     """Rows of fp32 values (a multiple of 256 each) as valid Q2_K or Q3_K blocks (gguf-py has no
     quantiser for them): scales from each 16-value group's range, codes rounded. Not llama.cpp's
     search for the best scales, only blocks whose dequantised values are near the inputs."""
-    import numpy as np
 
     rows = values.shape[0]
     x = values.reshape(-1, 16, 16).astype(np.float32)  # superblocks of 16 groups of 16
@@ -184,7 +188,6 @@ def write_gguf_from_hf(path: Path, arch: str, hf_folder: Path, smollm_gguf_path:
     for EOS after every text, as an embedding model's does."""
     import json
 
-    import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -244,7 +247,7 @@ def load_in_fresh_process(model: str, hold: str = "loaded", prelude: str = "", t
     import sys
 
     script = (
-        "import json, gc, torch; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
+        "import json, gc; from conveyor.config import EngineConfig; from conveyor.runner.model_runner import load_model\n"
         f"{prelude}\n"
         f"loaded = load_model(EngineConfig(model={model!r})); held = {hold}; del loaded; gc.collect()\n"
         "s = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}\n"

@@ -17,14 +17,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 import conveyor.model.kernels as kernels
 from conveyor.model.gguf_loader import _blocks, read_gguf
 from conveyor.model.loader import resolve_model_path
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE
 
-Product = tuple[int, int, torch.Tensor, int]  # out features, in features, packed panels, qtype
+Product = tuple[int, int, np.ndarray, int]  # out features, in features, packed panels, qtype
 
 
 def build(name: str, level: str) -> object:
@@ -55,21 +55,21 @@ def products(path: str, packer: object) -> tuple[list[Product], Product | None, 
     return layers, head, head_type
 
 
-def timed(run: Callable[[], list[torch.Tensor]]) -> tuple[float, list[torch.Tensor]]:
+def timed(run: Callable[[], list[np.ndarray]]) -> tuple[float, list[np.ndarray]]:
     start = time.perf_counter()
     out = run()
     return (time.perf_counter() - start) * 1e3, out
 
 
-def compare(title: str, runs: dict[str, Callable[[], list[torch.Tensor]]], repeats: int) -> None:
+def compare(title: str, runs: dict[str, Callable[[], list[np.ndarray]]], repeats: int) -> None:
     times: dict[str, list[float]] = {level: [] for level in runs}
-    outs: dict[str, list[torch.Tensor]] = {}
+    outs: dict[str, list[np.ndarray]] = {}
     for _ in range(repeats):
         for level, run in runs.items():
             t, outs[level] = timed(run)
             times[level].append(t)
     first, second = list(runs)
-    same = all(torch.equal(a, b) for a, b in zip(outs[first], outs[second]))
+    same = all(np.array_equal(a, b) for a, b in zip(outs[first], outs[second]))
     medians = {level: statistics.median(ts) for level, ts in times.items()}
     print(f"{title:44} " + "  ".join(f"{level} {medians[level]:8.2f} ms" for level in runs)
           + f"  {first}/{second} {medians[first] / medians[second]:.3f}  equal {same}")
@@ -85,17 +85,17 @@ def main() -> None:
     quant = {level: build("quant_gemm", level) for level in args.levels}
     int8 = {level: build("quant_int8", level) for level in args.levels}
     layers, head, head_type = products(str(resolve_model_path(args.model)), quant[args.levels[0]])
-    print(f"{args.model}: {len(layers)} block matrices, head {head_type}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"{args.model}: {len(layers)} block matrices, head {head_type}; numpy {np.__version__}, "
+          f"{kernels.get_num_threads()} threads")
     for rows in args.rows:
         time_rows(rows, layers, head, head_type, quant, int8, args.repeats)
 
 
-def on_layers(module: object, op: str, layers: list[Product], xs: dict[int, torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+def on_layers(module: object, op: str, layers: list[Product], xs: dict[int, np.ndarray]) -> Callable[[], list[np.ndarray]]:
     return lambda: [getattr(module, op)(xs[k], w, n, None, qt) for n, k, w, qt in layers]
 
 
-def on_head(module: object, head: Product, x: torch.Tensor, screened: bool) -> Callable[[], list[torch.Tensor]]:
+def on_head(module: object, head: Product, x: np.ndarray, screened: bool) -> Callable[[], list[np.ndarray]]:
     n, _, w, qt = head
     if screened:
         return lambda: [module.q8_0_argmax(x, w, n, 4096)]  # type: ignore[attr-defined]
@@ -104,14 +104,14 @@ def on_head(module: object, head: Product, x: torch.Tensor, screened: bool) -> C
 
 def time_rows(rows: int, layers: list[Product], head: Product | None, head_type: str, quant: dict[str, object],
               int8: dict[str, object], repeats: int) -> None:
-    xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) for k in {p[1] for p in layers}}
+    xs = {k: np.random.default_rng(k).standard_normal((rows, k), dtype=np.float32) for k in {p[1] for p in layers}}
     compare(f"{rows:3} rows: quant_gemm, fp32 x, layers",
             {level: on_layers(m, "quantized_matmul", layers, xs) for level, m in quant.items()}, repeats)
     compare(f"{rows:3} rows: quant_int8, layers", {level: on_layers(m, "int8_matmul", layers, xs) for level, m in int8.items()},
             repeats)
     if head is None:
         return
-    x = torch.randn(rows, head[1], generator=torch.Generator().manual_seed(1)) * 3
+    x = np.random.default_rng(1).standard_normal((rows, head[1]), dtype=np.float32) * np.float32(3)
     compare(f"{rows:3} rows: quant_gemm, fp32 x, {head_type} head",
             {level: on_head(m, head, x, False) for level, m in quant.items()}, repeats)
     if head_type == "Q8_0" and all(hasattr(m, "q8_0_argmax") for m in quant.values()):

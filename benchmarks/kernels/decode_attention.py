@@ -22,10 +22,11 @@ import random
 import statistics
 import time
 
-import torch
+import numpy as np
 from kernel_at import kernel_at
 
 from conveyor.model.kernels import paged_decode_kernel
+from conveyor.model.threads import set_num_threads
 
 SHAPES = {"smollm2": (30, 3, 9, 64), "gemma3": (18, 1, 4, 256), "llama8b": (4, 8, 32, 128)}  # layers, KV heads, heads, dim
 
@@ -38,18 +39,19 @@ def decode_batch(contexts: list[int], block_size: int, layers: int, kv_heads: in
     blocks = [-(-c // block_size) for c in contexts]
     own = [n - min(n, shared_blocks) if groups else n for n in blocks]
     pool = sum(own) + groups * shared_blocks + 8
-    caches = [(torch.randn(pool, block_size, kv_heads, head_dim), torch.randn(pool, block_size, kv_heads, head_dim))
+    rng = np.random.default_rng(seed)
+    caches = [tuple(rng.standard_normal((pool, block_size, kv_heads, head_dim), dtype=np.float32) for _ in range(2))
               for _ in range(layers)]
     order = list(range(pool))
     random.Random(seed).shuffle(order)
     prefixes = [order[g * shared_blocks:(g + 1) * shared_blocks] for g in range(groups)]
     taken = groups * shared_blocks
-    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.long)
+    tables = np.zeros((len(contexts), max(blocks)), dtype=np.int64)
     for row, n in enumerate(blocks):
         head = prefixes[row % groups][:n] if groups else []
-        tables[row, :n] = torch.tensor(head + order[taken:taken + n - len(head)])
+        tables[row, :n] = head + order[taken:taken + n - len(head)]
         taken += n - len(head)
-    return caches, tables, torch.tensor(contexts, dtype=torch.long)
+    return caches, tables, np.array(contexts, dtype=np.int64)
 
 
 def parse_contexts(spec: str) -> list[int]:
@@ -74,13 +76,15 @@ def main() -> None:
     args = parser.parse_args()
     layers, kv_heads, heads, head_dim = SHAPES[args.shape]
     share = tuple(int(v) for v in args.share.split(":")) if args.share else None
-    torch.set_num_threads(args.num_threads)
+    set_num_threads(args.num_threads)
     current = paged_decode_kernel()
     if current is None:
         raise SystemExit("the decode kernel is not available here (no compiler, or CONVEYOR_KERNELS=0)")
     kernels = {"this tree": current}
     if args.baseline:
-        kernels[args.baseline] = kernel_at(args.baseline, "paged_decode").paged_decode_attention  # type: ignore[attr-defined]
+        baseline = kernel_at(args.baseline, "paged_decode")
+        baseline.set_num_threads(args.num_threads)  # type: ignore[attr-defined]
+        kernels[args.baseline] = baseline.paged_decode_attention  # type: ignore[attr-defined]
     names = list(kernels)
     header = " | ".join(f"{name} ms (min / median) | GB/s" for name in names)
     ratio = f" | {names[1]} / this tree |" if len(names) > 1 else " |"
@@ -89,10 +93,10 @@ def main() -> None:
     for spec in args.contexts:
         contexts = parse_contexts(spec)
         caches, tables, lens = decode_batch(contexts, args.block_size, layers, kv_heads, head_dim, share)  # type: ignore[arg-type]
-        q = torch.randn(len(contexts), heads, head_dim)
+        q = np.random.default_rng(1).standard_normal((len(contexts), heads, head_dim), dtype=np.float32)
         outputs = [kernel(q, *caches[0], tables, lens, head_dim**-0.5) for kernel in kernels.values()]
         for out in outputs[1:]:
-            torch.testing.assert_close(out, outputs[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(out, outputs[0], rtol=1e-5, atol=1e-5)
         times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(args.repeats):
             for name, kernel in kernels.items():

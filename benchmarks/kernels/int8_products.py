@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from conveyor.bench.quality import code_text, score
+from conveyor.bench.quality import EXACT, FLOAT16, code_text, score
 from conveyor.config import EngineConfig
 from conveyor.model import kernels, linear
 from conveyor.model.linear import PackedWeight
@@ -41,21 +41,21 @@ def leaves(packed: PackedWeight) -> list[PackedWeight]:
     return [leaf for part in packed.parts for leaf in leaves(part)] if packed.layout == "parts" else [packed]
 
 
-def capture(model_name: str | None) -> list[tuple[torch.Tensor, PackedWeight]]:
+def capture(model_name: str | None) -> list[tuple[np.ndarray, PackedWeight]]:
     """(x, weight) of each product on blocks in one int8 forward pass over CAPTURED_TOKENS tokens."""
     loaded = load_model(EngineConfig(model=model_name))
-    calls: list[tuple[torch.Tensor, PackedWeight]] = []
+    calls: list[tuple[np.ndarray, PackedWeight]] = []
     original = linear.Linear.forward
 
-    def recording(self: linear.Linear, x: torch.Tensor, matmul: object = None) -> torch.Tensor:
-        if loaded.model.activation_dtype == "int8" and self.packed is not None and x.dim() == 2:
-            calls.extend((x.contiguous().clone(), leaf) for leaf in leaves(self.packed) if leaf.layout in KERNEL_QTYPE)
+    def recording(self: linear.Linear, x: np.ndarray, matmul: object = None) -> np.ndarray:
+        if loaded.model.activation_dtype == "int8" and self.packed is not None and x.ndim == 2:
+            calls.extend((np.array(x, order="C"), leaf) for leaf in leaves(self.packed) if leaf.layout in KERNEL_QTYPE)
         return original(self, x, matmul)  # type: ignore[arg-type]
 
     linear.Linear.forward = recording  # type: ignore[method-assign]
     try:
         ids = loaded.tokenizer.encode(code_text())[: CAPTURED_TOKENS + 1]
-        score(loaded.model, ids, CAPTURED_TOKENS, (("float32", torch.float32), ("int8", torch.float16)))
+        score(loaded.model, ids, CAPTURED_TOKENS, (EXACT, ("int8", FLOAT16)))
     finally:
         linear.Linear.forward = original  # type: ignore[method-assign]
     return calls

@@ -10,15 +10,19 @@ a lane, a `vpdpbusd` 8 integer ops a 32-bit lane (4 multiply-adds), a `vdpbf16ps
 a `tdpbssd` 16 x 16 x 64 multiply-adds, a `tdpbf16ps` 16 x 16 x 32.
 
     python benchmarks/kernels/peaks.py [--threads 1 2] [--repeats 5]
+
+The loops are compiled by conveyor's kernel builder (pybind11, -O3 -march=native -fopenmp) and
+cached beside the server's builds, named by the source and the CPU.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import sysconfig
 import time
 
-import torch
-from torch.utils.cpp_extension import load_inline
+from conveyor.model import kernels
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -27,7 +31,7 @@ SOURCE = r"""
 #include <unistd.h>
 #include <algorithm>
 #include <vector>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 // Each returns the number of operations done; 12 chains hide the instruction latency. OPAQUE tells
 // the compiler a and b may change every iteration, so it cannot fold the loop into a closed form.
@@ -224,7 +228,24 @@ double amx_bf16_l2(int64_t, int) { return -1.0; }
 """
 
 FUNCTIONS = ["fp32_fma", "int8_dot", "bf16_dot", "amx_int8", "amx_bf16", "amx_bf16_l1", "amx_bf16_l2"]
-DECLARATIONS = "\n".join(f"double {name}(int64_t iters, int threads);" for name in FUNCTIONS)
+BINDINGS = "\nPYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {\n" + "".join(
+    f'  m.def("{name}", &{name}, pybind11::call_guard<pybind11::gil_scoped_release>());\n' for name in FUNCTIONS) + "}\n"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def build() -> object:
+    """The loops as a Python module, built once per source and CPU (cached under conveyor's kernels
+    folder, as benchmarks/isa_check.py's builds)."""
+    source = SOURCE + BINDINGS
+    digest = hashlib.sha1(" ".join(FLAGS).encode() + b"\0" + source.encode())
+    extension = f"conveyor_peaks_{kernels._cpu_tag()}_{digest.hexdigest()[:12]}"
+    library = kernels._cache_root() / extension / f"{extension}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if library.is_file():
+        return kernels._import_module(extension, library)
+    file = library.parent / "src" / "peaks.cpp"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(source)
+    return kernels.compile_module(extension, file, FLAGS, library)
 
 
 def main() -> None:
@@ -233,9 +254,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20_000_000)
     args = parser.parse_args()
-    module = load_inline("conveyor_peaks", cpp_sources=[DECLARATIONS, SOURCE], functions=FUNCTIONS,
-                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; giga-operations a second, best of {args.repeats}")
+    module = build()
+    print(f"{os.cpu_count()} CPUs; giga-operations a second, best of {args.repeats}")
     print(f"{'threads':>7} {'fp32 FMA':>10} {'int8 dot':>10} {'bf16 dot':>10} {'int8/fp32':>10} {'bf16/fp32':>10}"
           f" {'AMX int8':>10} {'AMX bf16':>10} {'+L1 loads':>10} {'+L2 loads':>10}")
     for threads in args.threads:

@@ -1,11 +1,12 @@
-"""Prefill attention: conveyor's kernel (kernels/paged_prefill.cpp) against torch's SDPA, alone and
-inside whole prefills of the real model.
+"""Prefill attention: conveyor's kernel (kernels/paged_prefill.cpp) against the numpy reference
+(attention.py's fallback: a masked softmax in numpy), alone and inside whole prefills of the real model.
 
-Part 1 times one layer's attention of a chunk on the model's shapes (fresh prompts of 256-2048
-tokens, and cache hits: 32 new tokens after 1,024 cached, 512 after 512), the two alternated
-repeat by repeat. Part 2 times whole prefills (a prompt of random token ids, one output token, so
-the time is the prefill and its first token) on the model, the kernel on and off
-(CONVEYOR_PREFILL_ATTENTION) alternated in one process, and checks both give the same token.
+Part 1 times one layer's attention of a chunk (`attend` on one prefill chunk, the kernel given or
+not) on the model's shapes (fresh prompts of 256-2048 tokens, and cache hits: 32 new tokens after
+1,024 cached, 512 after 512), the two alternated repeat by repeat. Part 2 times whole prefills (a
+prompt of random token ids, one output token, so the time is the prefill and its first token) on
+the model, the kernel on and off (CONVEYOR_PREFILL_ATTENTION) alternated in one process, and checks
+both give the same token.
 
     python benchmarks/kernels/prefill_attention.py --model smollm2-135m --lengths 256 1024 2048 --repeats 5
     python benchmarks/kernels/prefill_attention.py --model gemma3-270m --lengths 1024 2048
@@ -19,11 +20,12 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from conveyor.engine.llm import LLM
-from conveyor.model.kernels import paged_prefill_kernel
+from conveyor.model.attention import AttentionMetadata, PrefillChunk, attend
+from conveyor.model.kernels import PagedPrefillKernel, paged_prefill_kernel
+from conveyor.model.threads import set_num_threads
 from conveyor.sampling import SamplingParams
 
 
@@ -33,30 +35,30 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def one_chunk(kernel: Callable[..., torch.Tensor], heads: int, kv_heads: int, d: int, n: int, cached: int,
+def one_chunk(kernel: PagedPrefillKernel, heads: int, kv_heads: int, d: int, n: int, cached: int,
               repeats: int) -> tuple[list[float], list[float]]:
-    """SDPA's and the kernel's times for a chunk of n queries after `cached` positions."""
+    """The numpy reference's and the kernel's times for a chunk of n queries after `cached` positions."""
     total, block_size = n + cached, 16
     blocks = -(-total // block_size)
-    k_cache, v_cache = torch.randn(blocks, block_size, kv_heads, d), torch.randn(blocks, block_size, kv_heads, d)
-    table, q = torch.arange(blocks), torch.randn(n, heads, d)
-    keys = k_cache.view(-1, kv_heads, d)[:total].transpose(0, 1).unsqueeze(0)
-    values = v_cache.view(-1, kv_heads, d)[:total].transpose(0, 1).unsqueeze(0)
-    qs = q.transpose(0, 1).unsqueeze(0)
-    mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
+    rng = np.random.default_rng(0)
+    k_cache, v_cache = (rng.standard_normal((blocks, block_size, kv_heads, d), dtype=np.float32) for _ in range(2))
+    table, q = np.arange(blocks, dtype=np.int64), rng.standard_normal((n, heads, d), dtype=np.float32)
+    # the chunk's own keys and values, already in the cache (as rope_and_cache leaves them)
+    k, v = k_cache.reshape(-1, kv_heads, d)[cached:total], v_cache.reshape(-1, kv_heads, d)[cached:total]
+    meta = AttentionMetadata(slot_mapping=np.arange(cached, total, dtype=np.int64), num_decode_tokens=0,
+                             decode_block_tables=None, decode_context_lens=None,
+                             prefills=[PrefillChunk(0, n, cached, table)])
 
-    def sdpa() -> torch.Tensor:  # as attention.py's fallback: is_causal when fresh, a mask after cached tokens
-        if not cached:
-            return F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
-        return F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
+    def reference() -> np.ndarray:  # attention.py's fallback: its own keys when fresh, gathered after cached tokens
+        return attend(q, k, v, k_cache, v_cache, meta, d**-0.5, decode_kernel=None, prefill_kernel=None)
 
-    def ours() -> torch.Tensor:
-        return kernel(q, k_cache, v_cache, table, cached, d**-0.5, 0)
+    def ours() -> np.ndarray:
+        return attend(q, k, v, k_cache, v_cache, meta, d**-0.5, decode_kernel=None, prefill_kernel=kernel)
 
-    sdpa(), ours()
+    np.testing.assert_allclose(ours(), reference(), rtol=1e-4, atol=1e-4)
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        times[0].append(timed(sdpa))
+        times[0].append(timed(reference))
         times[1].append(timed(ours))
     return times
 
@@ -64,7 +66,7 @@ def one_chunk(kernel: Callable[..., torch.Tensor], heads: int, kv_heads: int, d:
 def layer_attention(heads: int, kv_heads: int, d: int, lengths: list[int], repeats: int) -> None:
     kernel = paged_prefill_kernel()
     assert kernel is not None, "the prefill kernel is not available here"
-    print("| chunk (new + cached) | SDPA ms (min / median) | kernel ms | SDPA / kernel |")
+    print("| chunk (new + cached) | numpy ms (min / median) | kernel ms | numpy / kernel |")
     print("|---|---:|---:|---:|")
     for n, cached in [(n, 0) for n in lengths] + [(32, 1024), (512, 512)]:
         s, k = one_chunk(kernel, heads, kv_heads, d, n, cached, repeats)
@@ -76,7 +78,7 @@ def whole_prefills(llm: LLM, lengths: list[int], repeats: int) -> None:
     vocab = llm.engine.runner.model.cfg.vocab_size  # type: ignore[attr-defined]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
-    print("| prompt tokens | SDPA s (min / median) | kernel s | SDPA / kernel | same first token |")
+    print("| prompt tokens | numpy s (min / median) | kernel s | numpy / kernel | same first token |")
     print("|---:|---:|---:|---:|---|")
     for n in lengths:
         times: dict[str, list[float]] = {"0": [], "1": []}
@@ -102,7 +104,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    set_num_threads(2)
     llm = LLM(args.model, enable_prefix_caching=False, max_model_len=max(args.lengths) + 16,
               max_num_batched_tokens=max(args.lengths))
     cfg = llm.engine.runner.model.cfg  # type: ignore[attr-defined]

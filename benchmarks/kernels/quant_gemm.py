@@ -29,47 +29,48 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-import torch
-from gguf import quants
-from gguf.constants import GGMLQuantizationType
+from kernel_at import kernel_at
 
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.quantized import BLOCK_SIZES, KERNEL_QTYPE, QuantizedWeight
-from kernel_at import kernel_at
+from conveyor.model.threads import set_num_threads
 
-FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+# The model's fused products, by the GGUF's tensor names (blk.N.<name>.weight)
+FUSED = [["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"], ["ffn_down"]]
 LAYER_SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (out, in)
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
                 "F16": [0], "BF16": [0]}
 
-Product = tuple[int, int, torch.Tensor, torch.Tensor, str]  # out, in, fp32 panels, block panels, qtype
+Product = tuple[int, int, np.ndarray, np.ndarray, str]  # out, in, fp32 panels, block panels, qtype
 
 
-def pack(weight: torch.Tensor, q: QuantizedWeight) -> Product:
+def pack(weight: np.ndarray, q: QuantizedWeight) -> Product:
     dense, blocks = panel_gemm(), quant_gemm()
-    return (weight.shape[0], weight.shape[1], dense.pack_panels(weight),  # type: ignore[union-attr]
+    return (weight.shape[0], weight.shape[1], dense.pack_panels(np.ascontiguousarray(weight, dtype=np.float32)),  # type: ignore[union-attr]
             blocks.pack_quantized(q.blocks, KERNEL_QTYPE[q.qtype]), q.qtype)  # type: ignore[union-attr]
 
 
-def gguf_fp32(q: QuantizedWeight) -> torch.Tensor:
-    flat = quants.dequantize(q.blocks.numpy(), GGMLQuantizationType[q.qtype])
-    return torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32)).reshape(q.blocks.shape[0], -1)
+def gguf_fp32(q: QuantizedWeight) -> np.ndarray:
+    return q.dequantize()  # gguf's dequantiser, fp32 [out, in]
 
 
 def smollm2_products() -> dict[str, list[Product]]:
-    from conveyor.model.loader import load_checkpoint
+    from conveyor.model.gguf_loader import _blocks, read_gguf
+    from conveyor.model.loader import resolve_model_path
 
-    ckpt = load_checkpoint(None)
+    gf = read_gguf(resolve_model_path(None))
+    layers = 1 + max(int(name.split(".")[1]) for name in gf.tensors if name.startswith("blk."))
     products = []
-    for i in range(ckpt.config.num_layers):
+    for i in range(layers):
         for group in FUSED:
-            names = [f"model.layers.{i}.{n}.weight" for n in group]
-            blocks = QuantizedWeight.cat([ckpt.quantized[n] for n in names])
-            products.append(pack(torch.cat([ckpt.weights[n] for n in names]), blocks))  # type: ignore[arg-type]
-    head = "model.embed_tokens.weight"
-    products.append(pack(ckpt.weights[head], ckpt.quantized[head]))
+            parts = [_blocks(gf, gf.tensors[f"blk.{i}.{n}.weight"]) for n in group]
+            assert all(q is not None and q.qtype == parts[0].qtype for q in parts)  # type: ignore[union-attr]
+            blocks = QuantizedWeight(parts[0].qtype, np.concatenate([q.blocks for q in parts]))  # type: ignore[union-attr]
+            products.append(pack(gguf_fp32(blocks), blocks))
+    head = _blocks(gf, gf.tensors["token_embd.weight"])  # tied: the vocabulary projection
+    assert head is not None
+    products.append(pack(gguf_fp32(head), head))
     return {"SmolLM2-135M step (Q4_1 + Q8_0 head)": products}
 
 
@@ -96,7 +97,7 @@ def synthetic_products(types: list[str], layers: int) -> Iterator[tuple[str, lis
                 for offset in HALF_OFFSETS[qtype]:
                     scales = rng.uniform(-0.02, 0.02, raw.shape[0]).astype(np.float16)
                     raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-                q = QuantizedWeight(qtype, torch.from_numpy(raw.reshape(n, -1)))
+                q = QuantizedWeight(qtype, raw.reshape(n, -1))
                 products.append(pack(gguf_fp32(q), q))
         yield f"{qtype}, {layers} x 1B-class layer", products
 
@@ -104,10 +105,10 @@ def synthetic_products(types: list[str], layers: int) -> Iterator[tuple[str, lis
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def one_pass(products: list[Product], rows: int, blocks: object | None, clock: str) -> tuple[float, list[torch.Tensor]]:
+def one_pass(products: list[Product], rows: int, blocks: object | None, clock: str) -> tuple[float, list[np.ndarray]]:
     """One pass on the dense panels (blocks None) or on the block panels with the kernel `blocks`."""
     dense_kernel = panel_gemm()
-    xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) for k in {p[1] for p in products}}
+    xs = {k: np.random.default_rng(k).standard_normal((rows, k), dtype=np.float32) for k in {p[1] for p in products}}
     now = CLOCKS[clock]
     start, outs = now(), []
     for n, k, dense, quant, qtype in products:
@@ -120,8 +121,8 @@ def one_pass(products: list[Product], rows: int, blocks: object | None, clock: s
 
 def report(title: str, products: list[Product], rows_list: list[int], repeats: int, clock: str,
            baseline: tuple[str, object] | None) -> None:
-    dense_mb = sum(p[2].numel() * 4 for p in products) / 1e6
-    block_mb = sum(p[3].numel() for p in products) / 1e6
+    dense_mb = sum(p[2].nbytes for p in products) / 1e6
+    block_mb = sum(p[3].nbytes for p in products) / 1e6
     print(f"\n{title}: {len(products)} products, dense fp32 panels {dense_mb:.0f} MB, block panels {block_mb:.0f} MB")
     other = f"blocks at {baseline[0]}" if baseline else "dense"
     print(f"rows | {clock} clock: {other} ms (median, min) | blocks ms (median, min) | {other} / blocks | bit-identical")
@@ -132,7 +133,7 @@ def report(title: str, products: list[Product], rows_list: list[int], repeats: i
             other_ms.append(t)
             t, block_out = one_pass(products, rows, quant_gemm(), clock)
             block_ms.append(t)
-            same &= all(torch.equal(a, b) for a, b in zip(other_out, block_out))
+            same &= all(np.array_equal(a, b) for a, b in zip(other_out, block_out))
         d, b = statistics.median(other_ms), statistics.median(block_ms)
         print(f"{rows:4d} | {d:7.1f} {min(other_ms):7.1f} | {b:7.1f} {min(block_ms):7.1f} | {d / b:5.2f}x | {same}", flush=True)
 
@@ -152,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.clock == "cpu" and args.num_threads != 1:
         parser.error("--clock cpu times the calling thread: use --num-threads 1")
-    torch.set_num_threads(args.num_threads)
+    set_num_threads(args.num_threads)
     if panel_gemm() is None or quant_gemm() is None:
         raise SystemExit("the panel kernels are not built here (x86 with AVX2, FMA and F16C, and a C++ compiler)")
     if args.types:
@@ -162,6 +163,8 @@ def main() -> None:
     else:
         sets = iter(smollm2_products().items())
     baseline = (args.baseline, kernel_at(args.baseline, "quant_gemm")) if args.baseline else None
+    if baseline is not None:
+        baseline[1].set_num_threads(args.num_threads)  # type: ignore[attr-defined]
     for title, products in sets:
         report(title, products, args.rows, args.repeats, args.clock, baseline)
 

@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Callable
 
-import torch
+import numpy as np
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.kernels import quant_gemm
@@ -31,14 +31,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "1, 2, 3, 4,", "The three laws of thermodynamics are", "SELECT name FROM users WHERE"]
 
 
-def final_hidden_states(llm: LLM, tokens: int) -> torch.Tensor:
+def final_hidden_states(llm: LLM, tokens: int) -> np.ndarray:
     model = llm.engine.runner.model
-    seen: list[torch.Tensor] = []
+    seen: list[np.ndarray] = []
     plain = model.sampling_hidden
 
-    def keep(*args: object, **kwargs: object) -> torch.Tensor:
+    def keep(*args: object, **kwargs: object) -> np.ndarray:
         h = plain(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(h.clone())
+        seen.append(h.copy())
         return h
 
     model.sampling_hidden = keep  # type: ignore[method-assign]
@@ -46,10 +46,10 @@ def final_hidden_states(llm: LLM, tokens: int) -> torch.Tensor:
         llm.generate(PROMPTS, SamplingParams(max_tokens=tokens, temperature=0.0))
     finally:
         model.sampling_hidden = plain  # type: ignore[method-assign]
-    return torch.cat(seen)
+    return np.concatenate(seen)
 
 
-def candidates_needed(screen: Callable, h: torch.Tensor, data: torch.Tensor, out_features: int) -> int:
+def candidates_needed(screen: Callable, h: np.ndarray, data: np.ndarray, out_features: int) -> int:
     low, high = 1, out_features
     while low < high:
         mid = (low + high) // 2
@@ -86,15 +86,15 @@ def main() -> None:
     hidden = final_hidden_states(llm, args.tokens)
     qtype = KERNEL_QTYPE[packed.layout]
 
-    def full(x: torch.Tensor) -> torch.Tensor:
-        return kernel.quantized_matmul(x, packed.data, packed.out_features, None, qtype).argmax(dim=-1)  # type: ignore[union-attr]
+    def full(x: np.ndarray) -> np.ndarray:
+        return kernel.quantized_matmul(x, packed.data, packed.out_features, None, qtype).argmax(axis=-1)  # type: ignore[union-attr]
 
-    def screened(x: torch.Tensor) -> torch.Tensor:
+    def screened(x: np.ndarray) -> np.ndarray:
         tokens = screened_argmax(x, packed, norms)
         assert tokens is not None
         return tokens
 
-    same = torch.equal(full(hidden), screened(hidden))
+    same = np.array_equal(full(hidden), screened(hidden))
     if in_kernel is not None:
         route = "q8_0_argmax"
         counts = sorted(candidates_needed(in_kernel, hidden[i : i + 1], packed.data, packed.out_features)
@@ -103,7 +103,7 @@ def main() -> None:
         assert norms is not None
         product = "bf16 product (AVX512-BF16)" if packed.layout == "BF16" else f"int8 product ({kernel_isa()})"
         route = f"{product} and column norms"
-        counts = sorted(int(c) for c in screen_candidates(hidden, packed, norms)[0].sum(dim=-1))
+        counts = sorted(int(c) for c in screen_candidates(hidden, packed, norms)[0].sum(axis=-1))
     print(f"head: {packed.out_features} x {hidden.shape[1]} {packed.layout} ({packed.nbytes / 1e6:.0f} MB), screened by "
           f"{route}; {hidden.shape[0]} real hidden states; same argmax for every row: {same}")
     print(f"columns computed exactly per row: min {counts[0]}, median {counts[len(counts) // 2]}, "
@@ -111,7 +111,7 @@ def main() -> None:
     print("| rows | full product + argmax ms (min / median) | screened ms (min / median) | full / screened |")
     print("|---:|---:|---:|---:|")
     for rows in args.rows:
-        x = hidden[torch.arange(rows) % hidden.shape[0]].contiguous()
+        x = np.ascontiguousarray(hidden[np.arange(rows) % hidden.shape[0]])
         times: dict[str, list[float]] = {"full": [], "screened": []}
         for _ in range(2):
             full(x), screened(x)

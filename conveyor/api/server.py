@@ -113,7 +113,7 @@ def run_server(
         engine_client = start_deployment(config, deployment, max_waiting_requests)
         log.info("Ray deployment ready: %s", ", ".join(w.name for w in engine_client.workers))
     else:
-        # Built on the thread that will step it: one thread does all the torch work (async_engine.py).
+        # Built on the thread that will step it: one thread does all the model work (async_engine.py).
         local = AsyncEngine.build(lambda: LLMEngine.from_config(config).warm_up(), max_waiting_requests=max_waiting_requests)
         engine = local.engine
         kv = engine.scheduler.kv

@@ -143,7 +143,7 @@ def _run_roofline(args: argparse.Namespace) -> int:
 
 
 def _run_quality(args: argparse.Namespace) -> int:
-    import torch
+    import numpy as np
 
     from conveyor.bench.quality import half_weights_in_bf16, report, run_quality
     from conveyor.config import EngineConfig
@@ -151,8 +151,8 @@ def _run_quality(args: argparse.Namespace) -> int:
     from conveyor.runner.model_runner import load_model
 
     loaded = load_model(EngineConfig(model=args.model, num_threads=args.num_threads))
-    kv_dtype = getattr(torch, args.kv_cache_dtype)
-    if args.activation_dtype == "float32" and kv_dtype == torch.float32:
+    kv_dtype = np.dtype(args.kv_cache_dtype)
+    if args.activation_dtype == "float32" and kv_dtype == np.float32:
         raise SystemExit("bench quality: float32 activations with a float32 KV cache is the reference itself")
     if args.prompt_tiles and (args.activation_dtype != "int8" or not bf16_tiles_available()):
         raise SystemExit("bench quality --prompt-tiles: needs int8 activations and a CPU with AMX-BF16 tiles")

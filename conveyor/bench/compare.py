@@ -131,9 +131,9 @@ def run_compare(cfg: CompareConfig, loaded: Any | None = None, echo: Callable[[s
     from conveyor.runner.model_runner import load_model
 
     if cfg.num_threads:
-        import torch
+        from conveyor.model.threads import set_num_threads
 
-        torch.set_num_threads(cfg.num_threads)
+        set_num_threads(cfg.num_threads)
     loaded = loaded or load_model(EngineConfig.from_kwargs(model=cfg.model, dtype=cfg.dtype,
                                                            dequantize_weights=cfg.dequantize_weights))
     cfg.workload.vocab_size = loaded.model.cfg.vocab_size

@@ -18,8 +18,9 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 # Fixed texts: modules of the installed standard library (their source for code; for prose, their
 # docstrings and the license the interpreter ships).
@@ -71,20 +72,27 @@ class QualityResult:
 
 
 # (activation dtype, KV cache dtype): how a path computes.
-Arithmetic = tuple[str, torch.dtype]
-EXACT: Arithmetic = ("float32", torch.float32)
+Arithmetic = tuple[str, np.dtype]
+EXACT: Arithmetic = ("float32", np.dtype(np.float32))
+FLOAT16 = np.dtype(np.float16)  # the KV cache tested by default
+_NLL_ROWS = 32  # rows whose exponentials are held at once
 
 
-def target_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def target_nll(logits: np.ndarray, target: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] of each row, in float64 for the sums over positions. The
     log-sum-exp is taken in fp32 (max-shifted, summed pairwise: about 1e-7 relative, far inside the
-    ratios reported); in float64 it would first copy the logits at twice their size (1 GiB for 512
-    rows of a 262k vocabulary) and take its exponentials at half the vector width."""
-    rows = logits.float()
-    return torch.logsumexp(rows, dim=-1).double() - rows[torch.arange(len(target)), target].double()
+    ratios reported), a few rows at a time; in float64 it would first copy the logits at twice their
+    size (1 GiB for 512 rows of a 262k vocabulary) and take its exponentials at half the vector width."""
+    rows = logits.astype(np.float32, copy=False)
+    lse = np.empty(rows.shape[0], dtype=np.float64)
+    for first in range(0, rows.shape[0], _NLL_ROWS):
+        part = rows[first:first + _NLL_ROWS]
+        top = part.max(axis=-1, keepdims=True)
+        lse[first:first + _NLL_ROWS] = (np.log(np.exp(part - top).sum(axis=-1, dtype=np.float32)) + top[:, 0])
+    return lse - rows[np.arange(len(target)), target].astype(np.float64)
 
 
-def score(model: torch.nn.Module, ids: list[int], window: int, paths: tuple[Arithmetic, Arithmetic],
+def score(model: Any, ids: list[int], window: int, paths: tuple[Arithmetic, Arithmetic],
           prompt_tiles: bool = False) -> tuple[list[float], list[float], float, list[float]]:
     """Negative log-likelihoods of every next token on each path, the share of positions where
     their argmaxes agree, and the second path's negative log-likelihoods with its vocabulary
@@ -96,8 +104,8 @@ def score(model: torch.nn.Module, ids: list[int], window: int, paths: tuple[Arit
 
     block_size = 16
     blocks = -(-window // block_size)
-    caches = [allocate_kv_cache(model.cfg, blocks, block_size, kv_dtype) for _, kv_dtype in paths]  # type: ignore[arg-type]
-    table = torch.arange(blocks)
+    caches = [allocate_kv_cache(model.cfg, blocks, block_size, kv_dtype) for _, kv_dtype in paths]
+    table = np.arange(blocks, dtype=np.int64)
     nll: tuple[list[float], list[float]] = ([], [])
     sampled_nll: list[float] = []
     agree = total = 0
@@ -108,26 +116,26 @@ def score(model: torch.nn.Module, ids: list[int], window: int, paths: tuple[Arit
             break
         argmaxes = []
         for which, (dtype, _) in enumerate(paths):
-            model.activation_dtype = dtype  # type: ignore[assignment]
-            model.prompt_tiles = prompt_tiles and which == 1  # type: ignore[assignment]
-            meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillChunk(0, n, 0, table)],
-                                     prompt_rows=((0, n),))
-            h = model.sampling_hidden(torch.tensor(chunk[:n]), torch.arange(n), meta, caches[which],  # type: ignore[operator]
-                                      torch.arange(n))
-            target = torch.tensor(chunk[1:])
-            logits = model.logits(h)  # type: ignore[operator]
+            model.activation_dtype = dtype
+            model.prompt_tiles = prompt_tiles and which == 1
+            positions = np.arange(n, dtype=np.int64)
+            meta = AttentionMetadata(positions, 0, None, None, [PrefillChunk(0, n, 0, table)], prompt_rows=((0, n),))
+            h = model.sampling_hidden(np.array(chunk[:n], dtype=np.int64), positions, meta, caches[which], positions)
+            target = np.array(chunk[1:], dtype=np.int64)
+            logits = model.logits(h)
             nll[which].extend(target_nll(logits, target).tolist())
-            argmaxes.append(logits.argmax(-1))
+            argmaxes.append(logits.argmax(axis=-1))
+            del logits
             if which == 1:
-                sampled = model.logits(h, torch.ones(n, dtype=torch.bool))  # type: ignore[operator]
+                sampled = model.logits(h, np.ones(n, dtype=np.bool_))
                 sampled_nll.extend(target_nll(sampled, target).tolist())
         agree += int((argmaxes[0] == argmaxes[1]).sum())
         total += n
     return nll[0], nll[1], agree / max(1, total), sampled_nll
 
 
-def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str, max_tokens: int,
-                window: int, kv_cache_dtype: torch.dtype = torch.float16,
+def run_quality(model: Any, tokenizer: object, activation_dtype: str, max_tokens: int,
+                window: int, kv_cache_dtype: np.dtype = FLOAT16,
                 prompt_tiles: bool = False) -> list[QualityResult]:
     results = []
     saved = getattr(model, "activation_dtype", "float32"), getattr(model, "prompt_tiles", False)
@@ -139,11 +147,11 @@ def run_quality(model: torch.nn.Module, tokenizer: object, activation_dtype: str
             results.append(QualityResult(name, len(ref), math.exp(sum(ref) / len(ref)), math.exp(sum(test) / len(test)),
                                          agreement, math.exp(sum(sampled) / len(sampled))))
     finally:
-        model.activation_dtype, model.prompt_tiles = saved  # type: ignore[assignment]
+        model.activation_dtype, model.prompt_tiles = saved
     return results
 
 
-def half_weights_in_bf16(model: torch.nn.Module, activation_dtype: str) -> bool:
+def half_weights_in_bf16(model: Any, activation_dtype: str) -> bool:
     """Whether some of the model's products take 16-bit float weights (BF16, F16) times bf16
     activations (the default activations on a CPU with AVX512-BF16), which the report then names
     beside "int8"."""
@@ -159,9 +167,9 @@ def half_weights_in_bf16(model: torch.nn.Module, activation_dtype: str) -> bool:
 
 
 def report(model_name: str, activation_dtype: str, results: list[QualityResult],
-           kv_cache_dtype: torch.dtype = torch.float16, prompt_tiles: bool = False, half_weights: bool = False) -> str:
+           kv_cache_dtype: np.dtype = FLOAT16, prompt_tiles: bool = False, half_weights: bool = False) -> str:
     """`half_weights`: 16-bit float weights took bf16 activations (`half_weights_in_bf16`)."""
-    kv = str(kv_cache_dtype).removeprefix("torch.")
+    kv = np.dtype(kv_cache_dtype).name
     tiles = " (every position on the prompt's bf16 tiles)" if prompt_tiles else ""
     tiles += " (bf16 on the 16-bit float weights)" if half_weights else ""
     lines = [f"{model_name}: {activation_dtype} activations{tiles}, {kv} KV cache, against fp32 with an fp32 KV "

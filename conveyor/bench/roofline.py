@@ -13,8 +13,9 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from conveyor.bench.decode import time_decode_steps
 from conveyor.engine.llm_engine import LLMEngine
@@ -24,7 +25,7 @@ from conveyor.engine.llm_engine import LLMEngine
 class MachinePeaks:
     bandwidth_gbs: float  # streaming read, GB/s
     fp32_gflops: float  # decode-shaped matmul [64 x hidden] @ [hidden x intermediate]
-    bf16_gflops: float
+    bf16_gflops: float  # the same on bf16 weights, as a bfloat16 model multiplies them (model/linear.py)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -38,18 +39,27 @@ def _best_of(fn, repeats: int) -> float:
 
 
 def measure_peaks(hidden: int, intermediate: int, repeats: int = 5) -> MachinePeaks:
-    data = torch.ones(256 * 2**20 // 4)  # 256 MiB: far beyond the caches
-    read_s = _best_of(lambda: data.sum(), repeats)
+    from conveyor.model.linear import held_once, matmul_path
+
+    # 256 MiB, far beyond the caches, read by a matrix-vector product (BLAS's, on every thread)
+    data = np.ones((256 * 2**20 // 4 // 4096, 4096), dtype=np.float32)
+    ones = np.ones(4096, dtype=np.float32)
+    read_s = _best_of(lambda: data @ ones, repeats)
     flops = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        # The shape decode runs: a batch of rows against an MLP weight, not a square GEMM.
-        x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, intermediate, dtype=dtype)
-        seconds = _best_of(lambda x=x, w=w: [x @ w for _ in range(20)], repeats) / 20
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, hidden), dtype=np.float32)
+    w = rng.standard_normal((intermediate, hidden), dtype=np.float32)
+    for dtype in ("float32", "bfloat16"):
+        # The shape decode runs: a batch of rows against an MLP weight, not a square GEMM; held and
+        # multiplied as a model served in `dtype` holds and multiplies it.
+        plain, packed = held_once(w, dtype)
+        product = matmul_path("int8")
+        seconds = _best_of(lambda f=product, p=plain, q=packed: [f(x, p, q, None) for _ in range(20)], repeats) / 20
         flops[dtype] = 2 * 64 * hidden * intermediate / seconds / 1e9
-    return MachinePeaks(data.numel() * 4 / read_s / 1e9, flops[torch.float32], flops[torch.bfloat16])
+    return MachinePeaks(data.nbytes / read_s / 1e9, flops["float32"], flops["bfloat16"])
 
 
-def model_costs(model: torch.nn.Module) -> tuple[int, int]:
+def model_costs(model: Any) -> tuple[int, int]:
     """Bytes of weights read per decode step, and FLOPs per decoded token (matmuls only). A
     projection streams its packed form: a GGUF's blocks are 3.8x (Q8_0) to 7.1x (Q4_0) smaller than
     fp32 by their format (SmolLM2-135M's: 96 MB against 538)."""
@@ -59,14 +69,14 @@ def model_costs(model: torch.nn.Module) -> tuple[int, int]:
         if m.packed is not None:
             return m.packed.nbytes
         assert m.weight is not None
-        return m.weight.numel() * m.weight.element_size()
+        return int(m.weight.nbytes)
 
-    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    projections: list[Linear | Embedding] = [m for m in model.modules() if isinstance(m, Linear)]
     if model.lm_head is None:  # tied: the embedding's weight is the vocabulary projection's
         projections.append(model.head)
     # Vectors (norms, biases) are read whole; the embedding only by the rows looked up, so it
     # counts once, as the vocabulary projection (tied or not).
-    vectors = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    vectors = sum(int(v.nbytes) for v in model.vectors())
     weight_bytes = vectors + sum(streamed(m) for m in projections)
     matmul_params = sum(m.num_embeddings * m.embedding_dim if isinstance(m, Embedding) else m.in_features * m.out_features
                         for m in projections)

@@ -1,5 +1,6 @@
 """`conveyor bench steps`: decode step time of the whole engine, optionally beside Hugging Face
-transformers' forward pass at the same batch and context.
+transformers' forward pass at the same batch and context (`--hf`: the one part that imports torch,
+in the benchmark's process, to run transformers).
 
 For each batch size the engine runs B requests with prompts drawn from `--contexts` until all are
 decoding, then times whole engine steps (schedule + input prep + model + sampling + bookkeeping;
@@ -78,10 +79,12 @@ def run_steps(engine: LLMEngine, cfg: StepsConfig, hf_model: Any = None,
     """The table's lines (each echoed as it is measured): per batch size (and activation dtype),
     step time (median, min), model share, the ratio to the first activation dtype, and HF's at the
     first context."""
-    import torch
+    import numpy as np
+
+    from conveyor.model.threads import get_num_threads
 
     dtypes = cfg.activation_dtypes or [engine.config.activation_dtype]
-    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {engine.config.dtype}, "
+    lines = [f"numpy {np.__version__}, {get_num_threads()} threads, dtype {engine.config.dtype}, "
              f"contexts {cfg.contexts}",
              f"{'batch':>7} | {'activations':>11} | {'step ms (median, min)':>21} | {'model ms':>8} | "
              f"{'outside model':>13} | {'vs ' + dtypes[0]:>10}"

@@ -8,8 +8,8 @@
   prefill token mostly does not, so the two get their own slopes.
 - `d`: decode attention, which reads each row's own context: rows x mean context = the sum of the
   contexts (conveyor's C++ decode kernel reads blocks in place, conveyor/model/attention.py). The
-  torch fallback (bf16, or no compiler) pads rows to the longest context and so costs a little more
-  than this predicts; the controller's measured/predicted bias absorbs that.
+  numpy fallback (no compiler, or CONVEYOR_KERNELS=0) pads rows to the longest context and so costs
+  a little more than this predicts; the controller's measured/predicted bias absorbs that.
 
 The fit is exponentially weighted least squares (old samples fade with `forgetting`, so the model
 follows a machine that slows down or speeds up), with a small ridge scaled by each feature's own

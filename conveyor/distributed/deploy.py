@@ -25,7 +25,7 @@ class DeploymentConfig:
     prefill_workers: int = 0
     decode_workers: int = 0
     ray_address: str | None = None  # None: start a local Ray instance; "auto" or "host:port": join one
-    worker_num_cpus: float = 1.0  # what Ray reserves per worker (its torch threads default to this)
+    worker_num_cpus: float = 1.0  # what Ray reserves per worker (its num_threads defaults to this)
     routing: str = ROUTING_POLICIES[0]  # cache-aware, or least-load (conveyor.distributed.router)
 
     def __post_init__(self) -> None:

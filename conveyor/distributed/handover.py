@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from conveyor.distributed.messages import KVPayload
 from conveyor.engine.llm_engine import LLMEngine
@@ -27,6 +26,7 @@ from conveyor.kv import blocks_for, leading_null_blocks
 from conveyor.request import Request, RequestStatus, sequence_key
 from conveyor.runner.transfer import kv_transfer
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.sampler import check_generator_state
 
 
 def request_blocks(engine: LLMEngine, request: Request) -> list[int]:
@@ -60,21 +60,18 @@ def export_request(engine: LLMEngine, request: Request, first_block: int = 0) ->
         output_token_ids=list(request.output_token_ids),
         params=request.sampling_params,
         num_computed_tokens=request.num_computed_tokens,
-        kv=_to_numpy(data),
-        kv_dtype="bfloat16" if data.dtype == torch.bfloat16 else str(data.dtype).removeprefix("torch."),
+        kv=data,
+        kv_dtype=data.dtype.name,
         first_block=first_block,
         sampler_state=runner.sampler.generator_state(request),
         window_held_from=held_from,
         window_layers=tuple(window_layers) if window_data is not None else (),
-        window_kv=None if window_data is None else _to_numpy(window_data),
+        window_kv=window_data,
     )
 
 
-_CARRIED_AS = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
-
-
-def _to_numpy(data: torch.Tensor) -> np.ndarray:
-    return data.view(torch.int16).numpy() if data.dtype == torch.bfloat16 else data.numpy()
+# The KV caches conveyor holds (conveyor.runner.model_runner.kv_cache_dtype): numpy's own dtypes.
+_CARRIED_AS = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
 def blocks_needed(engine: LLMEngine, payload: KVPayload) -> int:
@@ -105,7 +102,7 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     main_layers, window_layers = runner.kv_layer_groups()
     num_layers = len(main_layers) + len(window_layers)
     window_kv = payload.window_kv
-    carried = _CARRIED_AS.get(payload.kv_dtype)  # bf16 travels as its bits: numpy has no bf16
+    carried = _CARRIED_AS.get(payload.kv_dtype)
     if carried is None or any(a is not None and (a.dtype != carried or a.ndim != 6 or a.shape[1] != 2)
                               for a in (payload.kv, window_kv)):
         raise InvalidRequestError(f"KV of {payload.request_id!r} is not [layers, 2, blocks, block_size, heads, "
@@ -132,8 +129,8 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
         held_from = 0  # nothing of the payload is written: the window blocks in sight are this engine's
     if payload.sampler_state is not None:  # checked before the request is queued: a bad one must not leave it there
         try:
-            torch.Generator().set_state(payload.sampler_state)
-        except (RuntimeError, TypeError, ValueError) as e:
+            check_generator_state(payload.sampler_state)
+        except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"KV of {payload.request_id!r} carries a sampler state that is not one: {e}") from e
 
     # Where each layer's blocks are in the payload: (array, its row, the block its data starts at).
@@ -141,7 +138,7 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
     rows = {layer: (payload.kv, row, first) for row, layer in enumerate(exporter_main)}
     rows.update({layer: (window_kv, row, payload.window_first_block) for row, layer in enumerate(payload.window_layers)})
 
-    def tensor(layers: list[int], start: int, count: int) -> torch.Tensor:
+    def tensor(layers: list[int], start: int, count: int) -> np.ndarray:
         """Those layers' blocks start .. start + count - 1 from the payload, as the runner takes them."""
         parts = []
         for layer in layers:
@@ -149,9 +146,8 @@ def import_request(engine: LLMEngine, payload: KVPayload, cached: list[int] | No
             if start < array_first:  # the exporter had given them back: no KV to write
                 raise InvalidRequestError(f"KV of {payload.request_id!r} lacks layer {layer}'s blocks from {start}")
             parts.append(array[row, :, start - array_first : start - array_first + count])
-        # What Ray hands over is a read-only view of the object store: np.stack copies it for torch.
-        data = torch.from_numpy(np.stack(parts))
-        return data.view(torch.bfloat16) if payload.kv_dtype == "bfloat16" else data
+        # What Ray hands over is a read-only view of the object store: np.stack copies it.
+        return np.stack(parts)
 
     def write_kv(blocks: list[int], window_blocks: list[int] | None) -> None:
         if not blocks:

@@ -110,7 +110,7 @@ class KVPayload:
     # request's blocks from `first_block` on (the importer said its prefix cache holds those before),
     # of every layer but `window_layers`
     kv: Any
-    kv_dtype: str  # "float32", "float16" or "bfloat16" (bf16 travels as int16 bits: numpy has no bf16)
+    kv_dtype: str  # "float32" or "float16": the exporter's KV cache (numpy's dtype name)
     sampler_state: Any = None  # the request's own generator state when it samples with a seed
     first_block: int = 0
     # Sliding-window layers with a pool of their own on the exporter: it had given back their blocks

@@ -102,7 +102,7 @@ class EngineWorker(EngineLoop[_Command]):
         self.info = WorkerInfo(
             name=name, role=role, max_model_len=self.engine.max_model_len, num_kv_blocks=kv.num_blocks,
             block_size=kv.block_size, max_num_seqs=config.scheduler.max_num_seqs,
-            kv_block_bytes=one_block.numel() * one_block.element_size(),
+            kv_block_bytes=int(one_block.nbytes),
             default_pooling=self.engine.default_pooling, embedding_size=self.engine.embedding_size,
             model_facts=self.engine.model_facts,
         )

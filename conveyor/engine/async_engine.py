@@ -6,7 +6,7 @@ which puts each output into the asyncio queue of the request it belongs to. Toke
 detokenisation happen on the caller's side: the loop thread only ever sees token ids.
 
 `AsyncEngine.build` also builds the engine on the loop thread, so one thread does all of the
-process's torch work (engine/loop.py: libgomp's teams; docs/PERF.md, "Serving").
+process's model work (engine/loop.py: libgomp's teams; docs/PERF.md, "Serving").
 """
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: object | None = None) -> "LLMEngine":
         """`loaded` (a runner.model_runner.LoadedModel) shares weights already in memory."""
-        from conveyor.runner.model_runner import ModelRunner  # torch only where tensors are built
+        from conveyor.runner.model_runner import ModelRunner  # the model's modules only where one is built
 
         runner = ModelRunner.from_config(config, loaded)  # type: ignore[arg-type]
         assert runner.tokenizer is not None  # from_config loads the checkpoint's tokenizer

@@ -34,9 +34,9 @@ STALL_WAIT_S = 0.005  # a step that scheduled nothing: wait this long (or for a 
 def shorten_gil_switch_interval() -> None:
     """For a process that steps an engine on one thread beside an asyncio loop on another.
 
-    The engine thread drops the GIL in every torch op and must take it back to issue the next;
-    when the event loop holds it (streaming 32 responses), CPython's default 5 ms switch interval
-    stalls the step with both cores idle (docs/PERF.md, "Serving")."""
+    The engine thread drops the GIL in every kernel call (and numpy's larger ops) and must take it
+    back to issue the next; when the event loop holds it (streaming 32 responses), CPython's default
+    5 ms switch interval stalls the step with both cores idle (docs/PERF.md, "Serving")."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
 

@@ -1,10 +1,11 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. New keys
-and values are scattered into it through a flat slot mapping; queries read their context back
-through block tables. Single-query rows (decodes) are attended in one batched call (a C++ kernel
-that reads the blocks in place, or gather + SDPA as the fallback); multi-token prefill chunks,
-which are few and large, one call each (a C++ kernel that reads the blocks in place, or SDPA).
+The cache of one layer is a pair of arrays [num_blocks, block_size, kv_heads, head_dim] (float16 or
+float32). New keys and values are scattered into it through a flat slot mapping; queries read their
+context back through block tables. Single-query rows (decodes) are attended in one batched call (a
+C++ kernel that reads the blocks in place, or gather + a masked softmax in numpy as the fallback);
+multi-token prefill chunks, which are few and large, one call each (a C++ kernel that reads the
+blocks in place, or the numpy reference). Queries and arithmetic are fp32.
 
 A sliding-window layer (Gemma's local layers) passes `window`: a query at position p then sees
 positions p - window + 1 .. p only (as HF's sliding mask: key > query - window), and only the
@@ -15,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 
@@ -26,17 +26,17 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the flat batch
     num_tokens: int
     num_cached: int  # tokens of this request already in the cache before the chunk
-    block_table: torch.Tensor  # [blocks covering num_cached + num_tokens]
+    block_table: np.ndarray  # int64 [blocks covering num_cached + num_tokens]
 
 
 @dataclass
 class AttentionMetadata:
     """Built once per step by the runner and shared by every layer."""
 
-    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
+    slot_mapping: np.ndarray  # int64 [T] flat slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first rows of the batch are single-query requests
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks], int64, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [D], int64: tokens each decode row attends to
+    decode_block_tables: np.ndarray | None  # [D, max_blocks], int64, padded with block 0
+    decode_context_lens: np.ndarray | None  # [D], int64: tokens each decode row attends to
     prefills: list[PrefillChunk]
     # Rows [start, end) that compute prompt tokens (the rest compute generated ones): where the
     # products take prompt tokens on their own kernel (linear.PromptRows), these are they.
@@ -44,107 +44,132 @@ class AttentionMetadata:
     # The same step in the sliding-window layers' own KV pool (slots and tables; the runner's
     # kv_window), None where those layers share the others' pool.
     window_group: AttentionMetadata | None = None
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _decode_masks: dict[int | None, np.ndarray] = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, block_size: int, window: int | None = None) -> torch.Tensor:
-        """[D, 1, 1, max_blocks * block_size], True where a key is visible (the torch fallback's
-        padding and, with `window`, the positions before each row's window). One per window size."""
+    def decode_mask(self, block_size: int, window: int | None = None) -> np.ndarray:
+        """[D, max_blocks * block_size], True where a key is visible (the numpy fallback's padding
+        and, with `window`, the positions before each row's window). One per window size."""
         if window not in self._decode_masks:
             assert self.decode_block_tables is not None and self.decode_context_lens is not None
             width = self.decode_block_tables.shape[1] * block_size
-            keys, lens = torch.arange(width)[None, :], self.decode_context_lens[:, None]
+            keys, lens = np.arange(width)[None, :], self.decode_context_lens[:, None]
             visible = keys < lens
             if window is not None:
                 visible &= keys >= lens - window
-            self._decode_masks[window] = visible[:, None, None, :]
+            self._decode_masks[window] = visible
         return self._decode_masks[window]
 
 
-# The prefill kernel's compiled-in head sizes (others take SDPA).
+# The prefill kernel's compiled-in head sizes (others take the numpy reference).
 PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
     """k, v [T, kv_heads, d] into the cache slots, in the cache's dtype (rounded to nearest even)."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache.reshape(-1, *k.shape[1:])[slots] = k.astype(k_cache.dtype, copy=False)
+    v_cache.reshape(-1, *v.shape[1:])[slots] = v.astype(v_cache.dtype, copy=False)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim] in `dtype` (the queries')."""
+def _gather(cache: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+    """[..., blocks] block ids -> fp32 [..., kv_heads, blocks * block_size, head_dim]."""
     num_blocks, block_size, kv_heads, head_dim = cache.shape
-    # index_select on whole blocks as rows: several times faster than advanced indexing on CPU.
-    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten()).to(dtype)
-    flat = rows.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, head_dim)
-    return flat.transpose(-3, -2)
+    # whole blocks as rows
+    rows = cache.reshape(num_blocks, -1)[block_tables.reshape(-1)].astype(np.float32, copy=False)
+    flat = rows.reshape(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, head_dim)
+    return np.swapaxes(flat, -3, -2)
+
+
+# The reference attention takes a prefill chunk's queries this many at a time: its scores are
+# [heads, queries, keys] fp32, which for a whole 2,048-token chunk of a 32-head model is 512 MiB.
+QUERY_BLOCK = 256
+
+
+def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, scale: float) -> np.ndarray:
+    """The reference attention: q [..., heads, n, d], k and v [..., kv_heads, L, d] (a query head h
+    reads KV head h // (heads / kv_heads), as HF's repeat_kv), visible [..., n, L] bool. softmax(q k^T
+    scale, masked) v in fp32, the maximum subtracted first, QUERY_BLOCK queries at a time (each row's
+    arithmetic is its own). Returns [..., heads, n, d]."""
+    n = q.shape[-2]
+    if n > QUERY_BLOCK:
+        return np.concatenate([masked_attention(q[..., start:start + QUERY_BLOCK, :], k, v,
+                                                visible[..., start:start + QUERY_BLOCK, :], scale)
+                               for start in range(0, n, QUERY_BLOCK)], axis=-2)
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    group = heads // kv_heads
+    qg = q.reshape(*q.shape[:-3], kv_heads, group, *q.shape[-2:])  # [..., kv_heads, group, n, d]
+    scores = np.matmul(qg, np.swapaxes(k, -1, -2)[..., :, None, :, :]) * np.float32(scale)
+    scores = np.where(visible[..., None, None, :, :], scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v[..., :, None, :, :])  # [..., kv_heads, group, n, d]
+    return out.reshape(*q.shape).astype(np.float32, copy=False)
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: PagedDecodeKernel | None | Literal["resolve"] = "resolve",
     window: int | None = None,
     prefill_kernel: PagedPrefillKernel | None | Literal["resolve"] = "resolve",
-) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens, already written into the cache
-    at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d].
+) -> np.ndarray:
+    """q: [T, heads, d] fp32; k, v: [T, kv_heads, d] for the new tokens, already written into the
+    cache at meta.slot_mapping (write_kv, or the fused rope_and_cache). Returns [T, heads, d].
     `decode_kernel`: paged_decode_kernel() as the caller resolved it once per forward pass (None:
-    the torch fallback), or "resolve" to look it up here; `prefill_kernel` likewise, from
+    the numpy fallback), or "resolve" to look it up here; `prefill_kernel` likewise, from
     paged_prefill_kernel(), for the prefill chunks. `window`: a sliding window's size (None: all)."""
     num_decode = meta.num_decode_tokens
     if isinstance(decode_kernel, str):
         decode_kernel = paged_decode_kernel()
-    kernel = decode_kernel if num_decode and q.dtype == torch.float32 else None
+    kernel = decode_kernel if num_decode and q.dtype == np.float32 else None
     tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
     if kernel is not None and num_decode == q.shape[0]:  # a pure decode step: the kernel's output is all of it
         assert tables is not None and context_lens is not None  # build_inputs sets both for decode rows
-        return kernel(q.contiguous(), k_cache, v_cache, tables, context_lens, scale, window or 0)
-    out = torch.empty_like(q)
+        return kernel(np.ascontiguousarray(q), k_cache, v_cache, tables, context_lens, scale, window or 0)
+    out = np.empty(q.shape, dtype=np.float32)
     if num_decode:
         assert tables is not None and context_lens is not None
         if kernel is not None:  # reads each request's blocks in place, only up to its own length
-            out[:num_decode] = kernel(q[:num_decode].contiguous(), k_cache, v_cache, tables, context_lens, scale,
-                                      window or 0)
+            out[:num_decode] = kernel(np.ascontiguousarray(q[:num_decode]), k_cache, v_cache, tables, context_lens,
+                                      scale, window or 0)
         else:  # gathers every row's blocks and pads them to the longest context
-            qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, d]
-            kd = _gather(k_cache, tables, q.dtype)
-            vd = _gather(v_cache, tables, q.dtype)
-            mask = meta.decode_mask(k_cache.shape[1], window)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[:num_decode] = od.squeeze(2)
+            qd = q[:num_decode][:, :, None, :]  # [D, H, 1, d]
+            kd, vd = _gather(k_cache, tables), _gather(v_cache, tables)  # [D, kv_heads, L, d]
+            mask = meta.decode_mask(k_cache.shape[1], window)[:, None, :]  # [D, 1, L]
+            out[:num_decode] = masked_attention(qd, kd, vd, mask, scale)[:, :, 0]
     block_size = k_cache.shape[1]
     chunk_kernel = paged_prefill_kernel() if meta.prefills and isinstance(prefill_kernel, str) else prefill_kernel
-    if isinstance(chunk_kernel, str) or q.dtype != torch.float32 or q.shape[-1] not in PREFILL_KERNEL_HEAD_DIMS:
+    if isinstance(chunk_kernel, str) or q.dtype != np.float32 or q.shape[-1] not in PREFILL_KERNEL_HEAD_DIMS:
         chunk_kernel = None
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if chunk_kernel is not None:  # reads the chunk's keys and any cached ones from the cache in place
-            out[rows] = chunk_kernel(q[rows], k_cache, v_cache, chunk.block_table, chunk.num_cached, scale, window or 0)
+            out[rows] = chunk_kernel(np.ascontiguousarray(q[rows]), k_cache, v_cache, chunk.block_table,
+                                     chunk.num_cached, scale, window or 0)
             continue
-        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        fits_window = window is None or chunk.num_cached + chunk.num_tokens <= window
+        qc = np.swapaxes(q[rows], 0, 1)  # [H, n, d]
+        context = chunk.num_cached + chunk.num_tokens
+        fits_window = window is None or context <= window
         if chunk.num_cached == 0 and fits_window:
             # Fresh prompt: its own keys are all the context, no need to read the cache back (but
             # rounded as the cache holds them, so a later hit on these blocks sees the same values).
-            kc = k[rows].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vc = v[rows].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            kc = np.swapaxes(k[rows].astype(k_cache.dtype).astype(np.float32), 0, 1)
+            vc = np.swapaxes(v[rows].astype(v_cache.dtype).astype(np.float32), 0, 1)
+            first = 0
         else:
-            context = chunk.num_cached + chunk.num_tokens
             # The first block any query of the chunk can see: block 0 unless a window hides earlier ones.
             first = 0 if window is None else max(0, chunk.num_cached - window + 1) // block_size
-            kc = _gather(k_cache, chunk.block_table[first:], q.dtype)[:, : context - first * block_size].unsqueeze(0)
-            vc = _gather(v_cache, chunk.block_table[first:], q.dtype)[:, : context - first * block_size].unsqueeze(0)
-            query_pos = torch.arange(chunk.num_cached, context).unsqueeze(1)
-            key_pos = torch.arange(first * block_size, context).unsqueeze(0)
-            mask = key_pos <= query_pos  # causal, offset by the cache
-            if window is not None:
-                mask &= key_pos > query_pos - window
-            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = oc.squeeze(0).transpose(0, 1)
+            kc = _gather(k_cache, chunk.block_table[first:])[:, : context - first * block_size]
+            vc = _gather(v_cache, chunk.block_table[first:])[:, : context - first * block_size]
+        query_pos = np.arange(chunk.num_cached, context)[:, None]
+        key_pos = np.arange(first * block_size, context)[None, :]
+        mask = key_pos <= query_pos  # causal, offset by the cache
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        out[rows] = np.swapaxes(masked_attention(qc, kc, vc, mask, scale), 0, 1)
     return out

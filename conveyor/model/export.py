@@ -14,22 +14,23 @@ import struct
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
+import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
 from conveyor.errors import ModelLoadError
 from conveyor.model.config import ModelConfig
+from conveyor.model.quantized import bf16_bits
 from conveyor.model.tokenizer import Tokenizer
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPES = ("float32", "bfloat16", "float16")  # what the weights may be written in
 EXPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json")
 
 
-def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """config.json for `config`, readable by transformers 4.x (rope_theta / rope_scaling) and 5.x."""
     model_type = _MODEL_TYPES.get(config.architecture)
     if model_type is None:
@@ -57,7 +58,7 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         "attention_dropout": 0.0,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "torch_dtype": _DTYPES.get(dtype, "float32"),
+        "torch_dtype": dtype if dtype in _DTYPES else "float32",
         "use_cache": True,
     }
     if model_type == "llama":
@@ -123,19 +124,31 @@ def generation_config_dict(config: ModelConfig, tokenizer: Tokenizer) -> dict[st
     }
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+# the dtypes written (numpy has no bfloat16: "bfloat16" is fp32 values rounded, written as their bits)
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int32": "I32",
+                       "uint8": "U8", "int8": "I8"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "int8": 1}
 
 
-def write_safetensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                      tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+def _encoded(array: np.ndarray, dtype: str) -> np.ndarray:
+    """The array's values as `dtype` stores them: floats converted (bf16 rounded to nearest even, as
+    its bits), integers as they are."""
+    if dtype == "bfloat16":
+        return bf16_bits(array.astype(np.float32, copy=False)) if array.dtype != np.uint16 else array
+    if dtype in ("float32", "float16"):
+        return np.ascontiguousarray(array, dtype=dtype)
+    return np.ascontiguousarray(array)
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], str]],
+                      tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
     """A safetensors file written tensor by tensor: the header is laid out from `shapes` (name ->
-    shape and dtype, in the order `tensors` yields them), then each tensor's bytes follow as it
-    comes, so no more than one tensor is held at a time."""
+    shape and dtype name, in the order `tensors` yields them), then each array's bytes follow as it
+    comes, converted to its dtype (`_encoded`), so no more than one tensor is held at a time."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, (shape, dtype) in shapes.items():
-        size = math.prod(shape) * dtype.itemsize
+        size = math.prod(shape) * _ITEMSIZE[dtype]
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -145,30 +158,34 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[tuple[int, ...], torch
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for name, tensor in tensors:
             want_name, (shape, dtype) = next(expected)
-            if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            data = _encoded(tensor, dtype)
+            if name != want_name or tuple(tensor.shape) != tuple(shape) or data.dtype.itemsize != _ITEMSIZE[dtype]:
                 raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} where the header has "
                                  f"{want_name} {shape} {dtype}")
-            f.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+            f.write(data.view(np.uint8).data)
     if next(expected, None) is not None:
         raise ValueError("fewer tensors than the header lists")
 
 
 def export_hf_folder(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, np.ndarray],
     tokenizer: Tokenizer,
     out_dir: str | Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
 ) -> Path:
-    """Writes the five files of an HF checkpoint into `out_dir` (created; existing files overwritten)."""
-    shapes = {name: (tuple(t.shape), dtype if t.is_floating_point() else t.dtype) for name, t in weights.items()}
-    tensors = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights.items())
-    return _write_folder(config, shapes, tensors, tokenizer, Path(out_dir), dtype)
+    """Writes the five files of an HF checkpoint into `out_dir` (created; existing files overwritten):
+    floating arrays in `dtype` ("float32", "bfloat16" or "float16"), integer ones as they are."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"export writes weights in one of {_DTYPES}, not {dtype!r}")
+    shapes = {name: (tuple(t.shape), dtype if np.issubdtype(t.dtype, np.floating) else t.dtype.name)
+              for name, t in weights.items()}
+    return _write_folder(config, shapes, iter(weights.items()), tokenizer, Path(out_dir), dtype)
 
 
-def _write_folder(config: ModelConfig, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: Tokenizer, folder: Path,
-                  dtype: torch.dtype) -> Path:
+def _write_folder(config: ModelConfig, shapes: dict[str, tuple[tuple[int, ...], str]],
+                  tensors: Iterable[tuple[str, np.ndarray]], tokenizer: Tokenizer, folder: Path,
+                  dtype: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if config.tie_word_embeddings:  # transformers re-ties it; vLLM reads tie_word_embeddings
         shapes = {n: s for n, s in shapes.items() if n != "lm_head.weight"}
@@ -187,7 +204,7 @@ def _write_folder(config: ModelConfig, shapes: dict[str, tuple[tuple[int, ...], 
     return folder
 
 
-def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def export_model(model: str | None, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Exports `model` (a name, .gguf or HF folder; None = the default GGUF) to `out_dir`. A GGUF is
     dequantized one matrix at a time as it is written: memory holds one tensor, not the model."""
     from conveyor.model.gguf_loader import gguf_config, hf_name, iter_dequantized, read_gguf
@@ -195,8 +212,8 @@ def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = to
 
     path = resolve_model_path(model)
     if not path.is_file():
-        ckpt = load_checkpoint(str(path), dtype, keep_blocks=False)
-        dense = {n: w for n, w in ckpt.weights.items() if isinstance(w, torch.Tensor)}
+        ckpt = load_checkpoint(str(path), "float32", keep_blocks=False)  # fp32 values, rounded to `dtype` as written
+        dense = {n: w for n, w in ckpt.weights.items() if isinstance(w, np.ndarray)}
         return export_hf_folder(ckpt.config, dense, ckpt.tokenizer, out_dir, dtype)
     gf = read_gguf(path)
     tokenizer = Tokenizer.from_gguf(gf.metadata)
@@ -204,5 +221,5 @@ def export_model(model: str | None, out_dir: str | Path, dtype: torch.dtype = to
     arch = gf.metadata["general.architecture"]
     shapes = {hf_name(t.name, arch): (t.shape, dtype) for t in gf.tensors.values()}
     gf.buffer.close()
-    tensors = ((name, w.to(dtype)) for name, w in iter_dequantized(path))
+    tensors = iter_dequantized(path)
     return _write_folder(config, shapes, tensors, tokenizer, Path(out_dir), dtype)

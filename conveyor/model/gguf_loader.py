@@ -2,8 +2,8 @@
 
 The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds numpy views for
 each of the vocabulary strings, which takes seconds; this parse is far quicker (docs/PERF.md).
-Block formats come from `gguf.constants`; common quant types are dequantised with torch (bit-identical
-to `gguf.quants.dequantize` and faster), the rest fall back to `gguf.quants.dequantize`.
+Block formats come from `gguf.constants`; common quant types are dequantised here in numpy
+(bit-identical to `gguf.quants.dequantize` and faster), the rest with `gguf.quants.dequantize`.
 Matrices in the block types the matmul kernel reads (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, F16, BF16) are
 kept only as their blocks, which it streams.
 """
@@ -15,22 +15,20 @@ import mmap
 import re
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import WeightSource, pack_blocks
+from conveyor.model.linear import WeightSource, held_once, pack_blocks
 from conveyor.model.mapped import drop_pages, map_file, rows_dropper
-from conveyor.model.quantized import QuantizedWeight, kernel_keeps
+from conveyor.model.quantized import QuantizedWeight, bf16_to_float32, kernel_keeps
 from conveyor.model.tokenizer import Tokenizer
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -61,7 +59,7 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    shape: tuple[int, ...]  # torch order (GGUF lists dims innermost first)
+    shape: tuple[int, ...]  # row-major order (GGUF lists dims innermost first)
     qtype: GGMLQuantizationType
     offset: int  # absolute, in the file
     nbytes: int
@@ -173,47 +171,47 @@ def _parse(path: Path, buf: mmap.mmap, with_arrays: bool = True) -> GGUFFile:
     return GGUFFile(path, metadata, tensors, buf)
 
 
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view(np.float16).astype(np.float32)
 
 
-def dequantize(gf: GGUFFile, t: GGUFTensor) -> torch.Tensor:
-    """One tensor as fp32, in torch shape."""
-    raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+def _raw(gf: GGUFFile, t: GGUFTensor) -> np.ndarray:
+    """The tensor's bytes, a view of the file's mapping."""
+    return np.frombuffer(gf.buffer, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+
+def dequantize(gf: GGUFFile, t: GGUFTensor) -> np.ndarray:
+    """One tensor as fp32, in row-major shape, a copy (detached from the file mapping). numpy's
+    element-wise ops run on the calling thread: one thread, which is what dequantising's many small
+    ops want when other processes share the cores (docs/PERF.md)."""
+    raw = _raw(gf, t)
     Q = GGMLQuantizationType
-    if t.qtype in (Q.F32, Q.F16, Q.BF16):
-        dt = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[t.qtype]
-        out = raw.view(dt).to(torch.float32, copy=True)  # copy: detach from the file mapping
+    if t.qtype == Q.F32:
+        out = raw.view(np.float32).copy()
+    elif t.qtype == Q.F16:
+        out = raw.view(np.float16).astype(np.float32)
+    elif t.qtype == Q.BF16:
+        out = bf16_to_float32(raw.view(np.uint16))
     elif t.qtype == Q.Q8_0:  # 32 int8 values and one fp16 scale per block
-        b = raw.view(-1, 34)
-        out = _half(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+        b = raw.reshape(-1, 34)
+        out = _half(b, 0) * np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32)
     elif t.qtype in (Q.Q4_0, Q.Q4_1):  # low nibbles are values 0-15 of a block, high nibbles 16-31
-        b = raw.view(-1, 18 if t.qtype == Q.Q4_0 else 20)
+        b = raw.reshape(-1, 18 if t.qtype == Q.Q4_0 else 20)
         qs = b[:, -16:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=1).float()
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32)
         out = _half(b, 0) * (q - 8) if t.qtype == Q.Q4_0 else _half(b, 0) * q + _half(b, 2)
     else:
-        rows = raw.numpy().reshape(prod(t.shape[:-1]), -1)
-        out = torch.from_numpy(np.ascontiguousarray(quants.dequantize(rows, t.qtype), dtype=np.float32))
+        rows = raw.reshape(prod(t.shape[:-1]), -1)
+        out = np.ascontiguousarray(quants.dequantize(rows, t.qtype), dtype=np.float32)
     return out.reshape(t.shape)
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo convert_hf_to_gguf's `permute`: llama.cpp's RoPE rotates adjacent pairs, HF's rotates halves."""
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's `permute`: llama.cpp's RoPE rotates adjacent pairs, HF's rotates halves.
+    A contiguous copy."""
     # permute viewed rows as (head, 2, half) and stored them as (head, half, 2); swap back.
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Dequantising is hundreds of small ops; when other processes share the cores, intra-op threads
-    spin at every barrier and several threads are much slower than one (docs/PERF.md)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    return np.ascontiguousarray(
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -311,19 +309,19 @@ def _blocks(gf: GGUFFile, t: GGUFTensor) -> QuantizedWeight | None:
     can read them."""
     if not kernel_keeps(t.qtype.name, t.shape):
         return None
-    raw = torch.frombuffer(gf.buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
-    return QuantizedWeight(t.qtype.name, raw.view(t.shape[0], -1))
+    return QuantizedWeight(t.qtype.name, _raw(gf, t).reshape(t.shape[0], -1))
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True
+    path: str | Path, dtype: str = "float32", keep_blocks: bool = True
 ) -> tuple[ModelConfig, dict[str, WeightSource], Tokenizer]:
     """HF-named weights, read through the file's memory map one tensor at a time: with `keep_blocks`
     and fp32, a matrix in blocks the kernel reads is packed from the file's bytes into its panels
     (its only copy: conveyor.model.linear), except an embedding the file does not reuse as its
     output head: read by rows only, it stays a view of the mapping. Every other tensor is
-    dequantized to `dtype`. Each tensor's file pages are dropped once it is taken (a packed matrix's
-    a run of rows at a time), so a load peaks near what the model holds."""
+    dequantized to fp32 (a matrix of a "bfloat16" model then rounded to bf16 and packed as BF16
+    panels: conveyor.model.linear.held_once). Each tensor's file pages are dropped once it is taken
+    (a packed matrix's a run of rows at a time), so a load peaks near what the model holds."""
     gf = read_gguf(path)
     if "token_embd.weight" not in gf.tensors:
         raise ModelLoadError(f"GGUF file {gf.path} has no token_embd.weight")
@@ -340,22 +338,24 @@ def load_gguf(
     for t in gf.tensors.values():
         name = hf_name(t.name, arch)
         heads = _permuted_heads(t, arch, config)
-        blocks = _blocks(gf, t) if keep_blocks and dtype == torch.float32 else None
+        blocks = _blocks(gf, t) if keep_blocks and dtype == "float32" else None
         if blocks is not None and t.name == "token_embd.weight" and untied:
             weights[name] = blocks  # read by rows only: stays in the file's mapping (Embedding.load)
         else:
             taken = None
             if blocks is not None and heads is not None:  # a row is one output feature's blocks: permute rows alike
-                blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads).contiguous())
+                blocks = QuantizedWeight(blocks.qtype, _unpermute(blocks.blocks, heads))
             elif blocks is not None:
                 taken = rows_dropper(gf.buffer, t.offset, blocks.blocks.shape[1])
             # Packing is one large op a run of rows, worth every thread; dequantising is many small ones.
             packed = pack_blocks(blocks, taken) if blocks is not None else None
             if packed is not None:
                 weights[name] = packed
-            else:
-                with _one_thread():
-                    weights[name] = _dense(gf, t, config, heads).to(dtype)
+            elif dtype == "float32" or len(t.shape) != 2:
+                weights[name] = _dense(gf, t, config, heads)
+            else:  # a matrix of a bf16 model, in its bf16 panels (its fp32 dequantization freed at once)
+                plain, held = held_once(_dense(gf, t, config, heads), dtype)
+                weights[name] = held if held is not None else QuantizedWeight.of_halves(plain, "BF16")  # type: ignore[arg-type]
         _release(gf, t)
     # Then the rest: the header (a 151,936-token vocabulary's strings and merges are ~10 MiB) and the
     # neighbours' pages the kernel mapped along with each tensor's (fault-around), ~60 KiB a tensor.
@@ -363,7 +363,7 @@ def load_gguf(
     return config, weights, tokenizer
 
 
-def _dense(gf: GGUFFile, t: GGUFTensor, config: ModelConfig, heads: int | None) -> torch.Tensor:
+def _dense(gf: GGUFFile, t: GGUFTensor, config: ModelConfig, heads: int | None) -> np.ndarray:
     """The tensor in fp32 with HF's conventions: norms without llama.cpp's offset (as
     transformers' GGUF load keeps them), q/k rows in HF's RoPE order (`heads`: theirs, for llama)."""
     w = dequantize(gf, t)
@@ -378,8 +378,8 @@ def _permuted_heads(t: GGUFTensor, arch: str, config: ModelConfig) -> int | None
     return config.num_heads if ".attn_q." in t.name else config.num_kv_heads
 
 
-def iter_dequantized(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor as an HF-named fp32 tensor, one at a time (export writes each as it comes)."""
+def iter_dequantized(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor as an HF-named fp32 array, one at a time (export writes each as it comes)."""
     gf = read_gguf(path)
     config = gguf_config(gf, Tokenizer.from_gguf(gf.metadata))
     arch = gf.metadata["general.architecture"]

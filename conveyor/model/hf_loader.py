@@ -8,13 +8,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import WeightSource, blocks_kept, pack_blocks
+from conveyor.model.linear import WeightSource, blocks_kept, held_once, pack_blocks
 from conveyor.model.mapped import drop_pages, map_file, rows_dropper
-from conveyor.model.quantized import HALF_DTYPES, QuantizedWeight
+from conveyor.model.quantized import QuantizedWeight, bf16_to_float32
 from conveyor.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -109,15 +109,49 @@ def hf_config(cfg: dict[str, Any], tokenizer: Tokenizer | None, where: Path) -> 
         raise ModelLoadError(f"{where / 'config.json'}: missing or invalid field: {e}") from e
 
 
-# safetensors' dtype names (its format's header) -> torch's
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32,
-                       "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool}
+# safetensors' dtype names (its format's header) -> the numpy dtype its bytes are read as: numpy has
+# no bfloat16 nor 8-bit floats, so those are read as their bits and converted (`_as_float32`)
+_SAFETENSORS_DTYPES: dict[str, np.dtype] = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+                       "BF16": np.dtype(np.uint16), "F8_E4M3": np.dtype(np.uint8), "F8_E5M2": np.dtype(np.uint8),
+                       "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+                       "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+                       "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def _safetensors_index(buffer: mmap.mmap) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]]:
-    """(where the data starts, name -> (dtype, shape, start, end) within the data) from the file's
+def _float8_table(exponent_bits: int, bias: int, finite_only: bool) -> np.ndarray:
+    """The 256 values of an 8-bit float (OCP's E4M3FN: no infinities, S.1111.111 NaN; E5M2: IEEE-like)."""
+    mantissa_bits = 7 - exponent_bits
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = codes & ((1 << mantissa_bits) - 1)
+    normal = (1 + mantissa / (1 << mantissa_bits)) * np.exp2(exponent.astype(np.float64) - bias)
+    subnormal = mantissa / (1 << mantissa_bits) * 2.0 ** (1 - bias)
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    top = (1 << exponent_bits) - 1
+    if finite_only:
+        values[(exponent == top) & (mantissa == (1 << mantissa_bits) - 1)] = np.nan
+    else:
+        values[(exponent == top) & (mantissa == 0)] = sign[(exponent == top) & (mantissa == 0)] * np.inf
+        values[(exponent == top) & (mantissa != 0)] = np.nan
+    return values.astype(np.float32)
+
+
+_FLOAT8 = {"F8_E4M3": _float8_table(4, 7, True), "F8_E5M2": _float8_table(5, 15, False)}
+
+
+def _as_float32(raw: np.ndarray, stored: str) -> np.ndarray:
+    """A floating tensor's values in fp32 (a new array, detached from the file's mapping)."""
+    if stored == "BF16":
+        return bf16_to_float32(raw)
+    if stored in _FLOAT8:
+        return _FLOAT8[stored][raw]
+    return raw.astype(np.float32)
+
+
+def _safetensors_index(buffer: mmap.mmap) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """(where the data starts, name -> (safetensors dtype, shape, start, end) within the data) from the file's
     header: 8 bytes of little-endian length, then that much JSON."""
     if len(buffer) < 8:
         raise ValueError("shorter than a safetensors header")
@@ -136,18 +170,20 @@ def _safetensors_index(buffer: mmap.mmap) -> tuple[int, dict[str, tuple[torch.dt
         begin, end = (int(o) for o in entry["data_offsets"])
         if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{name}: data_offsets {begin}..{end} do not hold {entry['dtype']} {list(shape)}")
-        index[name] = (dtype, shape, begin, end)
+        index[name] = (entry["dtype"], shape, begin, end)
     return data_start, index
 
 
-def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
+def load_hf_weights(folder: Path, config: ModelConfig, dtype: str = "float32",
                     keep_halves: bool = True) -> dict[str, WeightSource]:
-    """The folder's tensors in `dtype`, read through each file's memory map one tensor at a time.
-    With `keep_halves` and fp32, a matrix stored in float16 or bfloat16 stays in those bytes: packed
-    for the kernel (conveyor.model.linear), whose products are the fp32 ones bit for bit (the
-    expansion is exact) at half the memory; an embedding no output head reuses is read by rows only
-    and stays a view of the mapping. Each tensor's file pages are dropped once it is taken, so a load
-    peaks near what the model holds."""
+    """The folder's tensors, read through each file's memory map one tensor at a time: floating ones
+    in fp32, but for matrices kept in 16 bits. With `keep_halves` and fp32, a matrix stored in
+    float16 or bfloat16 stays in those bytes: packed for the kernel (conveyor.model.linear), whose
+    products are the fp32 ones bit for bit (the expansion is exact) at half the memory; an embedding
+    no output head reuses is read by rows only and stays a view of the mapping. With dtype
+    "bfloat16" every matrix is held as bf16 (a bfloat16 one as stored, the others rounded), in BF16
+    panels where the kernel builds, the activations staying fp32. Each tensor's file pages are
+    dropped once it is taken, so a load peaks near what the model holds."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files (pytorch_model.bin is not supported)")
@@ -161,21 +197,30 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
         for name, (stored, shape, begin, end) in index.items():
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # a saved copy of the embedding; the model reuses embed_tokens
-            if begin == end:
-                t = torch.empty(shape, dtype=stored)
-            else:
-                t = torch.frombuffer(buffer, dtype=stored, count=math.prod(shape), offset=data_start + begin).reshape(shape)
-            if keep_halves and dtype == torch.float32 and stored in HALF_DTYPES and t.dim() == 2:
-                held = QuantizedWeight.of_halves(t)
+            raw_dtype = _SAFETENSORS_DTYPES[stored]
+            raw = np.frombuffer(buffer, dtype=raw_dtype, count=math.prod(shape), offset=data_start + begin) \
+                if begin != end else np.empty(0, dtype=raw_dtype)
+            t = raw.reshape(shape)
+            matrix = stored in _FLOATS and t.ndim == 2
+            as_halves = stored in ("F16", "BF16") and matrix and (
+                dtype == "float32" and keep_halves or dtype == "bfloat16" and stored == "BF16")
+            if as_halves:
+                held = QuantizedWeight.of_halves(t, stored)
                 if name == "model.embed_tokens.weight" and not config.tie_word_embeddings and blocks_kept():
                     weights[name] = held  # read by rows only: stays in the file's mapping (Embedding.load)
                     continue
-                taken = rows_dropper(buffer, data_start + begin, shape[1] * stored.itemsize)
+                taken = rows_dropper(buffer, data_start + begin, shape[1] * raw_dtype.itemsize)
                 if (packed := pack_blocks(held, taken)) is not None:
                     weights[name] = packed  # `taken` dropped its pages run by run
                     continue
-            # copy: detach from the mapping, whatever the dtype
-            weights[name] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+            if stored not in _FLOATS:
+                weights[name] = t.copy()  # copy: detach from the mapping
+            elif dtype == "bfloat16" and matrix:  # in its bf16 panels now, the fp32 values freed at once
+                plain, packed = held_once(QuantizedWeight.of_halves(t.copy(), "BF16") if stored == "BF16"
+                                          else _as_float32(t, stored), dtype)
+                weights[name] = packed if packed is not None else QuantizedWeight.of_halves(plain, "BF16")  # type: ignore[arg-type]
+            else:
+                weights[name] = _as_float32(t, stored)
             drop_pages(buffer, data_start + begin, data_start + end)
         drop_pages(buffer, 0, len(buffer))
     required = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -186,7 +231,7 @@ def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype,
     return weights
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype,
+def load_hf_folder(folder: Path, dtype: str = "float32",
                    keep_halves: bool = True) -> tuple[ModelConfig, dict[str, WeightSource], Tokenizer]:
     cfg_path = folder / "config.json"
     try:

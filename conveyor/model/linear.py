@@ -13,12 +13,15 @@ activation_dtype "int8" (the default) products on the same bytes are faster and 
 
 A dense fp32 weight (an fp32 HF folder, a GGUF F32 tensor) lives as fp32 panels
 (kernels/panel_gemm.cpp), which read each weight once as one stream; where that kernel can't be
-built, as oneDNN's blocked layout. Served with dtype bfloat16, a weight is a plain bf16 tensor
-(torch's oneDNN).
+built, as a plain fp32 array that numpy's matmul takes. Served with dtype bfloat16, a matrix is held
+as bf16 (its 16 bits, numpy having no bfloat16) in the BF16 panels of the 16-bit float path above,
+and multiplied by fp32 activations (or bf16-rounded ones, with activation_dtype "int8" on
+AVX512-BF16): activations are fp32 whatever the weights' dtype.
 
 Whether to pack is decided when a weight is loaded (CONVEYOR_PACKED_LINEAR=0 or CONVEYOR_KERNELS=0
 keep plain dense weights: A/B runs, debugging); a weight held only packed then always runs on its
-kernel.
+kernel. Plain weights take the numpy reference products (`reference_product`): fp32 x @ W^T, a
+bf16 weight expanded to fp32 first (dequantize, then multiply).
 """
 from __future__ import annotations
 
@@ -27,17 +30,13 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+import numpy as np
 
 from conveyor.model import kernels
 from conveyor.model.kernels import panel_gemm, quant_gemm
 from conveyor.model.quantized import (HALF_TYPES, INT8_TYPES, KERNEL_QTYPE, KERNEL_UNIT_K, PANEL_UNIT_BYTES,
-                                     QuantizedWeight)
+                                     QuantizedWeight, bf16_bits, bf16_to_float32)
 
-# oneDNN picks its blocked layout for an expected number of rows; decode batches sit around here.
-_ONEDNN_ROWS_HINT = 32
 # With int8 activations, a product on blocks of a type takes the integer kernel (quant_int8.cpp) from
 # this many rows. Measured, the integer kernel is no slower at one row for every type (docs/PERF.md,
 # "Integer products"), so all are 1; that also keeps a row's result independent of its batch (each
@@ -47,13 +46,17 @@ _ONEDNN_ROWS_HINT = 32
 # bf16_dot_matmul); Q2_K and Q3_K keep fp32 activations.
 INT8_FROM_ROWS: dict[str, int] = {qtype: 1 for qtype in INT8_TYPES}
 
+# The weights' dtypes a model is served in (EngineConfig.dtype): "float32" holds every matrix the
+# file does not keep in its own form as fp32 panels, "bfloat16" as BF16 panels (activations fp32).
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class PackedWeight:
-    data: torch.Tensor
+    data: np.ndarray
     out_features: int
-    # "panels": conveyor's fp32 panels; "onednn": oneDNN's blocked layout; a KERNEL_QTYPE key: GGUF
-    # blocks in panels; "parts": row ranges in different block types, each in `parts` (data is empty)
+    # "panels": conveyor's fp32 panels; a KERNEL_QTYPE key: GGUF blocks (or 16-bit floats) in panels;
+    # "parts": row ranges in different block types, each in `parts` (data is empty)
     layout: str
     parts: tuple[PackedWeight, ...] = ()
     # Every weight finite (the screened argmax's bound needs it); known for Q8_0 blocks from their scales.
@@ -62,17 +65,15 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """The bytes a product streams."""
-        return sum(p.nbytes for p in self.parts) if self.parts else self.data.numel() * self.data.element_size()
+        return sum(p.nbytes for p in self.parts) if self.parts else int(self.data.nbytes)
 
     @property
     def in_features(self) -> int:
         if self.parts:
             return self.parts[0].in_features
         if self.layout == "panels":
-            return self.data.shape[1]
-        if self.layout == "onednn":
-            raise ValueError("oneDNN's blocked layout does not say its shape")
-        return self.data.shape[1] * KERNEL_UNIT_K[self.layout]
+            return int(self.data.shape[1])
+        return int(self.data.shape[1]) * KERNEL_UNIT_K[self.layout]
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
@@ -84,24 +85,24 @@ class PackedWeight:
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("the parts of a fused weight must have the same in_features")
         flat = [q for p in parts for q in (p.parts or (p,))]
-        if any(p.layout == "onednn" for p in flat):
-            raise ValueError("oneDNN-packed weights do not concatenate")
         merged: list[PackedWeight] = []
         for p in flat:
             last = merged[-1] if merged else None
             if last is not None and last.layout == p.layout and last.out_features % PANEL == 0:
-                merged[-1] = PackedWeight(torch.cat([last.data, p.data]), last.out_features + p.out_features, p.layout,
+                joined = aligned_empty((last.data.shape[0] + p.data.shape[0], *p.data.shape[1:]), p.data.dtype)
+                np.concatenate([last.data, p.data], out=joined)
+                merged[-1] = PackedWeight(joined, last.out_features + p.out_features, p.layout,
                                           finite=last.finite and p.finite)
             else:
                 merged.append(p)
         if len(merged) == 1:
             return merged[0]
-        return PackedWeight(torch.empty(0, dtype=torch.uint8), sum(p.out_features for p in merged), "parts",
+        return PackedWeight(np.empty(0, dtype=np.uint8), sum(p.out_features for p in merged), "parts",
                             tuple(merged), all(p.finite for p in merged))
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of the weight, in fp32 [len(ids), in_features] (an embedding lookup)."""
-        ids = ids.reshape(-1).to(torch.long)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.layout == "panels":  # [panels, K, 16]: row i is panel i // 16's column i % 16
             return self.data[ids // PANEL, :, ids % PANEL]
         if self.layout in KERNEL_QTYPE:
@@ -110,6 +111,17 @@ class PackedWeight:
 
 
 PANEL = 16  # output columns a panel holds (kernels/panel_tile.h's kPanel)
+CACHE_LINE = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new C-contiguous array whose data starts on a cache line, as the kernels' own outputs (and
+    torch's tensors) do. numpy's start 16 bytes past one: a weight's panels streamed from there
+    split every vector load of the stream across two lines."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def packing_enabled() -> bool:
@@ -143,8 +155,8 @@ def pack_blocks(quantized: QuantizedWeight, taken: Callable[[int, int], None] | 
         return None
     kernel, qtype = _quant_kernel(), KERNEL_QTYPE[quantized.qtype]
     rows, row_bytes = quantized.blocks.shape
-    data = torch.empty(((rows + PANEL - 1) // PANEL, quantized.in_features // KERNEL_UNIT_K[quantized.qtype],
-                        PANEL_UNIT_BYTES[quantized.qtype]), dtype=torch.uint8)
+    data = aligned_empty(((rows + PANEL - 1) // PANEL, quantized.in_features // KERNEL_UNIT_K[quantized.qtype],
+                          PANEL_UNIT_BYTES[quantized.qtype]), np.dtype(np.uint8))
     run = max(PANEL, PACK_RUN_BYTES // max(row_bytes, 1) // PANEL * PANEL)
     finite = True
     for first in range(0, rows, run):
@@ -156,12 +168,12 @@ def pack_blocks(quantized: QuantizedWeight, taken: Callable[[int, int], None] | 
     return PackedWeight(data, rows, quantized.qtype, finite=finite)
 
 
-def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, rows_read: bool = False) -> PackedWeight | None:
-    """The weight laid out for the kernels, or None where packing does not apply (non-fp32
-    weights, neither kernel nor oneDNN available, or packing turned off). `quantized`: the same
-    weight as the checkpoint's blocks, packed as such where the block kernel builds. `rows_read`:
-    rows will be looked up too, which oneDNN's layout does not allow."""
-    if weight.dtype != torch.float32 or not packing_enabled():
+def pack_weight(weight: np.ndarray, quantized: QuantizedWeight | None = None) -> PackedWeight | None:
+    """The fp32 weight laid out for the panel kernel, or None where packing does not apply
+    (non-fp32 weights, the kernel not built, or packing turned off: the weight then stays a plain
+    array). `quantized`: the same weight as the checkpoint's blocks, packed as such where the block
+    kernel builds."""
+    if weight.dtype != np.float32 or not packing_enabled():
         return None
     if quantized is not None:
         if quantized.blocks.shape[0] != weight.shape[0] or quantized.in_features != weight.shape[1]:
@@ -169,21 +181,15 @@ def pack_weight(weight: torch.Tensor, quantized: QuantizedWeight | None = None, 
                              f"its fp32 shape {tuple(weight.shape)}")
         if (packed := pack_blocks(quantized)) is not None:
             return packed
-    weight = weight.detach()
     kernel = panel_gemm()
-    if kernel is not None:
-        return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels",  # type: ignore[attr-defined]
-                            finite=bool(torch.isfinite(weight).all()))
-    if rows_read or not torch.backends.mkldnn.is_available():
+    if kernel is None:
         return None
-    try:
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT), weight.shape[0], "onednn",
-                            finite=bool(torch.isfinite(weight).all()))
-    except (AttributeError, RuntimeError):  # a torch without the op: the plain path still works
-        return None
+    weight = np.ascontiguousarray(weight)
+    return PackedWeight(kernel.pack_panels(weight), weight.shape[0], "panels",  # type: ignore[attr-defined]
+                        finite=bool(np.isfinite(weight).all()))
 
 
-Matmul = Callable[[torch.Tensor, torch.Tensor | None, PackedWeight | None, torch.Tensor | None], torch.Tensor]
+Matmul = Callable[[np.ndarray, "np.ndarray | None", "PackedWeight | None", "np.ndarray | None"], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,18 @@ def _has_bf16_dot(module: object) -> bool:
     return bool(module.bf16_dot())  # type: ignore[attr-defined]
 
 
+def reference_product(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x @ W^T (+ b) in numpy on a plain weight: fp32, or bf16 bits (uint16) expanded to fp32 first
+    (dequantize, then multiply). What a weight runs on where no kernel holds it (CONVEYOR_KERNELS=0,
+    CONVEYOR_PACKED_LINEAR=0, a kernel that failed to build), and what tests compare kernels with."""
+    w = weight if weight.dtype == np.float32 else bf16_to_float32(weight) if weight.dtype == np.uint16 \
+        else weight.astype(np.float32)
+    y = np.matmul(x, w.T)
+    if bias is not None:
+        y += bias
+    return y
+
+
 def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | None = None) -> Matmul:
     """`linear` with its switches (CONVEYOR_PACKED_LINEAR, CONVEYOR_KERNELS) read now: the model
     resolves it once per forward pass, not on each of a step's ~120 products. `activation_dtype`:
@@ -253,9 +271,9 @@ def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | Non
     int8_kernel = int8_matmul_kernel() if activation_dtype == "int8" else None
     tiles = prompt_rows if int8_kernel is not None else None
 
-    def product(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
+    def product(x: np.ndarray, weight: np.ndarray | None, packed: PackedWeight | None,
+                bias: np.ndarray | None = None) -> np.ndarray:
+        if packed is not None and x.dtype == np.float32 and x.ndim == 2:
             # A product takes the rows its PromptRows counts: all of the step's, or one run of the
             # MLP's with its own PromptRows (llama.mlp_row_parts); any other would take the int8
             # kernel for all of its rows.
@@ -269,13 +287,13 @@ def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | Non
                 if y is not None:
                     return y
         if weight is None:
-            raise ValueError(f"a packed weight takes 2-D fp32 input, not {x.dtype} of {x.dim()} dimensions")
-        return F.linear(x, weight, bias)
+            raise ValueError(f"a packed weight takes 2-D fp32 input, not {x.dtype} of {x.ndim} dimensions")
+        return reference_product(x, weight, bias)
     return product
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: np.ndarray, weight: np.ndarray | None, packed: PackedWeight | None,
+           bias: np.ndarray | None = None) -> np.ndarray:
     return matmul_path()(x, weight, packed, bias)
 
 
@@ -285,16 +303,14 @@ def int8_matmul_kernel() -> object | None:
     return kernels.quant_int8()
 
 
-def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: object | None,
+def packed_product(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None, kernel: object | None,
                    quant_kernel: object | None = None, int8_kernel: object | None = None,
-                   prompt_rows: PromptRows | None = None) -> torch.Tensor | None:
+                   prompt_rows: PromptRows | None = None) -> np.ndarray | None:
     """None when the kernel a layout needs (`kernel` from panel_gemm(), `quant_kernel` from
     quant_gemm()) is turned off. `int8_kernel` (int8_matmul_kernel()): products on blocks with at
     least INT8_FROM_ROWS rows quantize x to int8 and multiply in integers, but for `prompt_rows`
     (x's rows that compute prompt tokens), which take its bf16 tiles; products on BF16 and F16
     weights round x (and F16 weights) to bf16 (where the build has AVX512-BF16)."""
-    if packed.layout == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     if packed.layout == "parts":
         outputs, start = [], 0
         for part in packed.parts:  # each column's sum is its own: the parts' products side by side are the whole's
@@ -304,7 +320,7 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
                 return None
             outputs.append(y)
             start += part.out_features
-        return torch.cat(outputs, dim=1)
+        return np.concatenate(outputs, axis=1)
     if packed.layout in KERNEL_QTYPE:
         qtype = KERNEL_QTYPE[packed.layout]
         if packed.layout in HALF_TYPES and int8_kernel is not None and _has_bf16_dot(int8_kernel):
@@ -320,15 +336,15 @@ def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     return None if kernel is None else kernel.panel_matmul(x, packed.data, packed.out_features, bias)  # type: ignore[attr-defined]
 
 
-def _by_origin(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, qtype: int, int8_kernel: object,
-               prompt_rows: PromptRows) -> torch.Tensor:
+def _by_origin(x: np.ndarray, packed: PackedWeight, bias: np.ndarray | None, qtype: int, int8_kernel: object,
+               prompt_rows: PromptRows) -> np.ndarray:
     """x @ W^T with the prompt rows on the bf16 tiles and the others on the int8 kernel."""
     tiles = int8_kernel.bf16_tile_matmul  # type: ignore[attr-defined]
     if prompt_rows.every_row:
         return tiles(x, packed.data, packed.out_features, bias, qtype)
     # Each run of rows is multiplied in place and written into its rows of y: gathering a kind's
     # rows and scattering its result cost a third of a large product again (docs/PERF.md).
-    y = torch.empty(x.shape[0], packed.out_features)
+    y = np.empty((x.shape[0], packed.out_features), dtype=np.float32)
     for kernel, runs in ((tiles, prompt_rows.ranges), (int8_kernel.int8_matmul, prompt_rows.others)):  # type: ignore[attr-defined]
         for start, end in runs:
             kernel(x[start:end], packed.data, packed.out_features, bias, qtype, out=y[start:end])
@@ -348,8 +364,8 @@ SCREEN_ROWS = 32
 HALF_SCREEN_FROM_ROWS = 8
 
 
-def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
-                    column_norms: torch.Tensor | None = None) -> torch.Tensor | None:
+def screened_argmax(x: np.ndarray, packed: PackedWeight | None,
+                    column_norms: np.ndarray | None = None) -> np.ndarray | None:
     """argmax(x @ W^T, -1) of a vocabulary projection on GGUF blocks (or 16-bit floats) without the
     full fp32 product: an approximate pass gives every column a logit and a bound on its distance
     from the fp32 one, and only the columns that can be the maximum are computed exactly, so the
@@ -357,8 +373,8 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
     builds); any layout the int8 kernel reads takes the int8 product and `column_norms`
     (`screen_norms(W)`, None for any other), on AVX2 too; BF16 / F16 the bf16 product (AVX512-BF16). None
     where neither applies (no norms, weights not all finite, CONVEYOR_SCREENED_ARGMAX=0, non-finite
-    x)."""
-    if packed is None or not packed.finite or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
+    x). int64 [rows]."""
+    if packed is None or not packed.finite or x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0:
         return None
     if os.environ.get("CONVEYOR_SCREENED_ARGMAX", "1") == "0":
         return None
@@ -370,23 +386,23 @@ def screened_argmax(x: torch.Tensor, packed: PackedWeight | None,
         return None
     if packed.layout in HALF_TYPES and x.shape[0] < HALF_SCREEN_FROM_ROWS:
         return None
-    if not bool(torch.isfinite(x).all()):
+    if not bool(np.isfinite(x).all()):
         return None
     if screen is not None:
-        tokens = screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES)
+        tokens = np.asarray(screen(x, packed.data, packed.out_features, MAX_SCREENED_CANDIDATES), dtype=np.int64)
     else:
         assert column_norms is not None
-        tokens = torch.cat([_screened_argmax_in_rows(x[first:first + SCREEN_ROWS], packed, column_norms, kernel)
-                            for first in range(0, x.shape[0], SCREEN_ROWS)])
+        tokens = np.concatenate([_screened_argmax_in_rows(x[first:first + SCREEN_ROWS], packed, column_norms, kernel)
+                                 for first in range(0, x.shape[0], SCREEN_ROWS)])
     gave_up = tokens < 0
     if bool(gave_up.any()):
-        full = packed_product(x[gave_up], packed, None, None, kernel)
+        full = packed_product(np.ascontiguousarray(x[gave_up]), packed, None, None, kernel)
         assert full is not None  # the kernel that screened is the one that multiplies
-        tokens[gave_up] = full.argmax(dim=-1)
+        tokens[gave_up] = full.argmax(axis=-1)
     return tokens
 
 
-def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
+def screen_norms(packed: PackedWeight | None) -> np.ndarray | None:
     """Each column's L2 norm (fp32, rounded up): what `screened_argmax` bounds a column's error
     with, for a vocabulary projection in blocks the int8 kernel reads (or 16-bit floats). None where
     that screen does not apply (then the full product runs, or q8_0_argmax): Q8_0, whose fp32
@@ -395,10 +411,11 @@ def screen_norms(packed: PackedWeight | None) -> torch.Tensor | None:
     the bf16 product where the CPU has AVX512-BF16), no int8 build, weights not all finite."""
     if packed is None or not packed.finite or not _screens(packed.layout):
         return None
-    norms = _quant_kernel().column_norms(packed.data, packed.out_features, KERNEL_QTYPE[packed.layout])  # type: ignore[attr-defined]
-    if not bool(torch.isfinite(norms).all()):
+    norms = np.asarray(_quant_kernel().column_norms(packed.data, packed.out_features,  # type: ignore[attr-defined]
+                                                    KERNEL_QTYPE[packed.layout]), dtype=np.float64)
+    if not bool(np.isfinite(norms).all()):
         return None
-    return (norms * (1 + 2.0**-20)).float()  # fp64 -> fp32 rounds to nearest: up by more than that
+    return (norms * (1 + 2.0**-20)).astype(np.float32)  # fp64 -> fp32 rounds to nearest: up by more than that
 
 
 def _screens(layout: str) -> bool:
@@ -416,8 +433,7 @@ def _gamma(n: int) -> float:
     return n * 2.0**-24 / (1 - n * 2.0**-24)
 
 
-def screen_candidates(x: torch.Tensor, packed: PackedWeight,
-                      column_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def screen_candidates(x: np.ndarray, packed: PackedWeight, column_norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(candidates [rows, N] bool, finite [rows] bool): the columns that can hold each row's maximum
     of the fp32 product x @ W^T, and the rows whose approximate logits are all finite (a row with an
     overflowed one says nothing). The approximate product is the one activation_dtype "int8" takes:
@@ -431,12 +447,12 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
     |w_col| (|x| + |e|) (a block's minimum no larger than its largest weight, as quantisers choose
     it); the bound takes 16 times that, and a subnormal product or sum flushed to zero (vdpbf16ps)
     at most 2^-126 each, as a subnormal weight (2^-126 |x_k|). A candidate's upper bound reaches the
-    row's largest lower bound."""
+    row's largest lower bound. The bounds are computed in float64, rounded up to fp32 once."""
     qtype = KERNEL_QTYPE[packed.layout]
     kernel = int8_matmul_kernel()
     rows, k_dim = x.shape
-    xd = x.double()
-    x_norm = xd.norm(dim=-1)
+    xd = x.astype(np.float64)
+    x_norm = np.sqrt(np.einsum("ij,ij->i", xd, xd))
     if packed.layout in HALF_TYPES:
         approx = kernel.bf16_dot_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
         err = x_norm * (2.0**-8 * 1.001) + k_dim**0.5 * 2.0**-126
@@ -444,11 +460,11 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
             err = err + (x_norm + err) * (2.0**-8 * 1.001)
     else:
         approx = kernel.int8_matmul(x, packed.data, packed.out_features, None, qtype)  # type: ignore[attr-defined]
-        group_max = xd.view(rows, k_dim // 32, 32).abs().amax(dim=-1)
-        per_group = torch.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
-        err = per_group.square().sum(dim=-1).mul(32).sqrt() * 1.001  # fp32 scale and x * (127 / max) rounding
+        group_max = np.abs(xd.reshape(rows, k_dim // 32, 32)).max(axis=-1)
+        per_group = np.where(group_max < 1e-30, group_max, group_max / 254)  # the kernel zeroes a tiny group
+        err = np.sqrt(np.square(per_group).sum(axis=-1) * 32) * 1.001  # fp32 scale and x * (127 / max) rounding
     rounding = 16 * (_gamma(k_dim) + _gamma(k_dim // 32 + 8)) * (x_norm + err)
-    scale = ((err + rounding) * (1 + 2.0**-20)).float()
+    scale = ((err + rounding) * (1 + 2.0**-20)).astype(np.float32)
     if packed.layout in HALF_TYPES:
         # bf16's bound is small enough that the largest column norm serves every column: three
         # passes over approx instead of seven (they would cost more than the product saves).
@@ -456,20 +472,21 @@ def screen_candidates(x: torch.Tensor, packed: PackedWeight,
         # weight to zero (at most 2^-126 |x_k| each: sqrt(K) 2^-126 |x| in all) and a subnormal
         # product or sum (2^-126 each).
         widest = float(column_norms.max())
-        slack_rows = (widest * (scale.double() + 2.0**-19 * x_norm) * (1 + 2.0**-20)
-                      + k_dim**0.5 * 2.0**-126 * 1.004 * x_norm + 2 * k_dim * 2.0**-126).float()
-        largest = approx.amax(dim=-1)  # NaN if any logit is: no candidate, the row gives up
+        slack_rows = (widest * (scale.astype(np.float64) + 2.0**-19 * x_norm) * (1 + 2.0**-20)
+                      + k_dim**0.5 * 2.0**-126 * 1.004 * x_norm + 2 * k_dim * 2.0**-126).astype(np.float32)
+        largest = approx.max(axis=-1)  # NaN if any logit is: no candidate, the row gives up
         candidates = approx >= (largest - 2 * slack_rows)[:, None]
-        return candidates, torch.isfinite(largest) & torch.isfinite(approx.amin(dim=-1))
+        return candidates, np.isfinite(largest) & np.isfinite(approx.min(axis=-1))
     bound = column_norms[None, :] * scale[:, None]
-    slack = bound.mul_(1 + 2.0**-20).add_(approx.abs(), alpha=2.0**-20)  # the fp32 rounding of approx +- bound
-    lower_max = (approx - slack).amax(dim=-1)
+    slack = bound * np.float32(1 + 2.0**-20)
+    slack += np.abs(approx) * np.float32(2.0**-20)  # the fp32 rounding of approx +- bound
+    lower_max = (approx - slack).max(axis=-1)
     candidates = (approx + slack) >= lower_max[:, None]  # NaN (an overflowed approx) is never >=: a row gives up
-    return candidates, torch.isfinite(approx.amax(dim=-1)) & torch.isfinite(approx.amin(dim=-1))
+    return candidates, np.isfinite(approx.max(axis=-1)) & np.isfinite(approx.min(axis=-1))
 
 
-def _screened_argmax_in_rows(x: torch.Tensor, packed: PackedWeight, column_norms: torch.Tensor,
-                             quant_kernel: object) -> torch.Tensor:
+def _screened_argmax_in_rows(x: np.ndarray, packed: PackedWeight, column_norms: np.ndarray,
+                             quant_kernel: object) -> np.ndarray:
     """Each row's argmax of the fp32 product, -1 where it has more than MAX_SCREENED_CANDIDATES
     (screen_candidates). The candidates are computed by quant_gemm's own product on just their panels,
     bit for bit the full product's (a column's sum does not depend on its neighbours: isa_check's
@@ -477,125 +494,143 @@ def _screened_argmax_in_rows(x: torch.Tensor, packed: PackedWeight, column_norms
     qtype = KERNEL_QTYPE[packed.layout]
     candidates, finite = screen_candidates(x, packed, column_norms)
     rows = x.shape[0]
-    counts = candidates.sum(dim=-1, dtype=torch.int32)  # (int32: a bool's default int64 sum is slower)
-    tokens = torch.full((rows,), -1, dtype=torch.long)
+    counts = np.count_nonzero(candidates, axis=-1)
+    tokens = np.full(rows, -1, dtype=np.int64)
     screened = (counts > 0) & (counts <= MAX_SCREENED_CANDIDATES) & finite
     if not bool(screened.any()):
         return tokens
     # From the screened rows' candidate indices (a few a row): passes over their [rows, N] mask
     # cost more than the product they save.
-    row_of, column_of = candidates[screened].nonzero(as_tuple=True)
-    panels = torch.unique(column_of // PANEL)
-    exact = quant_kernel.quantized_matmul(x[screened], packed.data.index_select(0, panels),  # type: ignore[attr-defined]
+    row_of, column_of = np.nonzero(candidates[screened])
+    panels = np.unique(column_of // PANEL)
+    exact = quant_kernel.quantized_matmul(np.ascontiguousarray(x[screened]), packed.data[panels],  # type: ignore[attr-defined]
                                           len(panels) * PANEL, None, qtype)
-    columns = (panels[:, None] * PANEL + torch.arange(PANEL)).reshape(-1)
-    mask = torch.zeros_like(exact, dtype=torch.bool)
-    mask[row_of, torch.searchsorted(panels, column_of // PANEL) * PANEL + column_of % PANEL] = True
-    tokens[screened] = columns[exact.masked_fill(~mask, float("-inf")).argmax(dim=-1)]
+    columns = (panels[:, None] * PANEL + np.arange(PANEL)).reshape(-1)
+    mask = np.zeros(exact.shape, dtype=np.bool_)
+    mask[row_of, np.searchsorted(panels, column_of // PANEL) * PANEL + column_of % PANEL] = True
+    tokens[screened] = columns[np.where(mask, exact, np.float32(-np.inf)).argmax(axis=-1)]
     return tokens
 
-WeightSource = torch.Tensor | QuantizedWeight | PackedWeight
+WeightSource = np.ndarray | QuantizedWeight | PackedWeight
 
 
-def held_once(weight: WeightSource, dtype: torch.dtype,
-              rows_read: bool = False) -> tuple[torch.Tensor | None, PackedWeight | None]:
-    """(plain, packed) for a loaded weight, exactly one of them set: blocks already packed stay
+def held_once(weight: WeightSource, dtype: str = "float32") -> tuple[np.ndarray | None, PackedWeight | None]:
+    """(plain, packed) for a loaded matrix, exactly one of them set: blocks already packed stay
     so; raw blocks are packed (or dequantized where the kernel is missing); a dense fp32 weight is
-    packed where a kernel or oneDNN takes it; anything else stays a plain tensor in `dtype`."""
+    packed where the panel kernel takes it. With dtype "bfloat16" a matrix not packed already is
+    rounded to bf16 and held as BF16 panels (its bits, uint16 [out, in], where the kernel can't
+    take it). Anything else stays a plain fp32 array."""
     if isinstance(weight, PackedWeight):
         return None, weight
     if isinstance(weight, QuantizedWeight):
-        packed = pack_blocks(weight) if dtype == torch.float32 else None
+        packed = pack_blocks(weight) if dtype == "float32" or weight.qtype == "BF16" else None
         if packed is not None:
             return None, packed
+        if dtype == "bfloat16" and weight.qtype == "BF16":
+            return weight.halves(), None
         weight = weight.dequantize()
-    weight = weight.to(dtype).contiguous()
-    packed = pack_weight(weight, rows_read=rows_read)
+    if dtype == "bfloat16":
+        bits = bf16_bits(weight)
+        packed = pack_blocks(QuantizedWeight.of_halves(bits, "BF16")) if bits.ndim == 2 else None
+        return (None, packed) if packed is not None else (bits, None)
+    if dtype != "float32":
+        raise ValueError(f"weights are held in one of {WEIGHT_DTYPES}, not {dtype!r}")
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    packed = pack_weight(weight)
     return (None, packed) if packed is not None else (weight, None)
 
 
-class Linear(nn.Module):
+class Linear:
     """y = x W^T (+ b) on a weight held once (`held_once`): packed for a kernel, or plain."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: torch.Tensor | None = None
+        self.weight: np.ndarray | None = None  # plain: fp32, or bf16 bits (uint16)
         self.packed: PackedWeight | None = None
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.bias: np.ndarray | None = np.zeros(out_features, dtype=np.float32) if bias else None
 
-    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32) -> None:
+    def load(self, weight: WeightSource, dtype: str = "float32") -> None:
         plain, packed = held_once(weight, dtype)
         if plain is not None:
             shape = tuple(plain.shape)
         else:
             assert packed is not None
-            shape = (packed.out_features, self.in_features if packed.layout == "onednn" else packed.in_features)
+            shape = (packed.out_features, packed.in_features)
         if shape != (self.out_features, self.in_features):
             raise ValueError(f"a {shape} weight for a {self.out_features} x {self.in_features} projection")
         self.weight, self.packed = plain, packed
 
-    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+    @property
+    def nbytes(self) -> int:
+        """What the weight (and bias) hold."""
+        held = self.packed.nbytes if self.packed is not None else 0
+        held += int(self.weight.nbytes) if self.weight is not None else 0
+        return held + (int(self.bias.nbytes) if self.bias is not None else 0)
+
+    def forward(self, x: np.ndarray, matmul: Matmul | None = None) -> np.ndarray:
         return (matmul or matmul_path())(x, self.weight, self.packed, self.bias)
 
+    __call__ = forward
 
-class Embedding(nn.Module):
+
+class Embedding:
     """Token embedding on a weight held once: rows dequantized from blocks or read from panels
-    (the same weight a tied output head multiplies by), or a plain table. An untied embedding in
-    GGUF blocks is only ever read by rows, so it keeps the checkpoint's own blocks (`blocks`, a view
-    of the memory-mapped file when loaded from one): only the pages of rows looked up become
-    resident, as under llama.cpp's mmap, instead of a packed copy of the whole vocabulary."""
+    (the same weight a tied output head multiplies by), or a plain table (fp32, or bf16 bits). An
+    untied embedding in GGUF blocks is only ever read by rows, so it keeps the checkpoint's own
+    blocks (`blocks`, a view of the memory-mapped file when loaded from one): only the pages of rows
+    looked up become resident, as under llama.cpp's mmap, instead of a packed copy of the whole
+    vocabulary. Rows come out in fp32."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight: torch.Tensor | None = None
+        self.weight: np.ndarray | None = None
         self.packed: PackedWeight | None = None
         self.blocks: QuantizedWeight | None = None
 
-    def load(self, weight: WeightSource, dtype: torch.dtype = torch.float32, rows_only: bool = False) -> None:
+    def load(self, weight: WeightSource, dtype: str = "float32", rows_only: bool = False) -> None:
         """`rows_only`: no output head multiplies by this weight (the checkpoint has its own)."""
-        if (rows_only and isinstance(weight, QuantizedWeight) and dtype == torch.float32 and blocks_kept()
-                and weight.kernel_reads()):
+        if (rows_only and isinstance(weight, QuantizedWeight) and (dtype == "float32" or weight.qtype == "BF16")
+                and blocks_kept() and weight.kernel_reads()):
             if weight.blocks.shape[0] != self.num_embeddings or weight.in_features != self.embedding_dim:
                 raise ValueError(f"{weight.qtype} blocks of {weight.blocks.shape[0]} x {weight.in_features} weights "
                                  f"for a {self.num_embeddings} x {self.embedding_dim} embedding")
             self.weight, self.packed, self.blocks = None, None, weight
             return
-        self.weight, self.packed = held_once(weight, dtype, rows_read=True)
+        self.weight, self.packed = held_once(weight, dtype)
         self.blocks = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32 if self.weight is None else self.weight.dtype
 
     @property
     def nbytes(self) -> int:
         """What the weight holds at most (blocks left in a file's mapping: once every row is read)."""
         if self.blocks is not None:
-            return self.blocks.blocks.numel()
+            return int(self.blocks.blocks.nbytes)
         if self.packed is not None:
             return self.packed.nbytes
         assert self.weight is not None
-        return self.weight.numel() * self.weight.element_size()
+        return int(self.weight.nbytes)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
         if self.blocks is not None:
-            return block_rows(self.blocks, ids).view(*ids.shape, self.embedding_dim)
+            return block_rows(self.blocks, ids).reshape(*ids.shape, self.embedding_dim)
         if self.weight is not None:
-            return F.embedding(ids, self.weight)
+            rows = self.weight[ids.reshape(-1)]
+            rows = bf16_to_float32(rows) if rows.dtype == np.uint16 else rows
+            return rows.reshape(*ids.shape, self.embedding_dim)
         assert self.packed is not None
-        return self.packed.rows(ids).view(*ids.shape, self.embedding_dim)
+        return self.packed.rows(ids).reshape(*ids.shape, self.embedding_dim)
+
+    __call__ = forward
 
 
-def block_rows(quantized: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+def block_rows(quantized: QuantizedWeight, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of a weight in the checkpoint's row-major blocks, in fp32 [len(ids), in_features]:
     just those rows' bytes are copied out, laid into panels and expanded by the kernel that expands
     packed weights, so the values are the ones a packed copy would give, bit for bit."""
-    ids = ids.reshape(-1).to(torch.long)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     rows = quantized.blocks.shape[0]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise IndexError(f"row ids must be in [0, {rows}): got {int(ids.min())} .. {int(ids.max())}")
     kernel, qtype = _quant_kernel(), KERNEL_QTYPE[quantized.qtype]
-    panels = kernel.pack_quantized(quantized.blocks.index_select(0, ids), qtype)  # type: ignore[attr-defined]
-    return kernel.dequantize_rows(panels, ids.numel(), torch.arange(ids.numel()), qtype)  # type: ignore[attr-defined]
+    panels = kernel.pack_quantized(quantized.blocks[ids], qtype)  # type: ignore[attr-defined]
+    return kernel.dequantize_rows(panels, ids.size, np.arange(ids.size, dtype=np.int64), qtype)  # type: ignore[attr-defined]

@@ -4,28 +4,35 @@ The batch mixes prefill chunks of some requests with single decode tokens of oth
 knows nothing of requests, only of tokens, positions and the attention metadata the runner built.
 Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels per layer. Gemma 3 is this
 decoder with the switches of ModelConfig on (see conveyor.model.config).
+
+Plain classes over numpy arrays: the weights as conveyor.model.linear holds them, norms and biases
+fp32, activations fp32 whatever dtype the weights are served in, the KV cache float16 or float32.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from collections.abc import Iterator
+
+import numpy as np
 
 from conveyor.model.attention import AttentionMetadata, attend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
-from conveyor.model.linear import (Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource, matmul_path,
-                                   screen_norms, screened_argmax)
+from conveyor.model.linear import (WEIGHT_DTYPES, Embedding, Linear, Matmul, PackedWeight, PromptRows, WeightSource,
+                                   matmul_path, screen_norms, screened_argmax)
 from conveyor.model import memory
 from conveyor.model.memory import return_freed_memory
 from conveyor.model.ops import LayerOps, layer_ops
 from conveyor.model.rope import inverse_frequencies, rope_at
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[np.ndarray, np.ndarray]
 
 
-class DecoderLayer(nn.Module):
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+class DecoderLayer:
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
-        super().__init__()
         self.cfg = cfg
         self.window = cfg.window(index)  # None: full attention
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -33,22 +40,31 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_norm = nn.Parameter(torch.ones(cfg.hidden_size))  # before the MLP
-        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.input_norm = _ones(cfg.hidden_size)
+        self.post_attention_norm = _ones(cfg.hidden_size)  # before the MLP
+        self.q_norm = _ones(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _ones(cfg.head_dim) if cfg.qk_norm else None
         # Gemma: on the attention's and the MLP's outputs, before each joins the residual.
-        self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
-        self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.attn_out_norm = _ones(cfg.hidden_size) if cfg.sandwich_norms else None
+        self.mlp_out_norm = _ones(cfg.hidden_size) if cfg.sandwich_norms else None
         self.scale = cfg.attention_scale
         if cfg.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
 
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
+
+    def vectors(self) -> list[np.ndarray]:
+        """The layer's norms and biases."""
+        held = [self.input_norm, self.post_attention_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                self.mlp_out_norm, self.qkv.bias]
+        return [v for v in held if v is not None]
+
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+        self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache, meta: AttentionMetadata,
         ops: LayerOps, matmul: Matmul, mlp_parts: list[tuple[int, int, Matmul]],
         decode_kernel: PagedDecodeKernel | None, prefill_kernel: PagedPrefillKernel | None = None,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """Updates the residual stream x in place and returns it. `ops`, `matmul` and the attention
         kernels are resolved once per forward pass (the env switches are not read per op);
         `mlp_parts`: the MLP's runs of rows [start, end) with their products (mlp_row_parts)."""
@@ -62,7 +78,7 @@ class DecoderLayer(nn.Module):
         del qkv
         attn = attend(q, k, v, kv[0], kv[1], meta, self.scale, decode_kernel, self.window, prefill_kernel)
         del q, k, v
-        attn_out = self.o_proj.forward(attn.view(x.shape[0], -1), matmul)
+        attn_out = self.o_proj.forward(attn.reshape(x.shape[0], -1), matmul)
         del attn
         if self.attn_out_norm is not None:
             attn_out = ops.rms_norm(attn_out, self.attn_out_norm, eps)
@@ -77,20 +93,23 @@ class DecoderLayer(nn.Module):
             del act
             if self.mlp_out_norm is not None:
                 mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
-            (x if whole else x[start:end]).add_(mlp_out)
+            (x if whole else x[start:end])[...] += mlp_out
             del mlp_out
         return x
 
+    __call__ = forward
 
-class LlamaModel(nn.Module):
+
+class LlamaModel:
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+        self.norm = _ones(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.dtype = torch.float32
+        # What the matrices are held in ("float32" or "bfloat16": conveyor.model.linear.held_once);
+        # activations, norms and biases are fp32 either way.
+        self.dtype = "float32"
         # "int8" or "float32": the activations products on GGUF blocks (and 16-bit float weights) take
         # (conveyor.model.linear)
         self.activation_dtype = "float32"
@@ -99,67 +118,80 @@ class LlamaModel(nn.Module):
         self.prompt_tiles = False
         self.max_positions = max_positions or cfg.max_position_embeddings
         # The head's column norms where greedy's screened argmax needs them (linear.screen_norms).
-        self.head_norms: torch.Tensor | None = None
+        self.head_norms: np.ndarray | None = None
         self._build_rope()
 
     def _build_rope(self) -> None:
-        # Plain fp32 tensors, not buffers: they must stay fp32 through .to(bf16).
         cfg = self.cfg
         self.rope_inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # Gemma's sliding-window layers rotate with their own base (and no scaling).
-        self.rope_local_inv_freq: torch.Tensor | None = None
+        self.rope_local_inv_freq: np.ndarray | None = None
         if cfg.rope_local_theta is not None and any(layer.window is not None for layer in self.layers):
             self.rope_local_inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta, None)
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, WeightSource], dtype: torch.dtype, max_positions: int | None = None,
+        cls, cfg: ModelConfig, weights: dict[str, WeightSource], dtype: str = "float32", max_positions: int | None = None,
         consume: bool = False,
     ) -> "LlamaModel":
-        """`weights`: HF names -> dense tensors, raw blocks or packed blocks (conveyor.model.linear):
-        each is held once, in the form that serves it. `consume`: the caller hands the dict over and
-        each weight leaves it as it is taken, so no weight is held twice (unfused and fused) while
-        the model is built."""
+        """`weights`: HF names -> dense arrays, raw blocks or packed blocks (conveyor.model.linear):
+        each is held once, in the form that serves it. `dtype` ("float32" or "bfloat16"): what
+        matrices not kept in the file's own form are held in. `consume`: the caller hands the dict
+        over and each weight leaves it as it is taken, so no weight is held twice (unfused and
+        fused) while the model is built."""
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"a model's weights are held in one of {WEIGHT_DTYPES}, not {dtype!r}")
         # The projections and the embedding hold nothing until loaded: only norms and biases are
         # made here, overwritten below.
-        model = cls(cfg, max_positions).to(dtype)
+        model = cls(cfg, max_positions)
         model.dtype = dtype
         model.load_weights(weights if consume else dict(weights))
-        return model.eval()
+        return model
 
-    @torch.inference_mode()
+    def modules(self) -> Iterator[Linear | Embedding]:
+        """Every projection and the embedding, each once (a tied head is the embedding)."""
+        yield self.embed
+        for layer in self.layers:
+            yield from layer.linears()
+        if self.lm_head is not None:
+            yield self.lm_head
+
+    def vectors(self) -> list[np.ndarray]:
+        """Every norm and bias."""
+        return [self.norm, *(v for layer in self.layers for v in layer.vectors())]
+
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+        logits_indices: np.ndarray,
+    ) -> np.ndarray:
         """Returns fp32 logits [len(logits_indices), vocab] for the rows that sample a token."""
         return self.logits(self.sampling_hidden(input_ids, positions, meta, kv_caches, logits_indices))
 
-    @torch.inference_mode()
+    __call__ = forward
+
     def sampling_hidden(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """The final-normed hidden states of the rows that sample a token: what the vocabulary
+        logits_indices: np.ndarray,
+    ) -> np.ndarray:
+        """The final-normed hidden states (fp32) of the rows that sample a token: what the vocabulary
         projection takes."""
-        x = self.embed(input_ids).to(self.dtype)
-        if self.cfg.scale_embeddings:  # the scale rounded to the weights' dtype first, as HF's Gemma does
-            x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)
-        cos, sin = (t.to(x.dtype) for t in rope_at(self.rope_inv_freq, positions))
-        local = None if self.rope_local_inv_freq is None else tuple(
-            t.to(x.dtype) for t in rope_at(self.rope_local_inv_freq, positions))
+        x = self.embed(input_ids)
+        if self.cfg.scale_embeddings:  # HF's Gemma scales by sqrt(hidden) in the activations' dtype: fp32
+            x = x * np.float32(self.cfg.hidden_size**0.5)
+        cos, sin = rope_at(self.rope_inv_freq, positions)
+        local = None if self.rope_local_inv_freq is None else rope_at(self.rope_local_inv_freq, positions)
         prompt_rows = PromptRows.of(meta.prompt_rows, x.shape[0]) if self.prompt_tiles else None
-        ops, matmul = layer_ops(x.dtype), matmul_path(self.activation_dtype, prompt_rows)
-        decode_kernel = paged_decode_kernel() if x.dtype == torch.float32 else None
-        prefill_kernel = paged_prefill_kernel() if x.dtype == torch.float32 and meta.prefills else None
+        ops, matmul = layer_ops(), matmul_path(self.activation_dtype, prompt_rows)
+        decode_kernel = paged_decode_kernel()
+        prefill_kernel = paged_prefill_kernel() if meta.prefills else None
         mlp_parts = mlp_row_parts(x.shape[0], matmul, self.activation_dtype, prompt_rows)
         for layer, kv in zip(self.layers, kv_caches):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
@@ -168,10 +200,12 @@ class LlamaModel(nn.Module):
             x = layer.forward(x, layer_cos, layer_sin, kv, layer_meta, ops, matmul, mlp_parts, decode_kernel,
                               prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
-        return ops.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        rows = np.ascontiguousarray(x[np.asarray(logits_indices, dtype=np.int64)])
+        if rows.shape[0] == 0:  # no row samples (a chunk mid-prompt): numpy's empty arrays have no row stride to pass
+            return np.empty((0, self.cfg.hidden_size), dtype=np.float32)
+        return ops.rms_norm(rows, self.norm, self.cfg.rms_norm_eps)
 
-    @torch.inference_mode()
-    def logits(self, h: torch.Tensor, sampled: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, h: np.ndarray, sampled: np.ndarray | None = None) -> np.ndarray:
         """fp32 logits of h's rows. The rows `sampled` marks (a bool a row: its request draws its
         token at a temperature) take the head's product in activation_dtype, as every other layer
         does (int8 by default: on a head in blocks about half the time of fp32 activations, and the
@@ -183,20 +217,20 @@ class LlamaModel(nn.Module):
         head = self.head
         exact = matmul_path("float32")
         if sampled is None or self.activation_dtype == "float32" or not bool(sampled.any()):
-            logits = exact(h, head.weight, head.packed, None).float()
+            logits = exact(h, head.weight, head.packed, None)
         elif bool(sampled.all()):
-            logits = matmul_path(self.activation_dtype)(h, head.weight, head.packed, None).float()
+            logits = matmul_path(self.activation_dtype)(h, head.weight, head.packed, None)
         else:
-            fast = matmul_path(self.activation_dtype)(h[sampled], head.weight, head.packed, None).float()
-            logits = torch.empty(h.shape[0], fast.shape[1], dtype=torch.float32)
+            fast = matmul_path(self.activation_dtype)(np.ascontiguousarray(h[sampled]), head.weight, head.packed, None)
+            logits = np.empty((h.shape[0], fast.shape[1]), dtype=np.float32)
             logits[sampled] = fast
-            logits[~sampled] = exact(h[~sampled], head.weight, head.packed, None).float()
+            logits[~sampled] = exact(np.ascontiguousarray(h[~sampled]), head.weight, head.packed, None)
+        logits = logits.astype(np.float32, copy=False)
         if (cap := self.cfg.final_logit_softcapping) is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return logits
 
-    @torch.inference_mode()
-    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
+    def greedy_tokens(self, h: np.ndarray) -> np.ndarray | None:
         """argmax(self.logits(h), -1) without the full vocabulary projection where the head's
         blocks allow it (conveyor.model.linear.screened_argmax), else None. A logit cap is monotone
         but can round distinct logits to one value, which moves a tie's first index: not there."""
@@ -211,61 +245,67 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: dict[str, WeightSource]) -> None:
         """Takes HF-named weights (see from_weights), emptying `weights`; fuses q/k/v and gate/up as
-        this module stores them."""
-        own = dict(self.named_parameters())
-        modules = dict(self.named_modules())
+        this model stores them."""
         dtype = self.dtype
 
         def take(name: str) -> WeightSource:
             return weights.pop(name)
 
-        def dense(name: str) -> torch.Tensor:
+        def dense(name: str) -> np.ndarray:
             w = take(name)
-            if not isinstance(w, torch.Tensor):
-                raise ValueError(f"{name} must be a dense tensor")
+            if not isinstance(w, np.ndarray):
+                raise ValueError(f"{name} must be a dense array")
             return w
 
-        def put_linear(linear: str, names: list[str]) -> None:
-            parts = [take(n) for n in names]
-            modules[linear].load(fuse(parts) if len(parts) > 1 else parts[0], dtype)
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            own[name].data = tensor.to(own[name].dtype).contiguous()
-
-        def put_norm(name: str, tensor: torch.Tensor) -> None:
+        def vector(name: str, like: np.ndarray, offset: float = 0.0) -> np.ndarray:
+            w = np.asarray(dense(name), dtype=np.float32)
+            if w.shape != like.shape:
+                raise ValueError(f"{name} of shape {w.shape} where {like.shape} is expected")
             # Gemma's norms scale by 1 + weight: added once here, in fp32 as HF's Gemma3RMSNorm does.
-            offset = self.cfg.norm_weight_offset
-            put(name, tensor.float() + offset if offset else tensor)
+            return np.ascontiguousarray(w + np.float32(offset) if offset else w)
 
+        def put_linear(linear: Linear, names: list[str]) -> None:
+            parts = [take(n) for n in names]
+            linear.load(fuse(parts) if len(parts) > 1 else parts[0], dtype)
+
+        offset = self.cfg.norm_weight_offset
         self.embed.load(take("model.embed_tokens.weight"), dtype, rows_only=self.lm_head is not None)
-        put_norm("norm", dense("model.norm.weight"))
+        self.norm = vector("model.norm.weight", self.norm, offset)
         if self.lm_head is not None:
             self.lm_head.load(take("lm_head.weight"), dtype)
         self.head_norms = screen_norms(self.head.packed)
-        for i in range(self.cfg.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for i, layer in enumerate(self.layers):
+            src = f"model.layers.{i}."
             attn = src + "self_attn."
-            put_linear(dst + "qkv", [f"{attn}{p}_proj.weight" for p in "qkv"])
+            put_linear(layer.qkv, [f"{attn}{p}_proj.weight" for p in "qkv"])
             if self.cfg.attention_bias:
-                put(dst + "qkv.bias", torch.cat([dense(f"{attn}{p}_proj.bias") for p in "qkv"]))
-            put_linear(dst + "o_proj", [attn + "o_proj.weight"])
+                assert layer.qkv.bias is not None
+                bias = np.concatenate([np.asarray(dense(f"{attn}{p}_proj.bias"), dtype=np.float32) for p in "qkv"])
+                if bias.shape != layer.qkv.bias.shape:
+                    raise ValueError(f"q/k/v biases of {bias.shape[0]} values for a {layer.qkv.out_features}-wide projection")
+                layer.qkv.bias = bias
+            put_linear(layer.o_proj, [attn + "o_proj.weight"])
             mlp = src + "mlp."
-            put_linear(dst + "gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-            put_linear(dst + "down", [mlp + "down_proj.weight"])
+            put_linear(layer.gate_up, [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            put_linear(layer.down, [mlp + "down_proj.weight"])
             # The fused projections' parts were freed beside the layers still to come, and below
             # glibc's mapping threshold they stay in the heap until trimmed: a load would peak a few
             # layers' parts above what the model then holds.
             return_freed_memory()
-            put_norm(dst + "input_norm", dense(src + "input_layernorm.weight"))
+            layer.input_norm = vector(src + "input_layernorm.weight", layer.input_norm, offset)
             if self.cfg.sandwich_norms:  # HF's post_attention_layernorm is then the attention output's norm
-                put_norm(dst + "attn_out_norm", dense(src + "post_attention_layernorm.weight"))
-                put_norm(dst + "post_attention_norm", dense(src + "pre_feedforward_layernorm.weight"))
-                put_norm(dst + "mlp_out_norm", dense(src + "post_feedforward_layernorm.weight"))
+                assert layer.attn_out_norm is not None and layer.mlp_out_norm is not None
+                layer.attn_out_norm = vector(src + "post_attention_layernorm.weight", layer.attn_out_norm, offset)
+                layer.post_attention_norm = vector(src + "pre_feedforward_layernorm.weight", layer.post_attention_norm,
+                                                   offset)
+                layer.mlp_out_norm = vector(src + "post_feedforward_layernorm.weight", layer.mlp_out_norm, offset)
             else:
-                put_norm(dst + "post_attention_norm", dense(src + "post_attention_layernorm.weight"))
+                layer.post_attention_norm = vector(src + "post_attention_layernorm.weight", layer.post_attention_norm,
+                                                   offset)
             if self.cfg.qk_norm:
-                put_norm(dst + "q_norm", dense(attn + "q_norm.weight"))
-                put_norm(dst + "k_norm", dense(attn + "k_norm.weight"))
+                assert layer.q_norm is not None and layer.k_norm is not None
+                layer.q_norm = vector(attn + "q_norm.weight", layer.q_norm, offset)
+                layer.k_norm = vector(attn + "k_norm.weight", layer.k_norm, offset)
 
 
 def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
@@ -273,10 +313,10 @@ def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
     """A step's rows in runs of at most memory.MLP_ROWS, each with its product (`matmul` where one
     run takes them all). Every MLP op is row-local, and on conveyor's kernels (blocks, fp32 panels,
     int8 activations, 16-bit weights times bf16 activations, the bf16 tiles a prompt row takes in
-    any run) a row's product does not depend
-    on the rows beside it (linear.INT8_FROM_ROWS), so a run's rows get the bits they would in one
-    product of all. torch's own products (F.linear, oneDNN: the kernels off, --dtype bfloat16) may
-    split their work by the row count, as they do under chunked prefill."""
+    any run) a row's product does not depend on the rows beside it (linear.INT8_FROM_ROWS), so a
+    run's rows get the bits they would in one product of all. numpy's own products (the reference
+    path: the kernels off or not built) may split their work by the row count, as they do under
+    chunked prefill."""
     run = memory.MLP_ROWS
     if num_rows <= run:
         return [(0, num_rows, matmul)]
@@ -288,26 +328,25 @@ def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
 
 def fuse(parts: list[WeightSource]) -> WeightSource:
     """Row-wise concatenation of a fused projection's weights (q/k/v, gate/up): packed blocks join
-    as packed (conveyor.model.linear.PackedWeight.cat); where any part is dense, all are made dense."""
+    as packed (conveyor.model.linear.PackedWeight.cat); where any part is dense, all are made dense
+    (fp32)."""
     packed = [p for p in parts if isinstance(p, PackedWeight)]
     if len(packed) == len(parts):
         return PackedWeight.cat(packed)
 
-    def dense(p: WeightSource) -> torch.Tensor:
+    def dense(p: WeightSource) -> np.ndarray:
         if isinstance(p, PackedWeight):
-            return p.rows(torch.arange(p.out_features))
-        return p if isinstance(p, torch.Tensor) else p.dequantize()
-    tensors = [dense(p) for p in parts]
-    return torch.cat([t.to(tensors[0].dtype) for t in tensors])
+            return p.rows(np.arange(p.out_features))
+        return np.asarray(p, dtype=np.float32) if isinstance(p, np.ndarray) else p.dequantize()
+    return np.concatenate([dense(p) for p in parts])
 
 
-def model_bytes(model: nn.Module) -> int:
-    """What the model's weights hold: packed weights, plain tensors and parameters, each once."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+def model_bytes(model: LlamaModel) -> int:
+    """What the model's weights hold: packed weights, plain arrays, norms and biases, each once."""
+    total = sum(int(v.nbytes) for v in model.vectors())
     for module in model.modules():
         if isinstance(module, Embedding):
             total += module.nbytes
-        elif isinstance(module, Linear):
-            total += module.packed.nbytes if module.packed is not None else 0
-            total += module.weight.numel() * module.weight.element_size() if module.weight is not None else 0
+        else:
+            total += module.nbytes - (int(module.bias.nbytes) if module.bias is not None else 0)
     return total

@@ -10,8 +10,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from conveyor.errors import ModelLoadError
 from conveyor.model.config import ModelConfig
 from conveyor.model.facts import ModelFacts
@@ -170,11 +168,12 @@ def load_tokenizer(name_or_path: str | None = None) -> Tokenizer:
     return Tokenizer.from_hf_folder(path)
 
 
-def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+def load_checkpoint(name_or_path: str | None = None, dtype: str = "float32",
                     keep_blocks: bool = True) -> LoadedCheckpoint:
-    """`keep_blocks`: matrices stay in the form the checkpoint stores them (GGUF blocks, an HF
+    """`dtype` ("float32" or "bfloat16"): what matrices not kept in the file's form are held in.
+    `keep_blocks`: matrices stay in the form the checkpoint stores them (GGUF blocks, an HF
     folder's float16 / bfloat16), packed for the kernel (fp32 only); False converts every weight to
-    `dtype` (reference tests, export, the dense A/B path)."""
+    fp32 numpy arrays (reference tests, export, the dense A/B path), or with "bfloat16" to bf16."""
     path = resolve_model_path(name_or_path)
     if path.is_file():
         config, weights, tokenizer = load_gguf(path, dtype, keep_blocks)
@@ -183,14 +182,21 @@ def load_checkpoint(name_or_path: str | None = None, dtype: torch.dtype = torch.
     return LoadedCheckpoint(config=config, weights=dict(dense), tokenizer=tokenizer, source=str(path))
 
 
-def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -> int:
+def dtype_bytes(dtype: str) -> int:
+    """The bytes of a weight held in `dtype` ("float32" or "bfloat16")."""
+    return 2 if dtype == "bfloat16" else 4
+
+
+def checkpoint_bytes(path: Path, dtype: str, keep_blocks: bool = True) -> int:
     """What the weights of a resolved checkpoint will hold once loaded, read off its header (GGUF)
-    or its files' sizes (an HF folder), before anything is loaded."""
+    or its files' sizes (an HF folder), before anything is loaded. A "bfloat16" model's vectors are
+    counted at 2 bytes too (they are fp32: a few KiB)."""
+    itemsize = dtype_bytes(dtype)
     if path.is_file():
         gf = read_gguf(path, with_arrays=False)
         try:
-            return sum(packed_bytes(t.qtype.name, t.nbytes) if keep_blocks and dtype == torch.float32
-                       and kernel_keeps(t.qtype.name, t.shape) else math.prod(t.shape) * dtype.itemsize
+            return sum(packed_bytes(t.qtype.name, t.nbytes) if keep_blocks and dtype == "float32"
+                       and kernel_keeps(t.qtype.name, t.shape) else math.prod(t.shape) * itemsize
                        for t in gf.tensors.values())
         finally:
             gf.buffer.close()
@@ -203,9 +209,9 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, keep_blocks: bool = True) -
         return stored  # the load itself says what is wrong with it
     stored_dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     stored_size = 4 if stored_dtype == "float32" else 2
-    if keep_blocks and dtype == torch.float32 and stored_size == 2:
+    if keep_blocks and dtype == "float32" and stored_size == 2:
         return stored  # matrices stay in their 16-bit floats (only the norms, a few KiB, become fp32)
-    return stored * dtype.itemsize // stored_size
+    return stored * itemsize // stored_size
 
 
 def describe_model(path: Path, config: ModelConfig) -> ModelFacts:

@@ -10,8 +10,8 @@ from typing import Callable
 
 
 def map_file(path: str | Path) -> mmap.mmap:
-    """The whole file, mapped copy-on-write: tensors can be viewed in place (torch.frombuffer wants a
-    writable buffer) and nothing is ever written back to the file."""
+    """The whole file, mapped copy-on-write: tensors can be viewed in place (np.frombuffer then
+    gives arrays the kernels may take as writable) and nothing is ever written back to the file."""
     with open(path, "rb") as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 

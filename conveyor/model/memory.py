@@ -37,8 +37,21 @@ def _libc() -> ctypes.CDLL | None:
     return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
+def no_huge_pages_from_numpy() -> None:
+    """numpy advises transparent huge pages on its arrays of 4 MiB and up (where the kernel's THP
+    setting is "madvise"): the heap's blocks would then be faulted in, kept and handed back 2 MiB at
+    a time, and a block partly written counted whole. Turned off, so the allocator policy here works
+    in the pages it was measured in (docs/PERF.md, "Memory"), as it did under torch's allocator."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]
+    except ImportError:  # a numpy without the switch
+        return
+    _set_madvise_hugepage(False)
+
+
 def keep_large_allocations_returnable() -> None:
     """Call before a load: large blocks freed while it runs go back to the system (glibc only)."""
+    no_huge_pages_from_numpy()
     if (libc := _libc()) is not None:
         libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
         libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)

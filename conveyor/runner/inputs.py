@@ -1,4 +1,4 @@
-"""Turns a scheduler decision into the flat tensors one forward pass needs.
+"""Turns a scheduler decision into the flat arrays one forward pass needs (int64 numpy arrays).
 
 Row order: single-token rows (decodes) first, so attention can take them in one batched call,
 then multi-token prefill chunks. Logits rows follow the scheduler's order of sampling requests.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from conveyor.kv import blocks_for
 from conveyor.model.attention import AttentionMetadata, PrefillChunk
@@ -22,12 +22,12 @@ from conveyor.scheduler import SchedulerOutput
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: np.ndarray
+    positions: np.ndarray
     meta: AttentionMetadata
     # The rows of each sampling request, in out.sampling_requests() order (one, or 1 + its
     # speculative tokens: sampling_rows), then the prompt rows below.
-    logits_indices: torch.Tensor
+    logits_indices: np.ndarray
     # Requests asking for prompt logprobs: (request, first position, count) of each one's run of
     # rows that follows the sampling rows in logits_indices; the row at position p scores the
     # prompt token at p + 1. Only positions whose logprobs the request does not have yet.
@@ -45,6 +45,10 @@ class ModelInputs:
     @property
     def num_sampling_rows(self) -> int:
         return len(self.logits_indices) - sum(n for _, _, n in self.prompt_logprob_rows) - self.num_pooled_rows
+
+
+def _int64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
@@ -106,7 +110,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     for request, n in prefills:
         start = request.num_computed_tokens
         table = out.block_tables[request.request_id]
-        chunks.append(PrefillChunk(len(input_ids), n, start, torch.tensor(table[: blocks_for(start + n, bs)])))
+        chunks.append(PrefillChunk(len(input_ids), n, start, _int64(table[: blocks_for(start + n, bs)])))
         first_row[request.request_id] = len(input_ids)
         add_prompt_rows(len(input_ids), start, n, request.num_prompt_tokens)
         input_ids.extend(request.token_slice(start, start + n))
@@ -116,17 +120,18 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
         if windowed:
             window = out.window_tables[request.request_id]
             window_chunks.append(PrefillChunk(chunks[-1].token_start, n, start,
-                                              torch.tensor(window[: blocks_for(start + n, bs)])))
+                                              _int64(window[: blocks_for(start + n, bs)])))
             window_slots.extend(window[p // bs] * bs + p % bs for p in range(start, start + n))
 
     width = max((blocks_for(c, bs) for c in context_lens), default=0)
-    decode_context_lens = torch.tensor(context_lens) if decodes else None
+    decode_context_lens = _int64(context_lens) if decodes else None
 
     def metadata(slots: list[int], tables: list[list[int]], chunks: list[PrefillChunk],
                  window_group: AttentionMetadata | None = None) -> AttentionMetadata:
         """One KV pool's view of the step: its slots and its block tables, padded with block 0."""
-        padded = torch.tensor([t[:width] + [0] * (width - min(len(t), width)) for t in tables]) if decodes else None
-        return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=len(context_lens),
+        padded = np.array([t[:width] + [0] * (width - min(len(t), width)) for t in tables],
+                          dtype=np.int64).reshape(len(tables), width) if decodes else None
+        return AttentionMetadata(slot_mapping=_int64(slots), num_decode_tokens=len(context_lens),
                                  decode_block_tables=padded, decode_context_lens=decode_context_lens, prefills=chunks,
                                  prompt_rows=tuple(prompt_rows), window_group=window_group)
 
@@ -163,10 +168,10 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
             pooled_rows.append((request, end - start))
     window_group = metadata(window_slots, window_decode_tables, window_chunks) if windowed else None
     return ModelInputs(
-        input_ids=torch.tensor(input_ids),
-        positions=torch.tensor(positions),
+        input_ids=_int64(input_ids),
+        positions=_int64(positions),
         meta=metadata(slots, decode_tables, chunks, window_group),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        logits_indices=_int64(logits_rows),
         prompt_logprob_rows=logprob_rows,
         sampling_rows=sampling_rows,
         pooled_rows=pooled_rows,

@@ -1,4 +1,4 @@
-"""ModelRunner: the only stage that touches tensors. Owns the model, the KV tensors, the sampler."""
+"""ModelRunner: the only stage that touches arrays. Owns the model, the KV arrays, the sampler."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +8,7 @@ import mmap
 import time
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from conveyor.config import EngineConfig, SchedulerConfig, parse_memory
 from conveyor.errors import ConfigError, ConveyorError, ModelLoadError
@@ -22,6 +22,7 @@ from conveyor.model.loader import checkpoint_bytes, describe_model, load_checkpo
 from conveyor.model.memory import (available_memory, keep_large_allocations_returnable, return_freed_memory,
                                    reuse_freed_memory, step_working_set_bytes)
 from conveyor.model.ops import layer_ops
+from conveyor.model.threads import default_num_threads, set_num_threads
 from conveyor.model.tokenizer import Tokenizer, token_piece
 from conveyor.request import Request
 from conveyor.runner.inputs import build_inputs
@@ -33,18 +34,21 @@ from conveyor.sampling.sampler import Sampler
 from conveyor.structured.spec import TokenMasks
 from conveyor.scheduler import SchedulerOutput
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # what a model's matrices are held in (EngineConfig.dtype)
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """EngineConfig.kv_cache_dtype as a torch dtype ("auto": float16 for an fp32 model)."""
+def kv_cache_dtype(name: str, model_dtype: str = "float32") -> np.dtype:
+    """EngineConfig.kv_cache_dtype as a numpy dtype ("auto": float16, as llama.cpp's default cache).
+    A bfloat16 model's "auto" is float16 too: its activations, and so the keys and values written,
+    are fp32 (conveyor.model.linear), and the attention kernels read float16 or float32."""
+    del model_dtype  # the same for both: activations are fp32 whatever the weights are held in
     if name == "auto":
-        return torch.float16 if model_dtype == torch.float32 else model_dtype
-    return {"float16": torch.float16, "float32": torch.float32}[name]
+        return np.dtype(np.float16)
+    return np.dtype({"float16": np.float16, "float32": np.float32}[name])
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: np.dtype, layers: int | None = None) -> int:
     """A block's bytes in `layers` layers (None: all of them)."""
     per_layer = cfg.kv_bytes_per_token // cfg.num_layers
     return block_size * per_layer * (cfg.num_layers if layers is None else layers) * dtype.itemsize
@@ -77,7 +81,7 @@ def window_layers(cfg: ModelConfig) -> int:
     return sum(1 for layer in range(cfg.num_layers) if cfg.window(layer) is not None)
 
 
-def kv_pools(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[int, SlidingWindow | None]:
+def kv_pools(cfg: ModelConfig, config: EngineConfig, dtype: np.dtype) -> tuple[int, SlidingWindow | None]:
     """(blocks of the main pool, the sliding-window layers' pool or None). Sliding-window layers
     (Gemma 3's local ones) only ever read a request's last `window` tokens, so they get a pool of
     their own sized for what the running requests can see (split_kv_memory), and the rest of the
@@ -92,7 +96,7 @@ def kv_pools(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tupl
                            parse_memory(config.kv_cache_memory), config.num_kv_blocks)
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: np.dtype | type,
                       window_blocks: int | None = None) -> list[KVCache]:
     """A layer's (keys, values); a sliding-window layer's has window_blocks blocks where given."""
     def blocks(layer: int) -> int:
@@ -102,22 +106,23 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return [(zeros_mapped_on_use(shape, dtype), zeros_mapped_on_use(shape, dtype)) for shape in shapes]
 
 
-def zeros_mapped_on_use(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_mapped_on_use(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     """Zeros in an anonymous mapping of their own, whose pages the OS maps (zeroed) as they are first
     written: a KV pool then holds the memory of the blocks requests have used, not all of it from the
-    start (torch.zeros writes every page), and a start does not wait for the whole pool to be zeroed.
-    The memory check before a load still counts the whole pool; the OS charges it as it is written.
-    Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN."""
+    start (a filled array writes every page), and a start does not wait for the whole pool to be
+    zeroed. The memory check before a load still counts the whole pool; the OS charges it as it is
+    written. Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN is NaN."""
+    dtype = np.dtype(dtype)
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
+        return np.zeros(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:  # where transparent huge pages are "always", one write would map 2 MiB: hundreds of blocks
         area.madvise(mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError):  # no such advice here (another OS, or a kernel without THP)
         pass
-    return torch.frombuffer(area, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
+    return np.frombuffer(area, dtype=dtype, count=count).reshape(shape)  # the array keeps the mapping
 
 
 def infill_vocabulary(tokenizer: Tokenizer | None) -> InfillVocabulary | None:
@@ -135,7 +140,7 @@ class LoadedModel:
     facts: ModelFacts | None = None  # what the file is (None: weights built in memory)
 
 
-# What a serving process holds beyond its weights and KV pool: torch and the server's libraries, the
+# What a serving process holds beyond its weights and KV pool: the server's libraries, the
 # tokenizer, a step's activations and logits (measured: docs/PERF.md, "Memory").
 RUNTIME_MARGIN_BYTES = 512 * 2**20
 
@@ -151,7 +156,9 @@ def check_fits(what: str, needed: int, hint: str) -> None:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    dtype, keep_blocks = DTYPES[config.dtype], not config.dequantize_weights
+    dtype, keep_blocks = config.dtype, not config.dequantize_weights
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     path = resolve_model_path(config.model)
     weight_bytes = checkpoint_bytes(path, dtype, keep_blocks)
     # The KV pool is allocated after the weights; where its size is given in bytes, both are checked now.
@@ -201,17 +208,18 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         activation_dtype: str | None = None,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: np.dtype | type | None = None,
         prompt_bf16_tiles: bool = False,
         kv_window: SlidingWindow | None = None,
     ) -> None:
-        """`kv_window`: the sliding-window layers' own KV pool (kv_pools), None: theirs is the main pool."""
+        """`kv_dtype`: the KV cache's (float16 or float32; None: float32, the activations' own).
+        `kv_window`: the sliding-window layers' own KV pool (kv_pools), None: theirs is the main pool."""
         self.model = model
         # Engines may share one loaded model (tests, benchmarks): each runs its own activation dtype,
         # set on the model at every step (None: the model's own).
         self.activation_dtype = activation_dtype or model.activation_dtype
         # EngineConfig.prompt_bf16_tiles, where the tiles run (set on the model at every step, as above)
-        self.prompt_bf16_tiles = prompt_bf16_tiles and model.dtype == torch.float32 and bf16_tiles_available()
+        self.prompt_bf16_tiles = prompt_bf16_tiles and model.dtype == "float32" and bf16_tiles_available()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         self.model_facts: ModelFacts | None = None  # set by from_config, from the file loaded
@@ -221,15 +229,17 @@ class ModelRunner:
         # The freed memory steps keep for the next (from_config sets it); larger prompt logits are
         # handed back after their step. None: nothing is kept beyond glibc's defaults.
         self.keep_free_bytes: int | None = None
-        dtype = next(model.parameters()).dtype
         self.kv_window = kv_window  # the engine's KV manager gives these layers tables of their own
-        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size, kv_dtype or dtype,
+        self.kv_caches = allocate_kv_cache(model.cfg, num_kv_blocks, block_size,
+                                           np.float32 if kv_dtype is None else kv_dtype,
                                            kv_window.num_blocks if kv_window is not None else None)
         self._window_layers = frozenset(layer for layer in range(model.cfg.num_layers)
                                         if kv_window is not None and model.cfg.window(layer) is not None)
         self.sampler = Sampler(seed, tokenizer.eos_token_ids if tokenizer is not None else (),
-                               argmax=layer_ops(torch.float32).argmax_rows, infill=infill_vocabulary(tokenizer))
-        build_kernels(dtype)  # build (or load) every C++ kernel the model runs now, not inside a request
+                               argmax=layer_ops().argmax_rows, infill=infill_vocabulary(tokenizer))
+        # build (or load) every C++ kernel the model runs now, not inside a request; activations are
+        # fp32 whatever the weights are held in, so the fused ops and attention kernels are always run
+        build_kernels(fp32=True)
 
     @property
     def prompt_rows_apart(self) -> bool:
@@ -241,8 +251,8 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: "LoadedModel | None" = None) -> "ModelRunner":
         """Builds the runner; `loaded` lets several engines share one set of weights (tests, benchmarks)."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # the kernels' OpenMP threads and numpy's BLAS (model/threads.py)
+        set_num_threads(config.num_threads or default_num_threads())
         loaded = loaded or load_model(config)
         cfg = loaded.model.cfg
         max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -250,7 +260,7 @@ class ModelRunner:
             raise ConfigError(
                 f"max_model_len {max_model_len} exceeds the model's context length {loaded.model.max_positions}"
             )
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         num_blocks, window = kv_pools(cfg, config, kv_dtype)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} holds less than one KV block")
@@ -262,7 +272,7 @@ class ModelRunner:
         check_fits(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens)", main_bytes + window_bytes,
                    "lower it with --kv-cache-memory (or --num-kv-blocks)")
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB%s", num_blocks, config.block_size,
-                    str(kv_dtype).removeprefix("torch."), (main_bytes + window_bytes) / 2**20,
+                    kv_dtype.name, (main_bytes + window_bytes) / 2**20,
                     f" ({sliding} sliding-window layers of {cfg.sliding_window} tokens in a pool of their own: "
                     f"{window.num_blocks} blocks, {window_bytes / 2**20:.0f} MiB)" if window else "")
         runner = cls(loaded.model, loaded.tokenizer, num_blocks, config.block_size, max_model_len, config.seed,
@@ -277,7 +287,6 @@ class ModelRunner:
         reuse_freed_memory(runner.keep_free_bytes)
         return runner
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         self._copy_blocks(out.block_copies, out.window_block_copies)
@@ -302,17 +311,18 @@ class ModelRunner:
             # Greedy tokens and nothing else: the argmax may skip most of the vocabulary projection.
             tokens = self.model.greedy_tokens(h)
             if tokens is not None:
+                tokens = tokens.tolist()
                 t2 = time.perf_counter()
                 stats.prepare_s, stats.model_s, stats.sample_s = t1 - t0, t2 - t1, 0.0
                 if not speculating:
-                    return SamplerOutput(tokens.tolist(), pooled=pooled)
-                chosen, accepted = verify_rows(tokens.tolist(), [r.spec_token_ids for r in requests])
+                    return SamplerOutput(tokens, pooled=pooled)
+                chosen, accepted = verify_rows(tokens, [r.spec_token_ids for r in requests])
                 return SamplerOutput(chosen, num_accepted=accepted, pooled=pooled)
         # Rows that draw at a temperature take the head in the activation dtype; greedy rows and
         # prompt logprobs stay exact (LlamaModel.logits).
         row_requests = [r for r in requests for _ in range(1 + len(r.spec_token_ids))] if speculating else requests
-        sampled_rows = torch.tensor([not r.sampling_params.greedy for r in row_requests]
-                                    + [False] * (h.shape[0] - num_sampling), dtype=torch.bool)
+        sampled_rows = np.array([not r.sampling_params.greedy for r in row_requests]
+                                + [False] * (h.shape[0] - num_sampling), dtype=np.bool_)
         logits = self.model.logits(h, sampled_rows)
         t2 = time.perf_counter()
         masked_rows: list[int] = []
@@ -336,15 +346,15 @@ class ModelRunner:
         return sampled
 
     @staticmethod
-    def _pooled(h: torch.Tensor, rows: list[tuple[Request, int]]) -> dict[str, tuple[list[float], int]]:
+    def _pooled(h: np.ndarray, rows: list[tuple[Request, int]]) -> dict[str, tuple[list[float], int]]:
         sums = {}
         at = 0
         for request, count in rows:
-            sums[request.request_id] = (h[at: at + count].to(torch.float64).sum(0).tolist(), count)
+            sums[request.request_id] = (h[at: at + count].astype(np.float64).sum(axis=0).tolist(), count)
             at += count
         return sums
 
-    def _prompt_logprobs(self, logits: torch.Tensor, rows: list) -> dict[str, list[dict[int, float]]]:
+    def _prompt_logprobs(self, logits: np.ndarray, rows: list) -> dict[str, list[dict[int, float]]]:
         result, at = {}, 0
         for request, start, count in rows:
             targets = request.prompt_token_ids[start + 1 : start + 1 + count]
@@ -365,7 +375,7 @@ class ModelRunner:
         if not copies and not window_copies:
             return
         # (sources, destinations) of each pool, built once for all of its layers
-        main, window = ((torch.tensor([s for s, _ in pairs]), torch.tensor([d for _, d in pairs]))
+        main, window = ((np.array([s for s, _ in pairs], dtype=np.int64), np.array([d for _, d in pairs], dtype=np.int64))
                         for pairs in (copies, window_copies))
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
             src, dst = window if layer in self._window_layers else main
@@ -380,21 +390,24 @@ class ModelRunner:
         return ([layer for layer in layers if layer not in self._window_layers],
                 [layer for layer in layers if layer in self._window_layers])
 
-    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> torch.Tensor:
+    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> np.ndarray:
         """[len(layers), 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy: those
         layers' blocks, each layer's from its own pool (kv_layer_groups)."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        return torch.stack([torch.stack((self.kv_caches[layer][0][index], self.kv_caches[layer][1][index]))
-                            for layer in layers])
+        index = np.array(block_ids, dtype=np.int64)
+        if not layers:
+            shape = self.kv_caches[0][0].shape[1:] if self.kv_caches else ()
+            return np.empty((0, 2, len(block_ids), *shape), dtype=self.kv_caches[0][0].dtype if self.kv_caches else np.float32)
+        return np.stack([np.stack((self.kv_caches[layer][0][index], self.kv_caches[layer][1][index]))
+                         for layer in layers])
 
-    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: torch.Tensor) -> None:
+    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: np.ndarray) -> None:
         """What read_kv_layers gave, into these blocks of those layers' pools; a sliding-window
         layer writes none of NULL_BLOCK's (out of sight)."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        index = np.array(block_ids, dtype=np.int64)
         for row, layer in enumerate(layers):
             k_cache, v_cache = self.kv_caches[layer]
-            rows = torch.arange(len(block_ids))
+            rows = np.arange(len(block_ids))
             if layer in self._window_layers:
                 rows = rows[index != NULL_BLOCK]
-            k_cache[index[rows]] = data[row, 0, rows].to(k_cache.dtype)
-            v_cache[index[rows]] = data[row, 1, rows].to(v_cache.dtype)
+            k_cache[index[rows]] = data[row, 0, rows].astype(k_cache.dtype, copy=False)
+            v_cache[index[rows]] = data[row, 1, rows].astype(v_cache.dtype, copy=False)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
     from conveyor.sampling.sampler import Sampler
 
@@ -21,12 +21,12 @@ class KVTransferRunner(Protocol):
         """(layers whose KV is in the main pool, sliding-window layers with a pool of their own)."""
         ...
 
-    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> torch.Tensor:
+    def read_kv_layers(self, layers: list[int], block_ids: list[int]) -> np.ndarray:
         """[len(layers), 2 (k, v), len(block_ids), block_size, kv_heads, head_dim], a copy; each
         layer's blocks from its own pool."""
         ...
 
-    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: torch.Tensor) -> None: ...
+    def write_kv_layers(self, layers: list[int], block_ids: list[int], data: np.ndarray) -> None: ...
 
 
 def kv_transfer(runner: object) -> KVTransferRunner:

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+import numpy as np
 
+from conveyor.sampling.arrays import log_totals, softmax64, top_window
 from conveyor.sampling.params import GREEDY_TEMPERATURE_EPS
 
 # A row's candidates start from this many of its best tokens and widen eightfold while a cut runs
@@ -40,22 +41,14 @@ class InfillVocabulary:
     piece: Callable[[int], bytes]
 
 
-def log_totals(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's log of its total softmax mass, in float64: exponentials in float32 but summed in
-    float64, since a flat row's total is a sum of a hundred thousand terms that a draw in its tail
-    reads to a few parts in a billion (float32's logsumexp is off by a part in ten million)."""
-    top = logits.amax(dim=-1, keepdim=True)
-    return (logits - top).exp_().double().sum(dim=-1).log_() + top.squeeze(-1).double()
-
-
 @dataclass(frozen=True)
 class Window:
     """A row's best logits (best first) with their token ids, and the log of the row's total
     softmax mass: what a chain's first window needs, found for a batch's rows in one call each
     (first_windows)."""
 
-    values: torch.Tensor
-    ids: torch.Tensor
+    values: np.ndarray
+    ids: np.ndarray
     log_total: float | None  # None: not found (cuts_first_by_top_k)
 
 
@@ -77,15 +70,15 @@ def cuts_first_by_top_k(chain: tuple[str, ...], top_k: int, size: int) -> bool:
             and set(chain[:chain.index("top_k")]) <= {"min_p", "temperature"})
 
 
-def first_windows(logits: torch.Tensor, widths: list[int], totals_wanted: list[bool]) -> list[Window]:
+def first_windows(logits: np.ndarray, widths: list[int], totals_wanted: list[bool]) -> list[Window]:
     """Each row's Window of its width, with its total where `totals_wanted` says. Rows of one width
-    take one topk together: a row's window, tied logits' order included, is then what its own
-    topk gives, whatever its batch-mates ask."""
+    take one top_window together; a row's window, tied logits' order included, is that of a stable
+    sort of its own row, whatever its batch-mates ask."""
     windows: list[Window | None] = [None] * logits.shape[0]
     for width in sorted(set(widths)):
         rows = [i for i, w in enumerate(widths) if w == width]
         group = logits if len(rows) == logits.shape[0] else logits[rows]  # a copy only of some rows
-        values, ids = group.topk(min(width, logits.shape[-1]), dim=-1)
+        values, ids = top_window(group, width)
         wanted = [j for j, i in enumerate(rows) if totals_wanted[i]]
         found = log_totals(group if len(wanted) == len(rows) else group[wanted]).tolist() if wanted else []
         totals: list[float | None] = [None] * len(rows)
@@ -96,15 +89,15 @@ def first_windows(logits: torch.Tensor, widths: list[int], totals_wanted: list[b
     return [w for w in windows if w is not None]
 
 
-def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
+def draw_by_chain(row: np.ndarray, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
                   temperature: float, uniform: float, vocabulary: InfillVocabulary | None,
                   width: int | None = None, window: Window | None = None) -> int:
     """One row's token: `chain`'s steps in order on the row's logits (after the logit adjustments),
     then a draw of `uniform` over the softmax of what is left, likeliest first. The steps run on
     the row's `width` best tokens (first_width's by default; `window`: those already found, as
     many or more), and on eight times as many while a step's cut or the draw runs past them: the
-    token a full sort of the row gives, but for rounding at a cut's edge and the order of tied
-    logits (topk's, not sort's)."""
+    token a full sort of the row gives, but for rounding at a cut's edge (tied logits in
+    top_window's order: by token id)."""
     size = row.shape[-1]
     k = kept_by_top_k(top_k, size)
     width = first_width(chain, top_k, size) if width is None else min(size, width)
@@ -115,7 +108,7 @@ def draw_by_chain(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: 
         width = min(size, max(width * 8, wider))
 
 
-def _chain_on_window(row: torch.Tensor, chain: tuple[str, ...], k: int, top_p: float, min_p: float,
+def _chain_on_window(row: np.ndarray, chain: tuple[str, ...], k: int, top_p: float, min_p: float,
                      temperature: float, uniform: float, vocabulary: InfillVocabulary | None,
                      width: int, window: Window | None = None) -> tuple[int | None, int]:
     """draw_by_chain on the row's `width` best tokens: (the token, 0), or (None, the width the
@@ -124,49 +117,51 @@ def _chain_on_window(row: torch.Tensor, chain: tuple[str, ...], k: int, top_p: f
     the window being their best; a step normalising over them reads the row for the total."""
     size = row.shape[-1]
     whole = width >= size
-    if window is not None and window.values.numel() >= width:
+    if window is not None and window.values.size >= width:
         values, ids = window.values[:width], window.ids[:width]
     else:
-        values, ids = row.sort(descending=True) if whole else row.topk(width)
-    alive: torch.Tensor | None = None  # None: all of the row
+        found = top_window(row[None, :], width)
+        values, ids = found[0][0], found[1][0]
+    alive: np.ndarray | None = None  # None: all of the row
     divisors: list[float] = []  # the temperatures applied so far, in order
 
-    def row_now() -> torch.Tensor:
+    def row_now() -> np.ndarray:
         scaled = row
         for divisor in divisors:
             scaled = scaled / divisor
         return scaled
 
-    def probabilities() -> torch.Tensor:
+    def probabilities() -> np.ndarray:
         """The window's probabilities among the tokens in play, in float64: a cumulative sum over
         a hundred thousand float32 terms would move a draw in a flat row's tail."""
         if whole:
-            return torch.softmax(values.double(), dim=0)
+            return softmax64(values)
         if window is not None and window.log_total is not None and alive is None and not divisors:
             log_total = window.log_total
         else:
             scaled = row_now()
             log_total = float(log_totals(scaled if alive is None else scaled[alive]))
-        return (values.double() - log_total).exp()
+        with np.errstate(invalid="ignore"):
+            return np.exp(values.astype(np.float64) - log_total)
 
     def in_play() -> int:
         return size if alive is None else int(alive.sum())
 
     for step in chain:
         if step == "top_k" and k < size:
-            if not whole and k > values.numel():
+            if not whole and k > values.size:
                 return None, k
             values, ids, whole = values[:k], ids[:k], True
         elif step == "top_p" and top_p < 1.0:
             probs = probabilities()
-            keep = max(1, int(((probs.cumsum(0) - probs) < top_p).sum()))  # through the one reaching top_p
-            if not whole and keep >= values.numel():  # the nucleus may run past the window
+            keep = max(1, int(((np.cumsum(probs) - probs) < top_p).sum()))  # through the one reaching top_p
+            if not whole and keep >= values.size:  # the nucleus may run past the window
                 return None, 0
             values, ids, whole = values[:keep], ids[:keep], True
         elif step == "min_p" and min_p > 0.0:
             floor = values[0] + math.log(min_p)
             keep = max(1, int((values >= floor).sum()))
-            if whole or keep < values.numel():
+            if whole or keep < values.size:
                 values, ids, whole = values[:keep], ids[:keep], True
             else:  # every token of the window stays: of the row, those at the floor or above do
                 above = row_now() >= floor
@@ -183,23 +178,24 @@ def _chain_on_window(row: torch.Tensor, chain: tuple[str, ...], k: int, top_p: f
             if not whole:  # judges on every candidate in play
                 return None, in_play()
             values, ids = infill_step(values, ids, vocabulary)
-    if values.numel() == 1:
+    if values.size == 1:
         return int(ids[0]), 0
-    cdf = probabilities().cumsum(0)
+    cdf = np.cumsum(probabilities())
     target = uniform * float(cdf[-1]) if whole else uniform
     if not whole and target >= float(cdf[-1]):  # the draw lands past the window
         return None, 0
-    position = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)))
-    return int(ids[min(position, values.numel() - 1)]), 0
+    # The first token whose cumulative mass exceeds the target: one of zero mass never is.
+    position = int(np.searchsorted(cdf, target, side="right"))
+    return int(ids[min(position, values.size - 1)]), 0
 
 
-def infill_step(values: torch.Tensor, ids: torch.Tensor, vocabulary: InfillVocabulary) -> tuple[torch.Tensor, torch.Tensor]:
+def infill_step(values: np.ndarray, ids: np.ndarray, vocabulary: InfillVocabulary) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's infill sampler on candidates sorted likeliest first: the kept ones, with their
     own logits and in their order."""
-    all_probs = torch.softmax(values.double(), dim=0)
-    ending = torch.tensor([t in vocabulary.end_ids for t in ids.tolist()], dtype=torch.bool)
+    all_probs = softmax64(values)
+    ending = np.array([t in vocabulary.end_ids for t in ids.tolist()], dtype=np.bool_)
     p_end, p_text = float(all_probs[ending].sum()), float(all_probs[~ending].sum())
-    if 3 * p_end * values.numel() > p_text:  # ending is likely enough: only the end tokens stay
+    if 3 * p_end * values.size > p_text:  # ending is likely enough: only the end tokens stay
         return values[ending], ids[ending]
     values, ids = values[:INFILL_MOST_CANDIDATES], ids[:INFILL_MOST_CANDIDATES]
     probs = all_probs[:INFILL_MOST_CANDIDATES].tolist()
@@ -221,8 +217,8 @@ def infill_step(values: torch.Tensor, ids: torch.Tensor, vocabulary: InfillVocab
     kept = [i for i in range(len(tokens)) if alive[i] and (probs[i] >= _INFILL_FIRST_THRESHOLD or is_end[i])]
     texts = sum(1 for i in kept if not is_end[i])
     if texts == 0:  # nothing of the text stands out: end here
-        return torch.ones(1, dtype=values.dtype), torch.tensor([vocabulary.end_id], dtype=ids.dtype)
+        return np.ones(1, dtype=values.dtype), np.array([vocabulary.end_id], dtype=ids.dtype)
     total = sum(probs[i] for i in kept)
     threshold = 1.0 / (texts + 1)
-    kept = [i for i in kept if probs[i] / total >= threshold or is_end[i]]
-    return values[kept], ids[kept]
+    index = np.array([i for i in kept if probs[i] / total >= threshold or is_end[i]], dtype=np.intp)
+    return values[index], ids[index]

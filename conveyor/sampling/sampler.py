@@ -1,27 +1,31 @@
-"""Vectorised sampling: logit adjustments (allowed tokens, bad words, min_tokens, logit_bias,
-penalties), greedy, temperature, min-p, top-k, top-p and per-request seeds, over the [rows, vocab]
-logits of a step. Nothing sorts a whole row: top-k and top-p keep candidates found by `topk`, and
-penalties touch only the tokens a request has seen.
+"""Vectorised sampling on numpy: logit adjustments (allowed tokens, bad words, min_tokens,
+logit_bias, penalties), greedy, temperature, min-p, top-k, top-p and per-request seeds, over the
+fp32 [rows, vocab] logits of a step. Nothing sorts a whole row: top-k and top-p keep candidates
+found by `top_window` (conveyor/sampling/arrays.py), and penalties touch only the tokens a request
+has seen.
 
 Each sampled row draws one uniform number and inverts its CDF. The number comes from the
-request's own generator when it has a seed, so its draws do not depend on its batch-mates.
-Rows that use no adjustment pay nothing for them: each adjustment builds its tensors only for
-the rows that ask for it.
+request's own generator (numpy's PCG64) when it has a seed, so its draws do not depend on its
+batch-mates. Rows that use no adjustment pay nothing for them: each adjustment builds its arrays
+only for the rows that ask for it.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
 from collections import Counter
-from typing import Callable, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
-import torch
+import numpy as np
 
 from conveyor.request import Request
+from conveyor.sampling.arrays import log_normalizers, log_totals, top_window, whole_row_draw
 from conveyor.sampling.chain import (FIRST_CANDIDATE_WIDTH, InfillVocabulary, cuts_first_by_top_k, draw_by_chain,
                                      first_width, first_windows, kept_by_top_k)
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.outputs import SamplerOutput, TokenLogprobs, verify_rows
+
+NEG_INF = float("-inf")
 
 
 def _holds_back_stops(request: Request) -> bool:
@@ -46,7 +50,7 @@ def adjusts_logits(request: Request) -> bool:
             or bool(p.bad_words_token_ids))
 
 
-def _mask(logits: torch.Tensor, cells: dict[int, Sequence[int]]) -> None:
+def _mask(logits: np.ndarray, cells: dict[int, Sequence[int]]) -> None:
     """Set logits[row, token] to -inf for each row's tokens (those inside the vocabulary)."""
     vocab = logits.shape[-1]
     rows: list[int] = []
@@ -56,24 +60,24 @@ def _mask(logits: torch.Tensor, cells: dict[int, Sequence[int]]) -> None:
         rows += [row] * len(ids)
         cols += ids
     if rows:
-        logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = float("-inf")
+        logits[np.array(rows, dtype=np.intp), np.array(cols, dtype=np.intp)] = NEG_INF
 
 
-def _outside(request: Request, vocab: int, masks: MutableMapping[Request, torch.Tensor] | None) -> torch.Tensor:
+def _outside(request: Request, vocab: int, masks: MutableMapping[Request, np.ndarray] | None) -> np.ndarray:
     """[vocab] bool, True where a token is not in the request's allowed_token_ids: made once per
     request when `masks` keeps it (a long list must not cost every step of everyone's batch)."""
     mask = masks.get(request) if masks is not None else None
     if mask is None or mask.shape[0] != vocab:
         ids = [t for t in request.sampling_params.allowed_token_ids or () if t < vocab]
-        mask = torch.ones(vocab, dtype=torch.bool)
-        mask[torch.tensor(ids, dtype=torch.long)] = False
+        mask = np.ones(vocab, dtype=np.bool_)
+        mask[np.array(ids, dtype=np.intp)] = False
         if masks is not None:
             masks[request] = mask
     return mask
 
 
-def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = (),
-                  allowed_masks: MutableMapping[Request, torch.Tensor] | None = None) -> torch.Tensor:
+def adjust_logits(logits: np.ndarray, requests: Sequence[Request], eos_token_ids: Sequence[int] = (),
+                  allowed_masks: MutableMapping[Request, np.ndarray] | None = None) -> np.ndarray:
     """allowed_token_ids, bad words, min_tokens, logit_bias, repetition/frequency/presence
     penalties, before temperature (vLLM's order). Returns `logits` itself when no request adjusts
     anything, else an adjusted copy, so the caller's logits stay the model's own (logprobs are
@@ -84,11 +88,10 @@ def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_i
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    logits = logits.clone()
+    logits = np.array(logits, order="C")  # a copy: each row is then a view that masks write through
     vocab = logits.shape[-1]
-    if allowed:
-        outside = torch.stack([_outside(requests[i], vocab, allowed_masks) for i in allowed])
-        logits[allowed] = logits[allowed].masked_fill(outside, float("-inf"))
+    for i in allowed:
+        np.putmask(logits[i], _outside(requests[i], vocab, allowed_masks), NEG_INF)
     _mask(logits, {i: _banned_by_bad_words(r) for i, r in enumerate(requests) if params[i].bad_words_token_ids})
     # EOS and stop tokens may not end the request before min_tokens.
     _mask(logits, {i: list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
@@ -102,14 +105,14 @@ def adjust_logits(logits: torch.Tensor, requests: Sequence[Request], eos_token_i
             bias_rows += [i] * len(bias)
             bias_cols += bias.keys()
             values += bias.values()
-        logits.index_put_((torch.tensor(bias_rows, dtype=torch.long), torch.tensor(bias_cols, dtype=torch.long)),
-                          torch.tensor(values, dtype=logits.dtype), accumulate=True)
+        # No cell twice (a row's biases are a dict's): += adds each once, in the logits' dtype.
+        logits[np.array(bias_rows, dtype=np.intp), np.array(bias_cols, dtype=np.intp)] += np.array(values, dtype=logits.dtype)
     if penalized:
         _penalize_(logits, {i: requests[i] for i in penalized})
     return logits
 
 
-def _penalize_(logits: torch.Tensor, rows: dict[int, Request]) -> None:
+def _penalize_(logits: np.ndarray, rows: dict[int, Request]) -> None:
     """Applies each row's penalties in place. A penalty changes only tokens its request has seen,
     so only those cells are read and written, not the vocabulary."""
     vocab = logits.shape[-1]
@@ -133,12 +136,13 @@ def _penalize_(logits: torch.Tensor, rows: dict[int, Request]) -> None:
         presence += [p.presence_penalty] * len(seen)
     if not cell_rows:
         return
-    cells = (torch.tensor(cell_rows, dtype=torch.long), torch.tensor(cell_tokens, dtype=torch.long))
+    dtype = logits.dtype
+    cells = (np.array(cell_rows, dtype=np.intp), np.array(cell_tokens, dtype=np.intp))
     values = logits[cells]
-    factor = torch.tensor(repetition)
-    values = torch.where(values > 0, values / factor, values * factor)
-    count = torch.tensor(counts, dtype=logits.dtype)
-    logits[cells] = values - torch.tensor(frequency) * count - torch.tensor(presence) * (count > 0)
+    factor = np.array(repetition, dtype=dtype)
+    values = np.where(values > 0, values / factor, values * factor)
+    count = np.array(counts, dtype=dtype)
+    logits[cells] = values - np.array(frequency, dtype=dtype) * count - np.array(presence, dtype=dtype) * (count > 0)
 
 
 def _masks_tokens(request: Request) -> bool:
@@ -147,112 +151,177 @@ def _masks_tokens(request: Request) -> bool:
     return p.allowed_token_ids is not None or bool(p.bad_words_token_ids) or _holds_back_stops(request)
 
 
-def blocked_rows(logits: torch.Tensor, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> list[int]:
+def blocked_rows(logits: np.ndarray, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> list[int]:
     """The rows of `logits` (adjusted, grammar masks applied) where every token is -inf: sampling
     would return an arbitrary token there. Only rows that a mask touched are looked at, in one
     vectorised pass; the others pay nothing."""
     rows = sorted(set(masked_rows).union(i for i, r in enumerate(requests) if _masks_tokens(r)))
     if not rows:
         return []
-    # A row's maximum, on a gathered copy (index_select: list indexing costs ~5x as much).
-    picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, torch.tensor(rows))
-    dead = picked.amax(dim=-1) == float("-inf")
-    return [rows[i] for i in dead.nonzero().flatten().tolist()]
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]
+    dead = picked.max(axis=-1) == NEG_INF
+    return [rows[i] for i in np.flatnonzero(dead).tolist()]
 
 
-def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
+def numpy_argmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's first index of its maximum, NaN first."""
+    return np.argmax(logits, axis=-1)
 
 
-def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _min_p(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
     # Of the tempered distribution, before top-k/top-p (vLLM): p < min_p * max p is dropped.
     # In log space: logit < max logit + log(min_p); min_p 0 gives -inf and drops nothing.
-    min_p = torch.tensor([p.min_p for p in params])
-    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill(logits < floor, float("-inf"))
+    min_p = np.array([p.min_p for p in params], dtype=logits.dtype)
+    with np.errstate(divide="ignore"):
+        floor = logits.max(axis=-1, keepdims=True) + np.log(min_p)[:, None]
+    return np.where(logits < floor, NEG_INF, logits)
 
 
-def _draw_by_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Each row's first position whose cumulative softmax reaches its uniform share of the total."""
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
-    position = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
-    return position.clamp_(max=logits.shape[-1] - 1)
+def _draw_from_vocabulary(logits: np.ndarray, rows: Sequence[int], params: Sequence[SamplingParams],
+                          uniform: np.ndarray) -> np.ndarray:
+    """The rows' tokens drawn over their whole rows, tempered and cut by min-p as _min_p cuts,
+    one row at a time (each row stays in cache through its passes)."""
+    tokens = np.empty(len(rows), dtype=np.int64)
+    scaled = np.empty((1, logits.shape[-1]), dtype=logits.dtype)
+    for j, (i, p) in enumerate(zip(rows, params)):
+        np.divide(logits[i], logits.dtype.type(p.temperature), out=scaled[0])
+        if p.min_p > 0.0:
+            np.putmask(scaled, scaled < scaled.max() + np.log(logits.dtype.type(p.min_p)), NEG_INF)
+        tokens[j] = whole_row_draw(scaled, uniform[j:j + 1])[0]
+    return tokens
 
 
-def _draw_from_vocabulary(scaled: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
-    return _draw_by_cdf(scaled, uniform)
-
-
-def nucleus_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams], width: int = FIRST_CANDIDATE_WIDTH,
-                       row_log_total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus_candidates(scaled: np.ndarray, params: Sequence[SamplingParams], width: int = FIRST_CANDIDATE_WIDTH,
+                       row_log_total: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, logits), each [rows, width]: every row's tokens that survive top-k and then
     top-p (the smallest best-first prefix whose mass reaches top_p, of the distribution top-k
     leaves; the likeliest token always survives), best first, the rest of the width at -inf.
-    The tokens a full sort of the row keeps, found by `topk` over a window that widens, for the
-    rows whose nucleus runs past it only."""
+    The tokens a full sort of the row keeps (masses in float64), found by `top_window` over a
+    window that widens, for the rows whose nucleus runs past it only."""
     vocab = scaled.shape[-1]
     top_k = [kept_by_top_k(p.top_k, vocab) for p in params]
-    limit = torch.tensor(top_k)
-    top_p = torch.tensor([p.top_p for p in params])
+    limit = np.array(top_k, dtype=np.int64)
+    top_p = np.array([p.top_p for p in params], dtype=np.float64)
     by_k = limit < vocab
     # A row with top-k is normalised over its k best, so the window holds them all; a row without
     # over its whole row, so its window need only reach the end of its nucleus.
     width = min(vocab, max([k for k in top_k if k < vocab] + [1 if bool(by_k.all()) else width]))
     if row_log_total is None:
-        row_log_total = torch.logsumexp(scaled, dim=-1) if not bool(by_k.all()) else torch.zeros(len(params))
-    values, ids = scaled.topk(width, dim=-1)
-    drop = torch.arange(width)[None, :] >= limit[:, None]
-    values = values.masked_fill(drop, float("-inf"))
-    log_total = torch.where(by_k, torch.logsumexp(values, dim=-1), row_log_total) if bool(by_k.any()) else row_log_total
-    probs = (values - log_total[:, None]).exp()
+        row_log_total = np.zeros(len(params))
+        whole = ~by_k
+        if whole.any():
+            row_log_total[whole] = log_totals(scaled if whole.all() else scaled[whole])
+    values, ids = top_window(scaled, width)
+    drop = np.arange(width)[None, :] >= limit[:, None]
+    values = np.where(drop, NEG_INF, values)
+    log_total = row_log_total
+    if by_k.any():
+        log_total = np.where(by_k, log_totals(values.astype(np.float64)), row_log_total)
+    with np.errstate(invalid="ignore"):
+        probs = np.exp(values.astype(np.float64) - log_total[:, None])
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does.
-    mass = probs.cumsum(dim=-1)
+    mass = np.cumsum(probs, axis=-1)
     drop |= (mass - probs) >= top_p[:, None]
-    drop |= values == float("-inf")
+    drop |= values == NEG_INF
     drop[:, 0] = False
-    values = values.masked_fill(drop, float("-inf"))
-    past = torch.nonzero(~by_k & (mass[:, -1] < top_p)).flatten().tolist()
+    values = np.where(drop, NEG_INF, values)
+    past = np.flatnonzero(~by_k & (mass[:, -1] < top_p)).tolist()
     if width == vocab or not past:
         return ids, values
     wide_ids, wide_values = nucleus_candidates(scaled[past], [params[i] for i in past], min(vocab, width * 8),
                                                row_log_total[past])
     pad = wide_ids.shape[1] - width
-    ids = torch.nn.functional.pad(ids, (0, pad))
-    values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    ids = np.pad(ids, ((0, 0), (0, pad)))
+    values = np.pad(values, ((0, 0), (0, pad)), constant_values=NEG_INF)
     ids[past], values[past] = wide_ids, wide_values
     return ids, values
 
 
-def _draw_from_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+def _draw_from_candidates(scaled: np.ndarray, params: Sequence[SamplingParams], uniform: np.ndarray) -> np.ndarray:
     """Draws over the candidates in vocabulary order, as a draw over the whole masked row does, so
-    a seeded request draws the token it would draw were its row sorted whole."""
+    a seeded request draws the token it would draw were its row sorted whole: each row's first
+    candidate whose cumulative mass (float64) exceeds its uniform number's share of the total."""
     ids, values = nucleus_candidates(scaled, params)
-    vocab_order = ids.masked_fill(values == float("-inf"), scaled.shape[-1]).argsort(dim=-1)
-    ids, values = ids.gather(-1, vocab_order), values.gather(-1, vocab_order)
-    return ids.gather(-1, _draw_by_cdf(values, uniform)[:, None]).squeeze(1)
+    tokens = ids[:, 0].copy()  # a row with no candidate (NaN) keeps its first
+    for r in range(len(ids)):
+        kept = np.sort(ids[r][values[r] > NEG_INF])  # vocabulary order
+        if kept.size:
+            with np.errstate(invalid="ignore"):
+                cdf = np.cumsum(np.exp(scaled[r, kept].astype(np.float64) - float(values[r, 0])))
+            position = int(np.searchsorted(cdf, float(uniform[r]) * float(cdf[-1]), side="right"))
+            tokens[r] = kept[min(position, kept.size - 1)]
+    return tokens
 
 
-def _ranks(logp: torch.Tensor, chosen: torch.Tensor, rows_at_once: int = 64) -> list[int]:
-    """Each row's count of tokens at least as likely as its chosen one (vLLM's rank; 1: the
-    likeliest), a few rows at a time: a prompt's thousands of rows would otherwise hold a
-    vocabulary-wide comparison for all of them at once."""
-    counts = [(logp[i:i + rows_at_once] >= chosen[i:i + rows_at_once, None]).sum(dim=-1)
-              for i in range(0, logp.shape[0], rows_at_once)]
-    return torch.cat(counts).clamp_(min=1).tolist() if counts else []
+def _token_logprobs(logits: np.ndarray, chosen: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Each row's {token: logprob} for its chosen token and its `top` likeliest, in float32 as
+    log-softmax gives them, with the chosen token's rank (vLLM's: tokens at least as likely count
+    before it; 1: the likeliest). The full log-softmax is never made: a logprob is its logit less
+    the row's normaliser, and the order and ranks are the logits' own (the logprobs' order, with
+    no ties made by rounding)."""
+    rows = logits.shape[0]
+    normalizers = log_normalizers(logits)
+    chosen_ids = np.array(chosen, dtype=np.intp)
+    chosen_logits = logits[np.arange(rows), chosen_ids]
+    top_logits, top_ids = top_window(logits, top)
+    top_values = (top_logits - normalizers[:, None]).tolist()
+    chosen_values = (chosen_logits - normalizers).tolist()
+    result = []
+    for r in range(rows):
+        entry = dict(zip(top_ids[r].tolist(), top_values[r]))
+        entry[int(chosen_ids[r])] = chosen_values[r]
+        rank = max(1, int(np.count_nonzero(logits[r] >= chosen_logits[r])))
+        result.append(TokenLogprobs(entry, rank))
+    return result
+
+
+# A seeded request's generator state, as it travels with a KV handover: PCG64's 128-bit state and
+# increment and its buffered 32-bit draw, little-endian, as bytes (numpy uint8).
+_STATE_BYTES = 16 + 16 + 1 + 4
+
+
+def _seeded_generator(seed: int) -> np.random.Generator:
+    """numpy's PCG64 seeded by `seed` (a negative seed as its 64-bit two's complement)."""
+    return np.random.Generator(np.random.PCG64(seed % 2**64))
+
+
+def _state_array(generator: np.random.Generator) -> np.ndarray:
+    state = generator.bit_generator.state
+    raw = (state["state"]["state"].to_bytes(16, "little") + state["state"]["inc"].to_bytes(16, "little")
+           + bytes([state["has_uint32"]]) + state["uinteger"].to_bytes(4, "little"))
+    return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def _state_dict(state: Any) -> dict[str, Any]:
+    """The PCG64 state `_state_array` wrote; ValueError if `state` is not one."""
+    raw = np.asarray(state)
+    if raw.dtype != np.uint8 or raw.shape != (_STATE_BYTES,) or raw[32] > 1:
+        raise ValueError(f"a seeded request's generator state is {_STATE_BYTES} bytes (numpy uint8) of PCG64's; "
+                         f"got {raw.dtype} of shape {raw.shape}")
+    data = raw.tobytes()
+    return {"bit_generator": "PCG64",
+            "state": {"state": int.from_bytes(data[:16], "little"), "inc": int.from_bytes(data[16:32], "little")},
+            "has_uint32": data[32], "uinteger": int.from_bytes(data[33:37], "little")}
+
+
+def check_generator_state(state: Any) -> None:
+    """Raises ValueError unless `state` is a seeded request's generator state (Sampler.generator_state)."""
+    bit_generator: np.random.BitGenerator = np.random.PCG64()
+    bit_generator.state = _state_dict(state)
 
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                 argmax: Callable[[np.ndarray], np.ndarray] = numpy_argmax,
                  infill: InfillVocabulary | None = None) -> None:
-        """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as
-        torch.argmax; the runner passes the model's vectorised one (sampling sits above no model).
+        """argmax: [rows, vocab] -> each row's first index of its maximum (NaN first), as numpy's
+        argmax; the runner may pass the model's vectorised one (sampling sits above no model).
         infill: what a sampler chain's infill step needs of the vocabulary (None: no such step)."""
         self._argmax = argmax
         self._infill = infill
-        self._generator = torch.Generator().manual_seed(seed)
-        self._request_generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
-        self._allowed_masks: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._generator = _seeded_generator(seed)
+        self._request_generators: weakref.WeakKeyDictionary[Request, np.random.Generator] = weakref.WeakKeyDictionary()
+        self._allowed_masks: weakref.WeakKeyDictionary[Request, np.ndarray] = weakref.WeakKeyDictionary()
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
 
     @staticmethod
@@ -262,8 +331,9 @@ class Sampler:
         return all(r.sampling_params.greedy and r.sampling_params.logprobs is None and not adjusts_logits(r)
                    for r in requests)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> SamplerOutput:
-        """logits: fp32 [len(requests), vocab]; `masked_rows`: those a grammar mask was applied to."""
+    def __call__(self, logits: np.ndarray, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> SamplerOutput:
+        """logits: numpy fp32 [len(requests), vocab], left as they are; `masked_rows`: those a
+        grammar mask was applied to."""
         adjusted = adjust_logits(logits, requests, self.eos_token_ids, self._allowed_masks)
         tokens = self._sample(adjusted, requests)
         blocked = blocked_rows(adjusted, requests, masked_rows) or None
@@ -272,16 +342,16 @@ class Sampler:
             return SamplerOutput(tokens, blocked=blocked)
         return SamplerOutput(tokens, self._logprobs(logits, tokens, wanted), blocked=blocked)
 
-    def verify(self, logits: torch.Tensor, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> SamplerOutput:
-        """logits: fp32, 1 + len(spec_token_ids) rows per request, in order. Samples every row as
-        its position would be sampled without speculation, then keeps each request's drafts while
-        they agree (verify_rows). A seeded request's generator ends where drawing only the rows
-        it keeps would leave it, so its output does not depend on whether it speculated.
+    def verify(self, logits: np.ndarray, requests: Sequence[Request], masked_rows: Sequence[int] = ()) -> SamplerOutput:
+        """logits: numpy fp32, 1 + len(spec_token_ids) rows per request, in order. Samples every
+        row as its position would be sampled without speculation, then keeps each request's drafts
+        while they agree (verify_rows). A seeded request's generator ends where drawing only the
+        rows it keeps would leave it, so its output does not depend on whether it speculated.
         Only requests whose rows sample independently of the tokens before them speculate
         (conveyor/speculative's eligibility): no logprobs, penalties or output-dependent masks."""
         rows = [r for r in requests for _ in range(1 + len(r.spec_token_ids))]
         seeded = [r for r in requests if r.spec_token_ids and r.sampling_params.seed is not None]
-        before = {r: self._generator_for(r).get_state() for r in seeded}
+        before = {r: self._generator_for(r).bit_generator.state for r in seeded}
         adjusted = adjust_logits(logits, rows, self.eos_token_ids, self._allowed_masks)
         row_tokens = self._sample(adjusted, rows)
         tokens, accepted = verify_rows(row_tokens, [r.spec_token_ids for r in requests])
@@ -292,9 +362,8 @@ class Sampler:
         for request, count in zip(requests, accepted):
             if request in before and count < len(request.spec_token_ids):
                 generator = self._request_generators[request]
-                generator.set_state(before[request])
-                for _ in range(count + 1):
-                    torch.rand(1, generator=generator)
+                generator.bit_generator.state = before[request]
+                generator.random(count + 1)
         wanted = [r.sampling_params.logprobs for r in rows]
         if all(k is None for k in wanted):
             return SamplerOutput(tokens, num_accepted=accepted, blocked=blocked)
@@ -303,45 +372,30 @@ class Sampler:
         return SamplerOutput(tokens, [row_logprobs[i - 1] for i in last_rows], num_accepted=accepted, blocked=blocked)
 
     @staticmethod
-    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
+    def prompt_logprobs(logits: np.ndarray, targets: list[int], top: int) -> list[dict[int, float]]:
         """{token: logprob} for each row's target token and its `top` best alternatives, with the
-        target's rank (TokenLogprobs)."""
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)]
-        ranks = _ranks(logp, chosen)
-        top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        result: list[dict[int, float]] = []
-        for target, value, rank, ids, values in zip(targets, chosen.tolist(), ranks, top_ids.tolist(),
-                                                     top_values.tolist()):
-            entry = dict(zip(ids, values))
-            entry[target] = value
-            result.append(TokenLogprobs(entry, rank))
-        return result
+        target's rank (TokenLogprobs); logits: numpy fp32 [len(targets), vocab]."""
+        return list(_token_logprobs(logits, targets, top))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[dict[int, float] | None]:
+    def _logprobs(logits: np.ndarray, tokens: list[int], wanted: list[int | None]) -> list[dict[int, float] | None]:
         # Of the model's own distribution (before temperature and truncation), as vLLM reports them.
         rows = [i for i, k in enumerate(wanted) if k is not None]
-        logp = torch.log_softmax(logits[rows], dim=-1)
-        top = max(wanted[i] for i in rows)  # type: ignore[type-var]
-        top_values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
-        ranks = _ranks(logp, chosen)
         result: list[dict[int, float] | None] = [None] * len(tokens)
-        for j, i in enumerate(rows):
-            k = wanted[i]
-            entry = dict(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
-            entry[tokens[i]] = float(chosen[j])
-            result[i] = TokenLogprobs(entry, ranks[j])
+        for k in sorted({k for k in wanted if k is not None}):
+            same = [i for i in rows if wanted[i] == k]
+            picked = logits if len(same) == logits.shape[0] else logits[same]
+            for i, entry in zip(same, _token_logprobs(picked, [tokens[i] for i in same], k)):
+                result[i] = entry
         return result
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def _sample(self, logits: np.ndarray, requests: Sequence[Request]) -> list[int]:
         params = [r.sampling_params for r in requests]
-        greedy = self._argmax(logits)
+        greedy = np.asarray(self._argmax(logits))
         if all(p.greedy for p in params):
             return greedy.tolist()
         uniform = self._uniforms(requests)
-        tokens = greedy.clone()
+        tokens = greedy.astype(np.int64)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         chained = [i for i in drawn if params[i].sampler_chain is not None]  # llama.cpp's order, row by row
         if chained:
@@ -356,54 +410,61 @@ class Sampler:
         drawn = [i for i in drawn if params[i].sampler_chain is None]
         whole = [i for i in drawn if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         truncated = [i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0]
-        for rows, draw in ((whole, _draw_from_vocabulary), (truncated, _draw_from_candidates)):
-            if rows:
-                row_params = [params[i] for i in rows]
-                scaled = logits[rows] / torch.tensor([p.temperature for p in row_params])[:, None]
-                if any(p.min_p > 0.0 for p in row_params):
-                    scaled = _min_p(scaled, row_params)
-                tokens[rows] = draw(scaled, row_params, uniform[rows])
+        if whole:
+            tokens[whole] = _draw_from_vocabulary(logits, whole, [params[i] for i in whole], uniform[whole])
+        if truncated:
+            row_params = [params[i] for i in truncated]
+            temperatures = np.array([p.temperature for p in row_params], dtype=logits.dtype)
+            scaled = (logits if len(truncated) == logits.shape[0] else logits[truncated]) / temperatures[:, None]
+            if any(p.min_p > 0.0 for p in row_params):
+                scaled = _min_p(scaled, row_params)
+            tokens[truncated] = _draw_from_candidates(scaled, row_params, uniform[truncated])
         return tokens.tolist()
 
     # A seeded request that moves to another engine (KV handover) takes its draws along with it.
-    def generator_state(self, request: Request) -> torch.Tensor | None:
+    def generator_state(self, request: Request) -> np.ndarray | None:
+        """The request's own generator state (numpy uint8; check_generator_state checks one), None
+        before its first draw."""
         gen = self._request_generators.get(request)
-        return None if gen is None else gen.get_state()
+        return None if gen is None else _state_array(gen)
 
-    def set_generator_state(self, request: Request, state: torch.Tensor) -> None:
-        self._request_generators[request] = torch.Generator().set_state(state)
+    def set_generator_state(self, request: Request, state: np.ndarray) -> None:
+        gen = np.random.Generator(np.random.PCG64())
+        gen.bit_generator.state = _state_dict(state)
+        self._request_generators[request] = gen
 
     # A step that raised is run again on part of its batch (LLMEngine's failure isolation): the
     # retry must draw the numbers the first try would have drawn.
-    def save_rng_state(self, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[Request, torch.Tensor | None]]:
+    def save_rng_state(self, requests: Sequence[Request]) -> tuple[Mapping[str, Any], dict[Request, Mapping[str, Any] | None]]:
         """The shared generator and the seeded generators of `requests` (None: not created yet)."""
-        seeded = {}
+        seeded: dict[Request, Mapping[str, Any] | None] = {}
         for request in requests:
             if request.sampling_params.seed is not None:
                 gen = self._request_generators.get(request)
-                seeded[request] = None if gen is None else gen.get_state()
-        return self._generator.get_state(), seeded
+                seeded[request] = None if gen is None else gen.bit_generator.state
+        return self._generator.bit_generator.state, seeded
 
-    def restore_rng_state(self, state: tuple[torch.Tensor, dict[Request, torch.Tensor | None]]) -> None:
+    def restore_rng_state(self, state: tuple[Mapping[str, Any], dict[Request, Mapping[str, Any] | None]]) -> None:
         shared, seeded = state
-        self._generator.set_state(shared)
+        self._generator.bit_generator.state = shared
         for request, request_state in seeded.items():
             if request_state is None:
                 self._request_generators.pop(request, None)
             else:
-                self._request_generators[request].set_state(request_state)
+                self._request_generators[request].bit_generator.state = request_state
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def _generator_for(self, request: Request) -> np.random.Generator:
         """A seeded request's own generator, made at its first draw."""
         gen = self._request_generators.get(request)
         if gen is None:
-            gen = torch.Generator().manual_seed(request.sampling_params.seed)  # type: ignore[arg-type]
+            gen = _seeded_generator(request.sampling_params.seed)  # type: ignore[arg-type]
             self._request_generators[request] = gen
         return gen
 
-    def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
-        uniform = torch.rand(len(requests), generator=self._generator)
+    def _uniforms(self, requests: Sequence[Request]) -> np.ndarray:
+        """One float64 uniform number in [0, 1) per row."""
+        uniform = self._generator.random(len(requests))
         for i, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                uniform[i] = torch.rand(1, generator=self._generator_for(request))
+                uniform[i] = self._generator_for(request).random()
         return uniform

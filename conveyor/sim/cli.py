@@ -151,7 +151,7 @@ def _fit(args: argparse.Namespace) -> int:
 def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
     fit = sub.add_parser("fit", help="measure the real engine's step times on this machine; fit the profiled model")
     add_config_args(fit, EngineConfig, only=("model", "dtype", "num_threads", "kv_cache_memory", "block_size"),
-                    defaults={"num_threads": 1}, helps={"num_threads": "torch threads; use what the engine will run with"})
+                    defaults={"num_threads": 1}, helps={"num_threads": "a step's threads; use what the engine will run with"})
     fit.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=None)
     fit.add_argument("--contexts", type=int_at_least(1), nargs="+", default=None)
     fit.add_argument("--prompt-lens", type=int_at_least(1), nargs="+", default=None, help="whole prompts measured alone")

@@ -1,11 +1,11 @@
 """Grammars for structured outputs, compiled with llguidance and cached by their canonical text.
 
 Why llguidance rather than xgrammar: its wheel is ~3 MB of Rust with no Python dependencies, while
-xgrammar pulls transformers and triton (and wants torch at run time), which this torch-pinned,
-CPU-only project refuses. llguidance computes a mask in well under a millisecond for JSON schemas
-(an Earley parser over a lazily built token trie), compiles a schema in milliseconds (both measured
-with SmolLM2-135M's tokenizer: docs/BENCHMARKS.md, "Structured outputs"), and is what vLLM's
-`guidance` backend and llama.cpp use.
+xgrammar pulls transformers and triton (and wants torch at run time), which this CPU-only project,
+whose serving process imports no torch, refuses. llguidance computes a mask in well under a
+millisecond for JSON schemas (an Earley parser over a lazily built token trie), compiles a schema in
+milliseconds (both measured with SmolLM2-135M's tokenizer: docs/BENCHMARKS.md, "Structured
+outputs"), and is what vLLM's `guidance` backend and llama.cpp use.
 
 llguidance's tokenizer description is built from conveyor's own tokenizer (the bytes each token
 id stands for, the special ids, the end-of-turn/EOS ids), never from a Hugging Face download. A

@@ -11,8 +11,8 @@ the carried lone large features SmolLM2's code (96.2%) and Gemma's prose (96.4%)
 that lost a term fails both bounds."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.bench.quality import run_quality, target_nll
 from conveyor.config import EngineConfig
@@ -23,7 +23,10 @@ from conveyor.runner.model_runner import load_model
 
 
 TOKENS = 1024  # of each text (512 would not tell the old kernel's Gemma from the new)
-TOKENS_OF = {"qwen2.5-coder-0.5b": 512}
+# Gemma's prose ratio over 1,024 positions moves by half a point with the rounding of a few cos/sin
+# values alone (0.9996 to 1.0055 between ulp-level variants of rotary embedding): 2,048 hold it to
+# what the claim's 4,096 measure.
+TOKENS_OF = {"qwen2.5-coder-0.5b": 512, "gemma3-270m": 2048}
 TOP1_BOUND = 0.97
 
 
@@ -41,7 +44,7 @@ def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> No
     # tiles: every position scored as a prompt token on the bf16 tiles, as a served prompt computes
     # on a CPU with AMX-BF16 (generated tokens take the int8 kernel, scored without them).
     tokens = TOKENS_OF.get(model, TOKENS)
-    results = run_quality(loaded.model, loaded.tokenizer, "int8", tokens, 512, torch.float16, prompt_tiles=tiles)
+    results = run_quality(loaded.model, loaded.tokenizer, "int8", tokens, 512, np.dtype(np.float16), prompt_tiles=tiles)
     for r in results:
         assert r.tokens == tokens - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, (model, r)
@@ -51,13 +54,20 @@ def test_the_fast_default_stays_within_the_bounds(model: str, tiles: bool) -> No
         assert r.sampled_ppl != r.ppl, (model, r)  # the sampled rows' projection is a different product
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_target_nll_is_minus_the_float64_log_softmax_at_the_target(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(64, 262_144, generator=gen) * 8).to(dtype)  # Gemma's vocabulary, a model's spread
+@pytest.mark.parametrize("in_bf16", [False, True])  # fp32 logits, and fp32 logits holding bf16 values
+def test_target_nll_is_minus_the_float64_log_softmax_at_the_target(in_bf16: bool) -> None:
+    from conveyor.model.quantized import bf16_bits, bf16_to_float32
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((64, 262_144), dtype=np.float32) * 8  # Gemma's vocabulary, a model's spread
+    if in_bf16:
+        logits = bf16_to_float32(bf16_bits(logits))
     logits[0, 5] = 60.0  # one row nearly certain, its target elsewhere
-    target = torch.randint(0, 262_144, (64,), generator=gen)
-    want = -torch.log_softmax(logits.double(), dim=-1)[torch.arange(64), target]
+    target = rng.integers(0, 262_144, 64)
+    wide = logits.astype(np.float64)
+    top = wide.max(axis=-1, keepdims=True)
+    log_softmax = wide - top - np.log(np.exp(wide - top).sum(axis=-1, keepdims=True))
+    want = -log_softmax[np.arange(64), target]
     got = target_nll(logits, target)
-    assert got.dtype == torch.float64
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

@@ -11,19 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conveyor.cli import main
+from conveyor.model.threads import get_num_threads, set_num_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def one_thread() -> object:
-    """One torch thread: on a shared 2-core machine two OpenMP threads can be ~30x slower per step."""
-    before = torch.get_num_threads()
+    """One thread a step: on a shared 2-core machine two OpenMP threads can be ~30x slower per step."""
+    before = get_num_threads()
     yield
-    torch.set_num_threads(before)
+    set_num_threads(before)
 
 
 @pytest.mark.usefixtures("smollm_gguf_path", "one_thread")

@@ -3,8 +3,8 @@ model, as llama.cpp's cache; twice the tokens in the same memory; next-token cho
 exact path's."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.bench.quality import EXACT, code_text, score
 from conveyor.config import EngineConfig
@@ -25,18 +25,20 @@ def engine(loaded: LoadedModel, **kwargs: object) -> LLMEngine:
 def test_default_cache_is_float16_and_holds_twice_the_tokens(default_model: LoadedModel) -> None:
     half, full = engine(default_model, kv_cache_memory="32MiB"), engine(default_model, kv_cache_memory="32MiB",
                                                                         kv_cache_dtype="float32")
-    assert {c.dtype for pair in half.runner.kv_caches for c in pair} == {torch.float16}
-    assert {c.dtype for pair in full.runner.kv_caches for c in pair} == {torch.float32}
+    assert {c.dtype for pair in half.runner.kv_caches for c in pair} == {np.dtype(np.float16)}
+    assert {c.dtype for pair in full.runner.kv_caches for c in pair} == {np.dtype(np.float32)}
     full_blocks = full.scheduler.kv.num_blocks
     assert half.scheduler.kv.num_blocks in (2 * full_blocks, 2 * full_blocks + 1)  # each the most that fit
     for e in (half, full):
         assert 31 * 2**20 < sum(c.nbytes for pair in e.runner.kv_caches for c in pair) <= 32 * 2**20
 
 
-def test_auto_follows_the_model_and_bad_values_are_refused() -> None:
-    assert kv_cache_dtype("auto", torch.float32) == torch.float16
-    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16  # a bf16 model's cache as vLLM's
-    assert kv_cache_dtype("float32", torch.float32) == torch.float32
+def test_auto_is_float16_and_bad_values_are_refused() -> None:
+    assert kv_cache_dtype("auto", "float32") == np.float16
+    # a bf16 model's too: its activations, and so its keys and values, are fp32 (under torch a bf16
+    # model's cache was bf16, as vLLM's; numpy has no bf16, and the attention kernels read fp16 or fp32)
+    assert kv_cache_dtype("auto", "bfloat16") == np.float16
+    assert kv_cache_dtype("float32", "float32") == np.float32
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
 
@@ -46,8 +48,8 @@ def test_float16_cache_keeps_the_exact_paths_choices(default_model: LoadedModel)
     path's next token at nearly every position, at the same perplexity. A cache read back wrongly (a
     misplaced or unconverted element) drops both at once."""
     ids = default_model.tokenizer.encode(code_text())[:1024]
-    ref, test, agreement, _ = score(default_model.model, ids, 256, (EXACT, ("float32", torch.float16)))
-    ppl_ratio = torch.tensor(test).mean().exp() / torch.tensor(ref).mean().exp()
+    ref, test, agreement, _ = score(default_model.model, ids, 256, (EXACT, ("float32", np.dtype(np.float16))))
+    ppl_ratio = np.exp(np.mean(test)) / np.exp(np.mean(ref))
     assert agreement >= 0.995 and abs(float(ppl_ratio) - 1.0) < 1e-3
 
 

@@ -5,8 +5,8 @@ cache, which then keys an answer's blocks apart from the same tokens met as a pr
 no output in the next turn of a conversation. Elsewhere the switch changes nothing."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.model import kernels
 from conveyor.model.linear import bf16_tiles_available
@@ -29,11 +29,11 @@ def recorded(monkeypatch):  # noqa: ANN001, ANN201
         def bf16_tiles(self) -> bool:
             return bool(module.bf16_tiles())  # type: ignore[union-attr]
 
-        def bf16_tile_matmul(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        def bf16_tile_matmul(self, x: np.ndarray, *args: object, **kwargs: object) -> np.ndarray:
             calls["tiles"].append(x.shape[0])
             return module.bf16_tile_matmul(x, *args, **kwargs)  # type: ignore[union-attr,no-any-return]
 
-        def int8_matmul(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        def int8_matmul(self, x: np.ndarray, *args: object, **kwargs: object) -> np.ndarray:
             calls["int8"].append(x.shape[0])
             return module.int8_matmul(x, *args, **kwargs)  # type: ignore[union-attr,no-any-return]
 

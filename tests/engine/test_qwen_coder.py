@@ -64,7 +64,7 @@ def test_every_weight_is_held_once_in_its_blocks(qwen_path: Path, qwen: LoadedMo
     # The untied embedding is read by rows only: the file's own Q5_0 blocks, left in its mapping.
     embed = model.embed
     assert embed.weight is None and embed.packed is None and embed.blocks is not None and embed.blocks.qtype == "Q5_0"
-    address = embed.blocks.blocks.data_ptr()
+    address = embed.blocks.blocks.ctypes.data
     mapped = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
     assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16) and m[-1] == str(qwen_path)
                for m in mapped if len(m) == 6)
@@ -87,8 +87,8 @@ def test_a_load_peaks_near_what_the_model_holds(qwen_path: Path) -> None:
         "        if '-' in head[0] and len(head) >= 5: inside = line.rstrip().endswith('.gguf')\n"
         "        elif inside and head[0] == 'Rss:': rss += int(head[1])\n"
         "    return rss\n")
-    status = load_in_fresh_process(MODEL, hold="loaded.model", prelude=mapped_kib, then=(
-        "s['loaded'] = mapped_kib(); held.embed(torch.arange(0, 151936, 151936 // 8)); s['looked_up'] = mapped_kib()"))
+    status = load_in_fresh_process(MODEL, hold="loaded.model", prelude="import numpy as np\n" + mapped_kib, then=(
+        "s['loaded'] = mapped_kib(); held.embed(np.arange(0, 151936, 151936 // 8)); s['looked_up'] = mapped_kib()"))
     assert status["VmHWM"] <= 1.10 * status["VmRSS"], status
     # 8 rows 18,992 rows apart. A fault maps the whole page-cache folio holding the row: with large
     # folios for files (ext4 on Linux 6.18) and a large readahead (8 MiB on some virtual disks) that

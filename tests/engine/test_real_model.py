@@ -2,8 +2,8 @@
 however the engine batches, chunks, preempts or which policy it runs."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.sampling import SamplingParams
@@ -31,6 +31,8 @@ def prompt_ids(hf_reference_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_reference_model, prompt_ids) -> list[list[int]]:
+    import torch  # the reference only: transformers runs on torch
+
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -99,7 +101,7 @@ def test_gguf_blocks_give_the_dense_fp32_results_bit_for_bit(make_engine, defaul
 
     model = default_model.model
     assert model.layers[0].qkv.packed.layout == "Q4_1" and model.head.packed.layout == "Q8_0"
-    dense_model = LlamaModel.from_weights(model.cfg, default_checkpoint.weights, torch.float32)
+    dense_model = LlamaModel.from_weights(model.cfg, default_checkpoint.weights, "float32")
     assert dense_model.layers[0].qkv.packed.layout == "panels"
     dense = LLMEngine.from_config(EngineConfig(activation_dtype="float32", kv_cache_dtype="float32"),
                                   LoadedModel(dense_model, default_model.tokenizer))
@@ -126,7 +128,7 @@ def test_greedy_batches_take_the_screened_head_and_others_the_full_one(make_engi
     screened_rows: list[int] = []
     plain = llama.screened_argmax
 
-    def recording(x: torch.Tensor, packed, norms=None):  # type: ignore[no-untyped-def]
+    def recording(x: np.ndarray, packed, norms=None):  # type: ignore[no-untyped-def]
         result = plain(x, packed, norms)
         if result is not None:
             screened_rows.append(x.shape[0])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.loader import load_checkpoint
@@ -36,6 +36,7 @@ def test_tiny_gemma3_generates_what_transformers_generates(
 ) -> None:
     """Prompts shorter and longer than the window, decoding well past it, batched, in prefill
     chunks of 5 tokens (so chunks straddle the window's edge) over blocks of 4."""
+    import torch  # the reference only: transformers runs on torch
     from transformers import AutoModelForCausalLM
 
     prompts = [[1, *range(100 + 37 * i, 100 + 37 * i + n)] for i, n in enumerate([2, 6, 7, 8, 12, 19])]
@@ -108,7 +109,7 @@ def test_a_failing_request_leaves_the_window_pool_right(tiny_gemma3: Path, monke
     model, poison = llm.engine.runner.model, 999
     original = model.sampling_hidden
 
-    def failing(input_ids: torch.Tensor, *rest: object, **kwargs: object) -> torch.Tensor:
+    def failing(input_ids: np.ndarray, *rest: object, **kwargs: object) -> np.ndarray:
         hidden = original(input_ids, *rest, **kwargs)  # the whole forward first: every row's KV written
         if bool((input_ids == poison).any()):
             raise RuntimeError("injected failure")

@@ -7,11 +7,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.errors import ModelLoadError, UnsupportedModelError
+from conveyor.model.linear import PackedWeight, WeightSource
 from conveyor.model.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from conveyor.model.quantized import QuantizedWeight
 from tests.helpers import make_tiny_hf_checkpoint, tiny_reference_state_dict, write_gguf_from_hf
 
 
@@ -32,8 +34,8 @@ def test_gguf_weights_equal_transformers(default_checkpoint: LoadedCheckpoint, h
     assert "lm_head.weight" not in ours
     assert set(ours) == set(theirs) and len(ours) == 272
     for name, t in theirs.items():
-        assert ours[name].dtype == torch.float32 and ours[name].shape == t.shape, name
-        assert torch.equal(ours[name], t), name
+        assert ours[name].dtype == np.float32 and ours[name].shape == tuple(t.shape), name
+        assert np.array_equal(ours[name], t.numpy()), name
 
 
 def test_hf_config_matches(default_checkpoint: LoadedCheckpoint, hf_reference_model: Any) -> None:
@@ -44,7 +46,7 @@ def test_hf_config_matches(default_checkpoint: LoadedCheckpoint, hf_reference_mo
 
 def test_default_load_takes_the_fast_paths_and_dtype(smollm_gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The default model must load without gguf's numpy reader (it builds a view per vocabulary
-    # string) and without its numpy dequantiser (torch handles Q4_1, Q8_0 and the float types).
+    # string) and without gguf's dequantiser (ours handles Q4_1, Q8_0 and the float types).
     import gguf
     import gguf.gguf_reader
 
@@ -56,9 +58,21 @@ def test_default_load_takes_the_fast_paths_and_dtype(smollm_gguf_path: Path, mon
     monkeypatch.setattr(gguf, "GGUFReader", refuse)
     monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", refuse)
     monkeypatch.setattr(gguf_loader.quants, "dequantize", refuse)
-    ckpt = load_checkpoint(None, dtype=torch.bfloat16)
-    # The block kernel computes in fp32 only: in bf16 every weight is a plain bf16 tensor.
-    assert all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in ckpt.weights.values())
+    ckpt = load_checkpoint(None, dtype="bfloat16")
+    # In bf16 every matrix is held as bf16 (dequantized, then rounded), the vectors in fp32.
+    assert all(_held_in_bf16(w) for w in ckpt.weights.values() if not _is_vector(w))
+    assert all(w.dtype == np.float32 for w in ckpt.weights.values() if _is_vector(w))
+
+
+def _is_vector(w: WeightSource) -> bool:
+    return isinstance(w, np.ndarray) and w.ndim == 1
+
+
+def _held_in_bf16(w: WeightSource) -> bool:
+    """A matrix in BF16 panels, or its bf16 bits where no kernel packs them."""
+    if isinstance(w, PackedWeight):
+        return w.layout == "BF16"
+    return isinstance(w, QuantizedWeight) and w.qtype == "BF16"
 
 
 @pytest.mark.parametrize("name", [None, "smollm2-135m", "SmolLM2-135M-Instruct", " SMOLLM2-135M "])
@@ -77,7 +91,7 @@ def test_hf_folder_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
         expected.pop("lm_head.weight")
     assert set(ckpt.weights) == set(expected)
     for name, t in expected.items():
-        assert torch.equal(ckpt.weights[name], t), name
+        assert np.array_equal(ckpt.weights[name], t), name
     c = ckpt.config
     assert c.tie_word_embeddings is tied and c.num_layers == 2 and c.num_kv_heads == 2
     assert c.attention_bias is (arch == "qwen2") and c.qk_norm is (arch == "qwen3")
@@ -95,11 +109,12 @@ def test_hf_folder_rope_scaling_and_dtype(tmp_path: Path) -> None:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     folder = make_tiny_hf_checkpoint(tmp_path, "llama", rope_parameters=rope, num_layers=1)
-    ckpt = load_checkpoint(str(folder), dtype=torch.bfloat16)
+    ckpt = load_checkpoint(str(folder), dtype="bfloat16")
     assert ckpt.config.rope_theta == 500000.0
     assert ckpt.config.rope_scaling is not None and ckpt.config.rope_scaling["rope_type"] == "llama3"
     assert ckpt.config.rope_scaling["factor"] == 8.0
-    assert all(w.dtype == torch.bfloat16 for w in ckpt.weights.values())
+    # matrices in bf16 (the activations stay fp32: conveyor.model.linear), vectors in fp32
+    assert all(_held_in_bf16(w) if not _is_vector(w) else w.dtype == np.float32 for w in ckpt.weights.values())
 
 
 def test_legacy_rope_fields(tmp_path: Path) -> None:
@@ -170,7 +185,6 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    import numpy as np
     from gguf import GGUFWriter
 
     path = tmp_path / "phi.gguf"
@@ -196,15 +210,14 @@ def test_gguf_round_trip_per_arch(tmp_path: Path, smollm_gguf_path: Path, arch: 
     hf = load_checkpoint(str(folder))
     assert set(ckpt.weights) == set(hf.weights)
     for name, t in hf.weights.items():
-        assert torch.equal(ckpt.weights[name], t), name
+        assert np.array_equal(ckpt.weights[name], t), name
     fields = ("num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm", "tie_word_embeddings",
               "architecture")
     assert {f: getattr(ckpt.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
 
 
 def test_dequantize_matches_gguf_py(tmp_path: Path) -> None:
-    """Our torch fast paths and the gguf-py fallback (Q6_K here) against gguf-py, bit for bit."""
-    import numpy as np
+    """Our numpy fast paths and the gguf-py fallback (Q6_K here) against gguf-py, bit for bit."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
     from gguf.quants import dequantize as reference
@@ -229,8 +242,9 @@ def test_dequantize_matches_gguf_py(tmp_path: Path) -> None:
     assert len(gf.tensors) == 8
     for t in gf.tensors.values():
         raw = np.frombuffer(gf.buffer[t.offset : t.offset + t.nbytes], dtype=np.uint8).reshape(6, -1)
-        expected = torch.from_numpy(np.array(reference(raw, t.qtype), dtype=np.float32))
-        assert t.shape == (6, 256) and torch.equal(dequantize(gf, t), expected), t.name
+        expected = np.array(reference(raw, t.qtype), dtype=np.float32)
+        got = dequantize(gf, t)
+        assert t.shape == (6, 256) and got.dtype == np.float32 and np.array_equal(got, expected), t.name
 
 
 def test_gemma3_is_assembled_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,7 +286,7 @@ def test_tensors_only_header_skips_the_arrays(smollm_gguf_path: Path) -> None:
     assert header.metadata == {k: v for k, v in full.metadata.items() if not isinstance(v, list)}
     held = sum(t.nbytes if len(t.shape) == 2 and t.qtype.name in BLOCK_SIZES else 4 * math.prod(t.shape)
                for t in full.tensors.values())
-    assert checkpoint_bytes(smollm_gguf_path, torch.float32) == held
+    assert checkpoint_bytes(smollm_gguf_path, "float32") == held
 
 
 @pytest.mark.parametrize("change, message", [

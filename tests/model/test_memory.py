@@ -22,25 +22,28 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.u
 PROBE = r"""
 import json, resource, sys, threading
 import conveyor  # first, as the server does
-import torch
+import numpy as np
 from conveyor.model import memory
 
 mode, where = sys.argv[1], sys.argv[2]
 memory.keep_large_allocations_returnable()
 if mode == "reuse":
     memory.reuse_freed_memory(256 * 2**20)
-x = torch.ones(512, 896)
-gate_up, down = torch.randn(9728, 896) * 0.01, torch.randn(896, 4864) * 0.01
+x = np.ones((512, 896), dtype=np.float32)
+rng = np.random.default_rng(0)
+gate_up, down = rng.standard_normal((9728, 896), dtype=np.float32), rng.standard_normal((896, 4864), dtype=np.float32)
+gate_up *= 0.01  # in place: a freed temporary would be the heap's free memory before the first round
+down *= 0.01
 faults = []
 
 def rounds():
     for _ in range(8):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _layer in range(2):
-            h = torch.nn.functional.linear(x, gate_up)
+            h = x @ gate_up.T
             a = h[:, :4864] * h[:, 4864:]
             del h
-            y = torch.nn.functional.linear(a, down)
+            y = a @ down.T
             del a, y
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
@@ -91,7 +94,7 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
 SPIKE = r"""
 import re
 import conveyor
-import torch
+import numpy as np
 from conveyor.model import memory
 
 def resident():
@@ -99,7 +102,7 @@ def resident():
 
 memory.keep_large_allocations_returnable()
 memory.reuse_freed_memory(64 * 2**20)
-spike = torch.ones(256 * 2**20 // 4)  # 256 MiB of logits, say
+spike = np.ones(256 * 2**20 // 4, dtype=np.float32)  # 256 MiB of logits, say
 fence = [bytearray(100_000) for _ in range(4)]  # allocated after it and still alive: no trim from the top
 held = resident()
 del spike

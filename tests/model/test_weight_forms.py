@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -34,18 +34,23 @@ def bf16_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: Lo
     from conveyor.model.export import export_hf_folder
 
     c = default_checkpoint
-    dense = {n: w for n, w in c.weights.items() if isinstance(w, torch.Tensor)}
-    return export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("bf16") / "smollm2", torch.bfloat16)
+    dense = {n: w for n, w in c.weights.items() if isinstance(w, np.ndarray)}
+    return export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("bf16") / "smollm2", "bfloat16")
 
 
 @pytest.fixture(scope="module")
-def f16_gguf(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint, smollm_gguf_path: Path) -> Path:
-    """SmolLM2's weights (its blocks' values, fp32) written as F16: values that bf16 cannot all hold."""
+def fp32_folder(tmp_path_factory: pytest.TempPathFactory, default_checkpoint: LoadedCheckpoint) -> Path:
+    """SmolLM2's weights (its blocks' values) as an fp32 HF folder."""
     from conveyor.model.export import export_hf_folder
 
     c = default_checkpoint
-    dense = {n: w for n, w in c.weights.items() if isinstance(w, torch.Tensor)}
-    fp32_folder = export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("fp32") / "smollm2", torch.float32)
+    dense = {n: w for n, w in c.weights.items() if isinstance(w, np.ndarray)}
+    return export_hf_folder(c.config, dense, c.tokenizer, tmp_path_factory.mktemp("fp32") / "smollm2", "float32")
+
+
+@pytest.fixture(scope="module")
+def f16_gguf(tmp_path_factory: pytest.TempPathFactory, fp32_folder: Path, smollm_gguf_path: Path) -> Path:
+    """SmolLM2's weights (its blocks' values, fp32) written as F16: values that bf16 cannot all hold."""
     path = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
     write_gguf_from_hf(path, "llama", fp32_folder, smollm_gguf_path, matrices="F16")
     return path
@@ -142,6 +147,7 @@ def test_logprobs_equal_the_fp32_weights_bit_for_bit(source: tuple[Path, str]) -
 def test_greedy_tokens_equal_transformers_on_the_bf16_folder(bf16_folder: Path) -> None:
     """transformers on the same folder (its bf16 weights computed in fp32) scores each prompt and our
     tokens in one pass: its argmax at every position must be our next token."""
+    import torch  # the reference only: transformers runs on torch
     from transformers import AutoModelForCausalLM
 
     model = load_model(EngineConfig(model=str(bf16_folder), activation_dtype="float32"))
@@ -155,10 +161,26 @@ def test_greedy_tokens_equal_transformers_on_the_bf16_folder(bf16_folder: Path) 
         assert logits.argmax(-1).tolist() == tokens, text
 
 
+def test_dtype_bfloat16_holds_fp32_weights_as_the_bf16_folder_does(fp32_folder: Path, bf16_folder: Path) -> None:
+    """`--dtype bfloat16` on an fp32 folder rounds each matrix to bf16 (nearest even) into the BF16
+    panels, the activations staying fp32: the same panels, logprobs and tokens as the bf16 folder
+    (those values, rounded once by export) served in fp32, at half the bytes of fp32 weights."""
+    bf16 = load_model(EngineConfig(model=str(fp32_folder), dtype="bfloat16", activation_dtype="float32"))
+    stored = load_model(EngineConfig(model=str(bf16_folder), activation_dtype="float32"))
+    for ours, theirs in zip(bf16.model.modules(), stored.model.modules()):
+        assert ours.packed is not None and theirs.packed is not None and ours.packed.layout == "BF16"
+        assert np.array_equal(ours.packed.data, theirs.packed.data)
+    assert bf16.model.dtype == "bfloat16" and np.array_equal(bf16.model.norm, stored.model.norm)
+    assert run(bf16, fp32_folder) == run(stored, bf16_folder)
+    dense = load_model(EngineConfig(model=str(fp32_folder), activation_dtype="float32"))
+    assert 0.49 < model_bytes(bf16.model) / model_bytes(dense.model) < 0.51
+
+
 def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) -> None:
     """An embedding no head multiplies by is read by rows only: its bf16 rows are read from the
     safetensors file's mapping (as a GGUF's blocks are), and the results are the dense path's
     (exact activations)."""
+    import torch  # to write the bf16 checkpoint, as transformers would
     from safetensors.torch import load_file, save_file
 
     from tests.helpers import make_tiny_hf_checkpoint
@@ -171,7 +193,7 @@ def test_an_untied_16_bit_embedding_stays_in_the_file_s_mapping(tmp_path: Path) 
     model = load_model(EngineConfig(model=str(folder), activation_dtype="float32"))
     embed = model.model.embed
     assert embed.blocks is not None and embed.blocks.qtype == "BF16" and embed.packed is None
-    address = embed.blocks.blocks.data_ptr()
+    address = embed.blocks.blocks.ctypes.data
     mapped = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
     assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16)
                and m[-1] == str(folder / "model.safetensors") for m in mapped if len(m) == 6)
@@ -204,11 +226,13 @@ def test_the_fast_default_on_16_bit_weights_stays_within_the_quality_bounds(sour
     loaded = load_model(EngineConfig(model=str(path)))
     assert half_weights_in_bf16(loaded.model, "int8") and not half_weights_in_bf16(loaded.model, "float32")
     if qtype == "F16":  # the product rounds these weights too: some must move
+        from conveyor.model.quantized import bf16_bits, bf16_to_float32
+
         packed = loaded.model.layers[0].down.packed  # type: ignore[union-attr, index]
-        weights = packed.rows(torch.arange(packed.out_features))
-        assert not torch.equal(weights, weights.to(torch.bfloat16).float())
+        weights = packed.rows(np.arange(packed.out_features))
+        assert not np.array_equal(weights, bf16_to_float32(bf16_bits(weights)))
     tokens = TOKENS // 2  # the suite is kept short
-    for r in run_quality(loaded.model, loaded.tokenizer, "int8", tokens, 512, torch.float16):
+    for r in run_quality(loaded.model, loaded.tokenizer, "int8", tokens, 512, np.dtype(np.float16)):
         assert r.tokens == tokens - 1
         assert abs(r.ppl_ratio - 1.0) <= 0.005, r
         assert r.top1_agreement >= TOP1_BOUND, r

@@ -36,7 +36,7 @@ def test_a_kv_pool_beyond_free_memory_fails_before_loading(smollm_gguf_path) -> 
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert "refused:" in out.stdout and "--kv-cache-memory" in out.stdout and "GiB" in out.stdout
     peak_kib = int(out.stdout.strip().splitlines()[-1].split()[1])
-    assert peak_kib < 1_000_000  # the interpreter and torch; neither the weights' pool nor a KV pool was made
+    assert peak_kib < 1_000_000  # the interpreter and libraries; neither the weights' pool nor a KV pool was made
 
 
 def test_serve_with_a_pool_beyond_free_memory_exits_with_the_message() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
-import torch
 
 from conveyor.errors import InvalidRequestError
 from conveyor.request import Request
@@ -17,7 +17,20 @@ from conveyor.sampling.sampler import Sampler
 LLAMA_DEFAULT = ("top_k", "top_p", "min_p", "temperature")  # llama.cpp's default order, less its no-op samplers
 
 
-def support(row: torch.Tensor, chain: tuple[str, ...], **settings: float) -> set[int]:
+def f32(values: list[float]) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def randn(*shape: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def seeded_uniform(seed: int) -> float:
+    """A seeded request's first uniform number: numpy's PCG64 seeded by its seed."""
+    return float(np.random.Generator(np.random.PCG64(seed)).random())
+
+
+def support(row: np.ndarray, chain: tuple[str, ...], **settings: float) -> set[int]:
     """Every token a draw can give, over uniforms spanning [0, 1)."""
     defaults = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0}
     s = {**defaults, **settings}
@@ -28,7 +41,7 @@ def support(row: torch.Tensor, chain: tuple[str, ...], **settings: float) -> set
 def test_truncations_cut_the_models_distribution_and_temperature_comes_last() -> None:
     # probs at temperature 1 ~ [.61, .23, .08, .07, ...]: top_p 0.7 keeps the first two. At
     # temperature 3 first (vLLM's order) the distribution flattens and top_p keeps more.
-    row = torch.tensor([3.0, 2.0, 1.0, 0.9, -2.0, -3.0])
+    row = f32([3.0, 2.0, 1.0, 0.9, -2.0, -3.0])
     assert support(row, LLAMA_DEFAULT, top_p=0.7, temperature=3.0) == {0, 1}
     assert support(row, ("temperature", "top_p"), top_p=0.7, temperature=3.0) == {0, 1, 2}
     # min_p 0.3 of the model's distribution: p >= 0.3 * 0.61 keeps tokens 0 and 1
@@ -40,23 +53,23 @@ def test_truncations_cut_the_models_distribution_and_temperature_comes_last() ->
 def test_top_p_before_top_k_reads_the_whole_distribution() -> None:
     # Two near-equal tokens over a long tail: over the whole vocabulary top_p 0.5 keeps hundreds (then
     # top-k 2 keeps both); over the two best alone the first would reach 0.5 by itself.
-    row = torch.cat([torch.tensor([0.0, -0.1]), torch.full((998,), -2.0)])
+    row = np.concatenate([f32([0.0, -0.1]), np.full(998, -2.0, dtype=np.float32)])
     assert support(row, ("top_p", "top_k"), top_p=0.5, top_k=2) == {0, 1}
     assert support(row, ("top_k", "top_p"), top_p=0.5, top_k=2) == {0}
 
 
 def test_a_step_not_named_is_not_applied() -> None:
-    row = torch.tensor([3.0, 2.0, 1.0, 1.0])
+    row = f32([3.0, 2.0, 1.0, 1.0])
     assert support(row, ("top_k",), top_k=2, temperature=0.0) == {0, 1}  # no temperature step: sampled at 1
     assert support(row, (), top_p=0.1, top_k=1) == {0, 1, 2, 3}
 
 
 def test_the_draw_follows_the_softmax_of_what_is_left() -> None:
-    row = torch.tensor([2.0, 1.0, 0.0, -5.0])
+    row = f32([2.0, 1.0, 0.0, -5.0])
     draws = [draw_by_chain(row, LLAMA_DEFAULT, 3, 1.0, 0.0, 0.5, (u + 0.5) / 20000, None) for u in range(20000)]
-    freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
-    expected = torch.softmax(row[:3].double() / 0.5, 0)
-    assert torch.allclose(freq[:3], expected, atol=1e-3) and freq[3] == 0
+    freq = np.bincount(np.array(draws), minlength=4) / len(draws)
+    exps = np.exp(row[:3].astype(np.float64) / 0.5)
+    assert np.allclose(freq[:3], exps / exps.sum(), atol=1e-3) and freq[3] == 0
 
 
 CHAINS = [
@@ -74,27 +87,27 @@ def test_the_window_draws_what_a_float64_sort_of_the_whole_row_draws(chain: tupl
     # Rows as models give them (a few likely tokens over a long tail) and flat ones (whose nuclei run
     # past several widenings), a vocabulary of Qwen2.5's size; the reference sorts the whole row in
     # float64.
-    generator = torch.Generator().manual_seed(len(chain))
+    rng = np.random.default_rng(len(chain))
     vocab = 151_936
     for spread in (8.0, 2.0, 0.3):
-        row = torch.randn(vocab, generator=generator) * spread
+        row = randn(vocab, rng=rng, scale=spread)
         for top_k, top_p, min_p, temperature in ((0, 0.9, 0.05, 0.8), (0, 0.95, 0.0, 1.2), (50, 0.8, 0.1, 0.7)):
             for u in (0.0, 0.13, 0.5, 0.87, 0.999):
                 fast = draw_by_chain(row, chain, top_k, top_p, min_p, temperature, u, None)
-                exact = draw_by_chain(row.double(), chain, top_k, top_p, min_p, temperature, u, None, width=vocab)
+                exact = draw_by_chain(row.astype(np.float64), chain, top_k, top_p, min_p, temperature, u, None, width=vocab)
                 assert fast == exact, (spread, top_k, top_p, min_p, temperature, u)
 
 
 def test_a_peaked_row_is_drawn_on_its_first_window_and_a_flat_one_widens() -> None:
-    generator = torch.Generator().manual_seed(0)
-    peaked = torch.randn(151_936, generator=generator) * 8.0
-    flat = torch.randn(151_936, generator=generator) * 0.3
+    rng = np.random.default_rng(0)
+    peaked = randn(151_936, rng=rng, scale=8.0)
+    flat = randn(151_936, rng=rng, scale=0.3)
     chain = ("top_p", "min_p", "temperature")  # no top-k: the cut is the nucleus's
     token, _ = _chain_on_window(peaked, chain, 151_936, 0.95, 0.05, 0.8, 0.5, None, FIRST_CANDIDATE_WIDTH)
     assert token is not None
     assert _chain_on_window(flat, chain, 151_936, 0.95, 0.0, 0.8, 0.5, None, FIRST_CANDIDATE_WIDTH) == (None, 0)
     # min_p alone cuts where the row says: the window must then reach every token above its floor
-    row = torch.cat([torch.zeros(300), torch.full((151_636,), -50.0)])
+    row = np.concatenate([np.zeros(300, dtype=np.float32), np.full(151_636, -50.0, dtype=np.float32)])
     assert _chain_on_window(row, ("min_p", "infill"), 151_936, 1.0, 0.5, 1.0, 0.5,
                             vocabulary({}, set(), 0), FIRST_CANDIDATE_WIDTH) == (None, 300)
 
@@ -103,10 +116,10 @@ def vocabulary(pieces: dict[int, bytes], ends: set[int], end_id: int) -> InfillV
     return InfillVocabulary(frozenset(ends), end_id, lambda t: pieces[t])
 
 
-def sorted_candidates(probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    values = torch.log(torch.tensor(probs, dtype=torch.float64))
-    order = values.argsort(descending=True)
-    return values[order].float(), order
+def sorted_candidates(probs: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    values = np.log(np.array(probs, dtype=np.float64))
+    order = np.argsort(-values, kind="stable")
+    return values[order].astype(np.float32), order
 
 
 def test_infill_keeps_only_the_ends_when_ending_is_likely_enough() -> None:
@@ -127,7 +140,7 @@ def test_infill_adds_a_tokens_probability_to_the_likelier_one_its_text_begins_or
     kept_values, kept_ids = infill_step(values, ids, vocabulary(pieces, {4}, 4))
     assert sorted(kept_ids.tolist()) == [0, 4]
     # The kept keep their own logits: the draw is over those (llama.cpp's dist recomputes them).
-    assert torch.allclose(kept_values, torch.tensor([math.log(0.3), math.log(0.05)]))
+    assert np.allclose(kept_values, [math.log(0.3), math.log(0.05)])
 
 
 def test_infill_never_merges_an_end_token_into_text() -> None:
@@ -142,8 +155,8 @@ def test_infill_never_merges_an_end_token_into_text() -> None:
     lt = tokenizer.encode("<", add_special_tokens=False)[0]
     assert token_piece(tokenizer, lt) == b"<"
     words = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" x", " y", " z")]
-    ids = torch.tensor([lt, eos, *words])
-    values = torch.log(torch.tensor([0.5, 0.02, 0.16, 0.16, 0.16]))
+    ids = np.array([lt, eos, *words])
+    values = np.log(f32([0.5, 0.02, 0.16, 0.16, 0.16]))
     vocab = InfillVocabulary(frozenset({eos}), eos, lambda t: token_piece(tokenizer, t))
     _, kept = infill_step(values, ids, vocab)
     assert eos in kept.tolist() and lt in kept.tolist()
@@ -155,7 +168,7 @@ def test_infill_ends_where_no_text_stands_out() -> None:
     probs = [0.12] * 8 + [0.0025]  # no text token reaches 0.2; ending is unlikely (3 * .0025 * 9 < .96)
     values, ids = sorted_candidates([p / sum(probs) for p in probs])
     kept_values, kept_ids = infill_step(values, ids, vocabulary(pieces, {8}, 8))
-    assert kept_ids.tolist() == [8] and kept_values.numel() == 1
+    assert kept_ids.tolist() == [8] and kept_values.size == 1
 
 
 def requests(*params: SamplingParams) -> list[Request]:
@@ -163,7 +176,7 @@ def requests(*params: SamplingParams) -> list[Request]:
 
 
 def test_the_sampler_draws_chain_rows_by_their_chain_and_greedy_means_the_argmax() -> None:
-    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0, -2.0, -3.0]]).repeat(400, 1)
+    logits = np.tile(f32([3.0, 2.0, 1.0, 1.0, -2.0, -3.0]), (400, 1))
     params = SamplingParams(temperature=3.0, top_p=0.7, sampler_chain=LLAMA_DEFAULT)
     out = Sampler(seed=1)(logits, requests(*[params] * 400)).tokens
     assert set(out) == {0, 1}
@@ -171,7 +184,7 @@ def test_the_sampler_draws_chain_rows_by_their_chain_and_greedy_means_the_argmax
     assert not SamplingParams(temperature=0.0, sampler_chain=("top_k",)).greedy  # no temperature step
     assert not SamplingParams(temperature=0.0, sampler_chain=("top_k", "infill", "temperature")).greedy
     seeded = SamplingParams(temperature=1.0, seed=7, sampler_chain=LLAMA_DEFAULT)
-    rows = torch.randn(3, 50)
+    rows = randn(3, 50, rng=np.random.default_rng(1))
     first = Sampler(seed=2)(rows, requests(seeded, SamplingParams(temperature=1.0), seeded)).tokens
     again = Sampler(seed=9)(rows[[0]], requests(seeded)).tokens
     assert first[0] == again[0]  # a seeded chain row draws the same whatever its batch
@@ -180,9 +193,8 @@ def test_the_sampler_draws_chain_rows_by_their_chain_and_greedy_means_the_argmax
 def test_a_batch_of_chain_rows_draws_what_each_row_sorted_whole_in_float64_draws() -> None:
     # The batch's first windows are found together (Sampler: first_windows); rows whose top-k cuts
     # first, rows without top-k and rows tempered before their nucleus, at several spreads.
-    generator = torch.Generator().manual_seed(3)
     vocab = 151_936
-    logits = torch.randn(6, vocab, generator=generator) * torch.tensor([[8.0], [2.0], [8.0], [0.5], [4.0], [8.0]])
+    logits = randn(6, vocab, rng=np.random.default_rng(3)) * f32([8.0, 2.0, 8.0, 0.5, 4.0, 8.0])[:, None]
     settings = [dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT),
                 dict(top_k=0, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT),
                 dict(top_k=0, top_p=0.9, temperature=1.5, sampler_chain=("temperature", "top_p")),
@@ -192,22 +204,28 @@ def test_a_batch_of_chain_rows_draws_what_each_row_sorted_whole_in_float64_draws
     params = [SamplingParams(seed=11 + i, **setting) for i, setting in enumerate(settings)]  # type: ignore[arg-type]
     drawn = Sampler(seed=0)(logits, requests(*params)).tokens
     for i, p in enumerate(params):
-        uniform = float(torch.rand(1, generator=torch.Generator().manual_seed(11 + i)))
-        assert drawn[i] == draw_by_chain(logits[i].double(), p.sampler_chain or (), p.top_k, p.top_p, p.min_p,
+        uniform = seeded_uniform(11 + i)
+        assert drawn[i] == draw_by_chain(logits[i].astype(np.float64), p.sampler_chain or (), p.top_k, p.top_p, p.min_p,
                                          p.temperature, uniform, None, width=vocab), i
 
 
-def reference_draw(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
+def softmax64(values: np.ndarray) -> np.ndarray:
+    exps = np.exp(values - values.max())
+    return exps / exps.sum()
+
+
+def reference_draw(row: np.ndarray, chain: tuple[str, ...], top_k: int, top_p: float, min_p: float,
                    temperature: float, uniform: float, vocabulary: InfillVocabulary | None) -> int:
-    """llama.cpp's chain read literally, in float64 on the whole row sorted: the specification the
-    window is held to (the infill step is infill_step's, tested above)."""
-    values, ids = row.double().sort(descending=True, stable=True)
+    """llama.cpp's chain read literally, in float64 on the whole row sorted (ties by token id): the
+    specification the window is held to (the infill step is infill_step's, tested above)."""
+    ids = np.argsort(-row.astype(np.float64), kind="stable")
+    values = row.astype(np.float64)[ids]
     for step in chain:
-        if step == "top_k" and 0 < top_k < values.numel():
+        if step == "top_k" and 0 < top_k < values.size:
             values, ids = values[:top_k], ids[:top_k]
         elif step == "top_p" and top_p < 1.0:
-            probs = torch.softmax(values, 0)
-            before = torch.cat([torch.zeros(1, dtype=probs.dtype), probs.cumsum(0)[:-1]])
+            probs = softmax64(values)
+            before = np.concatenate([np.zeros(1), np.cumsum(probs)[:-1]])
             keep = max(1, int((before < top_p).sum()))
             values, ids = values[:keep], ids[:keep]
         elif step == "min_p" and min_p > 0.0:
@@ -218,24 +236,24 @@ def reference_draw(row: torch.Tensor, chain: tuple[str, ...], top_k: int, top_p:
         elif step == "infill":
             assert vocabulary is not None
             values, ids = infill_step(values, ids, vocabulary)
-    cdf = torch.softmax(values, 0).cumsum(0)
-    return int(ids[min(int((cdf < uniform * float(cdf[-1])).sum()), values.numel() - 1)])
+    cdf = np.cumsum(softmax64(values))
+    return int(ids[min(int((cdf <= uniform * float(cdf[-1])).sum()), values.size - 1)])
 
 
 def test_random_chains_on_rows_with_banned_tokens_draw_what_the_literal_chain_draws() -> None:
     # Any order of the five steps, some twice, on rows mostly banned (-inf: a logit bias, a grammar),
     # peaked or flat, top-k past the window or the row, greedy temperatures; the infill step judges
     # the ends against the texts (token 0 ends; each token's text is distinct).
-    generator = torch.Generator().manual_seed(5)
+    rng = np.random.default_rng(5)
     pick = random.Random(5)
     vocab = 3000
     infill = vocabulary({t: f"t{t}".encode() for t in range(vocab)}, {0}, 0)
     for case in range(400):
-        row = torch.randn(vocab, generator=generator) * pick.choice([0.5, 3.0, 10.0])
+        row = randn(vocab, rng=rng, scale=pick.choice([0.5, 3.0, 10.0]))
         if case % 3 == 0:
-            banned = torch.rand(vocab, generator=generator) < pick.choice([0.9, 0.995])
+            banned = rng.random(vocab) < pick.choice([0.9, 0.995])
             banned[int(row.argmax())] = False
-            row = row.masked_fill(banned, float("-inf"))
+            row = np.where(banned, np.float32(-np.inf), row)
         chain = tuple(pick.choice(["top_k", "top_p", "min_p", "temperature", "infill"])
                       for _ in range(pick.randint(0, 4)))
         settings = (pick.choice([0, -1, 5, 40, 300, 2999, 3000, 5000]), pick.choice([1.0, 0.95, 0.5, 0.1]),
@@ -247,14 +265,14 @@ def test_random_chains_on_rows_with_banned_tokens_draw_what_the_literal_chain_dr
 def test_a_seeded_chain_row_draws_the_same_beside_any_batch_mate() -> None:
     # Logits rounded as bf16 weights give them, so ties are common: a row's window must not depend on
     # how wide its batch-mates' windows are.
-    generator = torch.Generator().manual_seed(2)
-    row = (torch.randn(151_936, generator=generator) * 4).to(torch.bfloat16).float()
+    # bf16 keeps a float32's top 16 bits (rounded here by truncation).
+    row = (randn(151_936, rng=np.random.default_rng(2), scale=4).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     mate = SamplingParams(seed=999, top_k=5000, top_p=0.95, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
     for seed in range(40):
         mine = SamplingParams(seed=seed, top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
         alone = Sampler()(row[None], requests(mine)).tokens[0]
         again = SamplingParams(seed=seed, top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, sampler_chain=LLAMA_DEFAULT)
-        assert Sampler()(torch.stack([row, row]), requests(again, mate)).tokens[0] == alone, seed
+        assert Sampler()(np.stack([row, row]), requests(again, mate)).tokens[0] == alone, seed
 
 
 def test_an_unknown_step_is_refused() -> None:

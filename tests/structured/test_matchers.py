@@ -8,7 +8,6 @@ import pickle
 import llguidance.numpy as llg_numpy
 import numpy as np
 import pytest
-import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
@@ -63,7 +62,7 @@ class LogitsRunner:
     def execute(self, out, stats: StepStats, token_masks: TokenMasks | None = None) -> SamplerOutput:  # noqa: ANN001
         self.fake.execute(out, stats)  # checks the KV slots
         requests = out.sampling_requests()
-        logits = -torch.arange(len(VOCAB), dtype=torch.float32).repeat(len(requests), 1)
+        logits = np.tile(-np.arange(len(VOCAB), dtype=np.float32), (len(requests), 1))
         logits[:, VOCAB.index("xx")], logits[:, VOCAB.index("x")] = 10.0, 9.0
         self.masks.append(token_masks)
         self.rows.append([r.request_id for r in requests])
@@ -99,18 +98,18 @@ def choice(*options: str, **kwargs) -> SamplingParams:  # noqa: ANN003
 
 
 def test_mask_application_matches_llguidance_reference_and_spares_other_rows():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 70, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen).numpy()
-    expected = logits.clone()
-    sub = expected[[1, 3]].clone()
-    llg_numpy.apply_token_bitmask_inplace(sub.numpy(), bitmask)  # llguidance's own bit order
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 70)).astype(np.float32)
+    bitmask = rng.integers(-(2**31), 2**31 - 1, (2, 3), dtype=np.int32)
+    expected = logits.copy()
+    sub = expected[[1, 3]].copy()
+    llg_numpy.apply_token_bitmask_inplace(sub, bitmask)  # llguidance's own bit order
     expected[[1, 3]] = sub
-    strided = logits.t().contiguous().t()  # not contiguous: the torch path
+    strided = np.ascontiguousarray(logits.T).T  # not contiguous: written through its strides
     apply_token_masks(logits, TokenMasks([1, 3], bitmask))
     apply_token_masks(strided, TokenMasks([1, 3], bitmask))
-    assert torch.equal(logits, expected) and torch.equal(strided, expected)
-    assert torch.isinf(logits[[1, 3]]).any() and not torch.isinf(logits[[0, 2, 4]]).any()
+    assert np.array_equal(logits, expected) and np.array_equal(strided, expected)
+    assert np.isinf(logits[[1, 3]]).any() and not np.isinf(logits[[0, 2, 4]]).any()
 
 
 def test_constrained_rows_are_masked_unconstrained_pay_nothing_and_grammar_end_stops():

@@ -1,9 +1,9 @@
 // The small per-layer ops of a decoder layer, one pass over the rows each: RMSNorm (alone and
 // after the residual add), rotary embedding fused with the KV-cache write, and SiLU(gate) * up.
-// In torch each is 2-16 ops on tensors of a few KiB, so at decode sizes their dispatch costs more
-// than their arithmetic. Built with -ffp-contract=off: products and sums round as torch's
-// separate ops round them (rotary embedding matches torch bit for bit).
-#include "torch_api.h"
+// As separate array ops each is 2-16 passes over a few KiB, so at decode sizes their dispatch costs
+// more than their arithmetic. Built with -ffp-contract=off: products and sums round as separate ops
+// round them (model/ops.py's numpy reference; rotary embedding matches it bit for bit).
+#include "array.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+using namespace conveyor_array;
 namespace {
 
 // Below this many elements a task runs on the calling thread: waking the other costs more.
@@ -27,14 +28,14 @@ constexpr int64_t kMaxHeadDim = 512;
 
 int64_t grain_rows(int64_t row_size) { return std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(row_size, 1)); }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
+void check_rows(const Array& t, const char* name) {
+  CHECK(t.dtype() == DType::kFloat32, name, " must be float32");
+  CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
 }
 
-void check_weight(const torch::Tensor& weight, int64_t n) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
-              "the norm weight must be a contiguous float32 vector of the row size");
+void check_weight(const Array& weight, int64_t n) {
+  CHECK(weight.dtype() == DType::kFloat32 && weight.is_contiguous() && weight.numel() == n,
+        "the norm weight must be a contiguous float32 vector of the row size");
 }
 
 // The order of HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then times the weight.
@@ -47,35 +48,36 @@ inline void rms_norm_row(const float* x, const float* weight, float* out, int64_
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+Array rms_norm(const Array& x, const Array& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   check_weight(weight, n);
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = empty({rows, n}, x.dtype());
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(x_ptr + r * stride, w_ptr, out_ptr + r * n, n, eps);
   });
   return out;
 }
 
 // residual += delta (the residual stream is updated in place), then returns rms_norm(residual).
-torch::Tensor add_rms_norm_(torch::Tensor residual, const torch::Tensor& delta, const torch::Tensor& weight,
-                            double eps) {
+Array add_rms_norm_(Array residual, const Array& delta, const Array& weight,
+                    double eps) {
   check_rows(residual, "residual");
   check_rows(delta, "delta");
-  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta must have the same shape");
+  CHECK(residual.writeable(), "residual must be writeable: it is updated in place");
+  CHECK(residual.sizes() == delta.sizes(), "residual and delta must have the same shape");
   const int64_t rows = residual.size(0), n = residual.size(1);
   const int64_t res_stride = residual.stride(0), delta_stride = delta.stride(0);
   check_weight(weight, n);
-  auto out = torch::empty({rows, n}, residual.options());
+  auto out = empty({rows, n}, residual.dtype());
   float* res_ptr = residual.data_ptr<float>();
   const float* delta_ptr = delta.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* x = res_ptr + r * res_stride;
       const float* d = delta_ptr + r * delta_stride;
@@ -102,24 +104,26 @@ inline void rotate(const float* x, float* out, const float* cos, const float* si
 // views of the rotated keys and the values inside qkv, [T, kv_heads, d] each (made here: a
 // Python split costs more than this whole op at batch 1). With `q_norm` and `k_norm` (Qwen3's and
 // Gemma 3's per-head RMSNorm weights, [d] each), every query and key head is normed in place first.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
-    torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
-    const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double norm_eps) {
+std::tuple<Array, Array, Array> rope_and_cache(
+    Array qkv, const Array& cos, const Array& sin, Array k_cache,
+    Array v_cache, const Array& slots, int64_t num_heads, int64_t num_kv_heads,
+    const std::optional<Array>& q_norm, const std::optional<Array>& k_norm, double norm_eps) {
   check_rows(qkv, "qkv");
-  const bool half_cache = k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && (half_cache || k_cache.scalar_type() == at::kFloat) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, d]");
+  CHECK(qkv.writeable() && k_cache.writeable() && v_cache.writeable(),
+        "qkv and the caches must be writeable: they are written in place");
+  const bool half_cache = k_cache.dtype() == DType::kFloat16;
+  CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+            v_cache.is_contiguous() && (half_cache || k_cache.dtype() == DType::kFloat32) &&
+            v_cache.dtype() == k_cache.dtype(),
+        "caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, d]");
   const int64_t rows = qkv.size(0), d = k_cache.size(3), half = d / 2, stride = qkv.stride(0);
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads && d % 2 == 0 && d <= kMaxHeadDim, "cache head layout mismatch");
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv row size must be (heads + 2 kv_heads) * d");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat, "cos and sin must be contiguous float32 [T, d]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows, "one int64 slot per row");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
+  CHECK(k_cache.size(2) == num_kv_heads && d % 2 == 0 && d <= kMaxHeadDim, "cache head layout mismatch");
+  CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv row size must be (heads + 2 kv_heads) * d");
+  CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d &&
+            cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == DType::kFloat32 &&
+            sin.dtype() == DType::kFloat32, "cos and sin must be contiguous float32 [T, d]");
+  CHECK(slots.dtype() == DType::kInt64 && slots.is_contiguous() && slots.numel() == rows, "one int64 slot per row");
+  CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
   if (q_norm.has_value()) {
     check_weight(*q_norm, d);
     check_weight(*k_norm, d);
@@ -130,9 +134,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
   const int64_t kv_row = num_kv_heads * d, num_slots = k_cache.numel() / kv_row;
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)  // checked here: no exceptions inside the parallel region
-    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < num_slots, "slot out of range");
+    CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < num_slots, "slot out of range");
 
-  auto q = torch::empty({rows, num_heads, d}, qkv.options());
+  auto q = empty({rows, num_heads, d}, qkv.dtype());
   float* qkv_ptr = qkv.data_ptr<float>();
   float* q_ptr = q.data_ptr<float>();
   const float* cos_ptr = cos.data_ptr<float>();
@@ -144,7 +148,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
     if (half_cache) conveyor_kv::from_floats(src, static_cast<conveyor_kv::Half*>(cache) + slot * kv_row, kv_row);
     else std::memcpy(static_cast<float*>(cache) + slot * kv_row, src, kv_row * sizeof(float));
   };
-  at::parallel_for(0, rows, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
     float rotated[kMaxHeadDim];
     for (int64_t r = begin; r < end; ++r) {
       float* row = qkv_ptr + r * stride;
@@ -170,14 +174,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_and_cache(
 }
 
 // gate_up: [T, 2 I] (gate then up, the fused projection's output) -> silu(gate) * up, [T, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+Array silu_and_mul(const Array& gate_up) {
   check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even row size");
+  CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even row size");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, n}, gate_up.options());
+  auto out = empty({rows, n}, gate_up.dtype());
   const float* in_ptr = gate_up.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = in_ptr + r * stride;
       const float* up = gate + n;
@@ -192,10 +196,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// First index of the row's largest value, a NaN counting as larger than any number: torch.argmax's
-// answer. torch's CPU argmax compares element by element (for Gemma 3's 262,144-token vocabulary,
-// ~2% of a decode step); here one vectorised pass finds the maximum (and whether a NaN is there),
-// a second the first element equal to it (or the first NaN).
+// First index of the row's largest value, a NaN counting as larger than any number: numpy's (and
+// torch's) argmax answer. One vectorised pass finds the maximum (and whether a NaN is there), a
+// second the first element equal to it (or the first NaN); torch's CPU argmax, which this replaced,
+// compared element by element (for Gemma 3's 262,144-token vocabulary, ~2% of a decode step).
 #if defined(__AVX2__)
 int64_t argmax_row(const float* x, int64_t n) {
   constexpr int64_t kStep = 32;  // 4 vectors: 4 independent max chains
@@ -237,14 +241,14 @@ int64_t argmax_row(const float* x, int64_t n) {
 #endif
 
 // logits [rows, vocab] -> int64 [rows], each row's argmax.
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
+Array argmax_rows(const Array& logits) {
   check_rows(logits, "logits");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(n > 0, "argmax of an empty row");
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  CHECK(n > 0, "argmax of an empty row");
+  auto out = empty({rows}, DType::kInt64);
   const float* in_ptr = logits.data_ptr<float>();
   int64_t* out_ptr = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) out_ptr[r] = argmax_row(in_ptr + r * stride, n);
   });
   return out;
@@ -253,8 +257,9 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 }  // namespace
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] tensor",
+PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
+  def_thread_functions(m);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 [T, n] array",
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta in place, then RMSNorm of the residual",
         py::call_guard<py::gil_scoped_release>());
@@ -262,6 +267,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over fused gate_up rows",
         py::call_guard<py::gil_scoped_release>());
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (first index of the maximum, NaN first), as torch.argmax",
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (first index of the maximum, NaN first), as numpy's argmax",
         py::call_guard<py::gil_scoped_release>());
 }

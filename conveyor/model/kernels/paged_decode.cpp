@@ -10,7 +10,7 @@
 // (Gemma's local layers) starts each row at its window's first token: blocks before it are never read.
 // Rows that share their first block with another row take a register-blocked span (VectorSpan);
 // on AVX-512 builds every row does (kUnsharedSpan).
-#include "torch_api.h"
+#include "array.h"
 
 #include <algorithm>
 #include <array>
@@ -25,6 +25,7 @@
 #include "kv_half.h"
 #include "spread_prefetch.h"
 
+using namespace conveyor_array;
 using conveyor_kv::Half;
 
 namespace {
@@ -372,23 +373,23 @@ constexpr UnsharedSpan kUnsharedSpan = UnsharedSpan::kToken;
 #endif
 
 template <int64_t D, class T>
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, double scale, int64_t window,
-                               UnsharedSpan unshared) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs only");
+Array decode_attention(const Array& q, const Array& k_cache,
+                       const Array& v_cache, const Array& block_tables,
+                       const Array& context_lens, double scale, int64_t window,
+                       UnsharedSpan unshared) {
+  CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  CHECK(block_tables.dtype() == DType::kInt64 && context_lens.dtype() == DType::kInt64, "int64 tables");
+  CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+            block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous inputs only");
   const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head layout mismatch");
-  TORCH_CHECK(block_tables.size(0) == num_rows && context_lens.size(0) == num_rows, "one table per row");
+  CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head layout mismatch");
+  CHECK(block_tables.size(0) == num_rows && context_lens.size(0) == num_rows, "one table per row");
   const int64_t table_width = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t row = 0; row < num_rows; ++row)  // checked here: no exceptions inside the parallel region
-    TORCH_CHECK(lens[row] > 0 && (lens[row] + block_size - 1) / block_size <= table_width, "bad context length");
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+    CHECK(lens[row] > 0 && (lens[row] + block_size - 1) / block_size <= table_width, "bad context length");
+  CHECK(window >= 0, "window must be >= 0 (0: none)");
   std::vector<int64_t> starts(num_rows, 0);
   if (window > 0)
     for (int64_t row = 0; row < num_rows; ++row) starts[row] = std::max<int64_t>(0, lens[row] - window);
@@ -426,8 +427,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   auto run_span = [&](int64_t row, int64_t first_block, int64_t num_blocks, std::vector<float>& scores, float* result,
                       const T*) { span(row, first_block, num_blocks, scores, result); };
 #endif
-  const int64_t stride = head_dim + 2, threads = at::get_num_threads();
-  auto out = torch::empty_like(q);
+  const int64_t stride = head_dim + 2, threads = get_num_threads();
+  auto out = empty_like(q);
   float* out_ptr = out.data_ptr<float>();
   auto first_block_of = [&](int64_t row) { return starts[row] / block_size; };
   auto blocks_of = [&](int64_t row) { return (lens[row] + block_size - 1) / block_size - first_block_of(row); };
@@ -459,7 +460,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       bounds.push_back(task);
   }
   bounds.push_back(num_tasks);
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t group_begin, int64_t group_end) {
+  parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t group_begin, int64_t group_end) {
     std::vector<float> scores, own(sliced ? 0 : num_heads * stride);
     for (int64_t task = bounds[group_begin]; task < bounds[group_end]; ++task) {
       const auto [row, first_block, num_blocks] = tasks[task];
@@ -507,9 +508,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 }
 
 template <class T>
-torch::Tensor decode_attention_of(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                  const torch::Tensor& context_lens, double scale, int64_t window, UnsharedSpan unshared) {
+Array decode_attention_of(const Array& q, const Array& k_cache,
+                          const Array& v_cache, const Array& block_tables,
+                          const Array& context_lens, double scale, int64_t window, UnsharedSpan unshared) {
   switch (q.size(-1)) {
     case 64: return decode_attention<64, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
     case 128: return decode_attention<128, T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
@@ -518,25 +519,26 @@ torch::Tensor decode_attention_of(const torch::Tensor& q, const torch::Tensor& k
   }
 }
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale, int64_t window,
-                                     const std::string& unshared_span) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache must have one dtype");
-  TORCH_CHECK(unshared_span == "auto" || unshared_span == "token" || unshared_span == "vector",
-              "unshared_span must be auto, token or vector, not ", unshared_span);
+Array paged_decode_attention(const Array& q, const Array& k_cache,
+                             const Array& v_cache, const Array& block_tables,
+                             const Array& context_lens, double scale, int64_t window,
+                             const std::string& unshared_span) {
+  CHECK(q.dtype() == DType::kFloat32, "q must be float32");
+  CHECK(v_cache.dtype() == k_cache.dtype(), "k_cache and v_cache must have one dtype");
+  CHECK(unshared_span == "auto" || unshared_span == "token" || unshared_span == "vector",
+        "unshared_span must be auto, token or vector, not ", unshared_span);
   const UnsharedSpan unshared = unshared_span == "token"    ? UnsharedSpan::kToken
                                 : unshared_span == "vector" ? UnsharedSpan::kVector
                                                             : kUnsharedSpan;
-  if (k_cache.scalar_type() == at::kFloat)
+  if (k_cache.dtype() == DType::kFloat32)
     return decode_attention_of<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
-  TORCH_CHECK(k_cache.scalar_type() == at::kHalf, "the KV cache must be float32 or float16");
+  CHECK(k_cache.dtype() == DType::kFloat16, "the KV cache must be float32 or float16");
   return decode_attention_of<Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window, unshared);
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
+  def_thread_functions(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (fp32 or fp16; fp32 q and arithmetic); window > 0: each row sees its "
         "last `window` tokens; unshared_span: the span of rows not sharing their first block (auto: this CPU's; token; vector)",

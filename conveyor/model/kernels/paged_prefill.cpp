@@ -14,7 +14,7 @@
 // step addresses its 16 keys from one pointer (the head dimension is compiled in); a float16 cache
 // is widened to fp32 in that copy, so the tiles read fp32 whatever the cache holds. Tasks are split
 // between the threads by their number of keys, since later positions see more.
-#include "torch_api.h"
+#include "array.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +24,7 @@
 
 #include "simd.h"  // errors without AVX2 and FMA: the loader then falls back to SDPA
 
+using namespace conveyor_array;
 namespace {
 
 using namespace conveyor_simd;
@@ -151,30 +152,30 @@ void run_tile(const Chunk& c, const Task& t, Scratch& w) {
 
 // q [n, heads, d]: the chunk's queries at positions num_cached .. num_cached + n - 1, whose keys
 // and values are in the cache (with those of every earlier position) through block_table.
-torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                                      int64_t num_cached, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "paged_prefill_attention: q must be [n, heads, d] fp32");
-  const bool half = k_cache.scalar_type() == torch::kHalf;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  (half || k_cache.scalar_type() == torch::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_prefill_attention: caches must be contiguous fp32 or fp16 [blocks, block_size, kv_heads, d]");
+Array paged_prefill_attention(const Array& q, const Array& k_cache,
+                              const Array& v_cache, const Array& block_table,
+                              int64_t num_cached, double scale, int64_t window) {
+  CHECK(q.dim() == 3 && q.dtype() == DType::kFloat32, "paged_prefill_attention: q must be [n, heads, d] fp32");
+  const bool half = k_cache.dtype() == DType::kFloat16;
+  CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+            (half || k_cache.dtype() == DType::kFloat32) && v_cache.dtype() == k_cache.dtype() &&
+            k_cache.is_contiguous() && v_cache.is_contiguous(),
+        "paged_prefill_attention: caches must be contiguous fp32 or fp16 [blocks, block_size, kv_heads, d]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && (d == 64 || d == 128 || d == 256), "paged_prefill_attention: head dim ", d,
-              " unsupported (64, 128 or 256)");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: heads not a multiple of KV heads");
-  TORCH_CHECK(num_cached >= 0 && window >= 0, "paged_prefill_attention: negative num_cached or window");
-  const auto table = block_table.to(torch::kLong).contiguous();
+  CHECK(k_cache.size(3) == d && (d == 64 || d == 128 || d == 256), "paged_prefill_attention: head dim ", d,
+        " unsupported (64, 128 or 256)");
+  CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: heads not a multiple of KV heads");
+  CHECK(num_cached >= 0 && window >= 0, "paged_prefill_attention: negative num_cached or window");
+  const auto table = block_table.to(DType::kInt64).contiguous();
   const int64_t context = num_cached + n;
-  TORCH_CHECK(table.dim() == 1 && table.size(0) * block_size >= context, "paged_prefill_attention: block table too short");
+  CHECK(table.dim() == 1 && table.size(0) * block_size >= context, "paged_prefill_attention: block table too short");
   const auto qc = q.contiguous();
-  auto out = torch::empty_like(qc);
+  auto out = empty_like(qc);
   if (n == 0) return out;
   const int64_t* tp = table.data_ptr<int64_t>();
   for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
-    TORCH_CHECK(tp[b] >= 0 && tp[b] < k_cache.size(0), "paged_prefill_attention: block id out of range");
+    CHECK(tp[b] >= 0 && tp[b] < k_cache.size(0), "paged_prefill_attention: block id out of range");
 
   Chunk c{qc.data_ptr<float>(), out.data_ptr<float>(), nullptr, nullptr, heads, kv_heads, num_cached, window,
           0, 0, static_cast<float>(scale)};
@@ -185,7 +186,7 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   std::vector<float> keys(kv_heads * c.run * d, 0.f), values(kv_heads * c.run * d, 0.f);
   c.keys = keys.data();
   c.values = values.data();
-  at::parallel_for(c.key_base, context, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(c.key_base, context, 64, [&](int64_t begin, int64_t end) {
     if (half)
       copy_runs(static_cast<const Half*>(k_cache.data_ptr()), static_cast<const Half*>(v_cache.data_ptr()), tp,
                 block_size, kv_heads, d, c.key_base, c.run, begin, end, keys.data(), values.data());
@@ -208,14 +209,14 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
         const int64_t last = num_cached + i0 + t.positions - 1;
         cost_before.push_back(cost_before.back() + (last - c.first_key(num_cached + i0) + 1) * t.positions * t.per_position);
       }
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(get_num_threads(), static_cast<int64_t>(tasks.size())));
   std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(tasks.size()));
   bounds[0] = 0;
   for (int64_t th = 1; th < threads; ++th) {
     const int64_t share = cost_before.back() * th / threads;
     bounds[th] = std::lower_bound(cost_before.begin(), cost_before.end(), share) - cost_before.begin();
   }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(d);
     for (int64_t th = begin; th < end; ++th)
       for (int64_t i = bounds[th]; i < bounds[th + 1]; ++i) {
@@ -228,7 +229,8 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
 }
 
 // The op runs without the GIL, so the server's event loop streams responses while a step computes.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
+  def_thread_functions(m);
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of one prefill chunk over a paged KV cache (fp32 or fp16); window > 0: each query sees its "
         "last `window` positions",

@@ -15,7 +15,7 @@
 #include "spread_prefetch.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
-#error "the panel kernels need AVX2 and FMA"  // the loader then falls back to oneDNN / MKL
+#error "the panel kernels need AVX2 and FMA"  // the loader then keeps plain weights for numpy's matmul
 #endif
 
 namespace conveyor_panels {

@@ -13,7 +13,7 @@
 // (An infinite fp16 scale would give NaN where gguf gives inf: no quantiser writes one.) A 16-bit
 // float is expanded exactly (F16C's conversion; a bf16 is the top half of its fp32), so products on
 // F16 / BF16 weights are bit-identical to the fp32 panels of the same values, at half their bytes.
-#include "torch_api.h"
+#include "array.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +28,7 @@
 #error "quant_gemm needs F16C"  // the loader then keeps fp32 panels
 #endif
 
+using namespace conveyor_array;
 using namespace conveyor_panels;
 
 namespace {
@@ -649,7 +650,7 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
       interleave_rows<kFusedRows>(x, x_stride, m, units * U::kUnitK, interleaved.data());
     }
     const float* xt = m > 1 ? interleaved.data() : x;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       const int64_t panel_bytes = units * U::kBytes;
       NextPanel ahead;  // the next panel into L2, a few lines a unit of each tile
       for (int64_t p = begin; p < end; ++p) {
@@ -671,7 +672,7 @@ void matmul_panels(const float* x, int64_t x_stride, int64_t m, const uint8_t* w
     return;
   }
   // More rows: each panel expanded once into the L2 buffer, in blocks of rows (see for_row_blocks).
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> expanded;  // two panels in fp32 (K x 64 bytes each, in L2)
     const int64_t k_dim = units * U::kUnitK;
     expanded.resize(2 * k_dim * kPanel);
@@ -821,22 +822,23 @@ float exact_q8_0(const float* x, const uint8_t* w, int64_t units, int64_t col) {
 }  // namespace
 
 // GGUF blocks [N, K / block * block bytes] -> `out` [ceil(N/16), K / block, unit bytes], a contiguous
-// tensor or a run of whole panels of one (a loader packs a large matrix a run of rows at a time);
+// array or a run of whole panels of one (a loader packs a large matrix a run of rows at a time);
 // columns past N in the last panel get zero scales and codes, so they come out as zero weights.
-void pack_quantized_into(const torch::Tensor& blocks, int64_t qtype, torch::Tensor out) {
-  TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
+void pack_quantized_into(const Array& blocks, int64_t qtype, Array out) {
+  CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.size(1) % f.gguf_bytes == 0,
-              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
+  CHECK(blocks.dim() == 2 && blocks.dtype() == DType::kUInt8 && blocks.size(1) % f.gguf_bytes == 0,
+        "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
   const auto b = blocks.contiguous();
   const int64_t n = b.size(0), units = b.size(1) / f.gguf_bytes, panels = (n + kPanel - 1) / kPanel;
-  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kByte && out.is_contiguous() && out.size(0) == panels &&
-              out.size(1) == units && out.size(2) == f.panel_bytes,
-              "pack_quantized: out must be contiguous uint8 [", panels, ", ", units, ", ", f.panel_bytes, "]");
+  CHECK(out.dim() == 3 && out.dtype() == DType::kUInt8 && out.is_contiguous() && out.size(0) == panels &&
+        out.size(1) == units && out.size(2) == f.panel_bytes,
+        "pack_quantized: out must be contiguous uint8 [", panels, ", ", units, ", ", f.panel_bytes, "]");
+  CHECK(out.writeable(), "pack_quantized: out must be writeable");
   const uint8_t* src = b.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     // put_code ORs codes in: each panel starts from zeros (and a short last panel stays zero past n).
     std::memset(dst + begin * units * f.panel_bytes, 0, static_cast<size_t>((end - begin) * units * f.panel_bytes));
     for (int64_t p = begin; p < end; ++p)
@@ -846,39 +848,39 @@ void pack_quantized_into(const torch::Tensor& blocks, int64_t qtype, torch::Tens
   });
 }
 
-torch::Tensor pack_quantized(const torch::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
+Array pack_quantized(const Array& blocks, int64_t qtype) {
+  CHECK(known(qtype), "pack_quantized: qtype ", qtype, " is not a GGML block type this kernel reads");
   const Format f = format_of(static_cast<QType>(qtype));
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % f.gguf_bytes == 0,
-              "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
-  auto packed = torch::empty({(blocks.size(0) + kPanel - 1) / kPanel, blocks.size(1) / f.gguf_bytes, f.panel_bytes},
-                             blocks.options().dtype(torch::kByte));
+  CHECK(blocks.dim() == 2 && blocks.size(1) % f.gguf_bytes == 0,
+        "pack_quantized: blocks must be uint8 [N, K/", f.unit_k, " * ", f.gguf_bytes, "]");
+  auto packed = empty({(blocks.size(0) + kPanel - 1) / kPanel, blocks.size(1) / f.gguf_bytes, f.panel_bytes},
+                             DType::kUInt8);
   pack_quantized_into(blocks, qtype, packed);
   return packed;
 }
 
-torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               const c10::optional<torch::Tensor>& bias, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantized_matmul: x must be 2-D fp32");
-  TORCH_CHECK(known(qtype), "quantized_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
+Array quantized_matmul(const Array& x, const Array& packed, int64_t out_features,
+                       const std::optional<Array>& bias, int64_t qtype) {
+  CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "quantized_matmul: x must be 2-D fp32");
+  CHECK(known(qtype), "quantized_matmul: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
-  TORCH_CHECK(packed.size(1) * f.unit_k == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
-              packed.size(1) * f.unit_k);
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "quantized_matmul: out_features does not match the packed weight");
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == f.panel_bytes, "quantized_matmul: bad packed weight");
+  CHECK(packed.size(1) * f.unit_k == x.size(1), "quantized_matmul: x has ", x.size(1), " features, the weight ",
+        packed.size(1) * f.unit_k);
+  CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+        "quantized_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor b;
+  Array b;
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "quantized_matmul: bad bias");
+    CHECK(b.dtype() == DType::kFloat32 && b.numel() == out_features, "quantized_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1), x_stride = xs.stride(0);
-  auto y = torch::empty({m, out_features}, x.options());
+  auto y = empty({m, out_features}, x.dtype());
   if (m == 0) return y;
   const float* xp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -895,7 +897,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
 template <class U>
 void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t n, float* out) {
   const int64_t k_dim = units * U::kUnitK;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> expanded(k_dim * kPanel);
     int64_t current = -1;
     for (int64_t i = begin; i < end; ++i) {
@@ -911,17 +913,17 @@ void rows_of_panels(const uint8_t* w, int64_t units, const int64_t* ids, int64_t
 }
 
 #if defined(CONVEYOR_SCREENED_ARGMAX)
-// Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as torch.argmax
-// on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or whose
-// approximate logits overflow (the caller then takes the full product). x must be finite.
-torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          int64_t max_candidates) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "q8_0_argmax: x must be 2-D fp32");
+// Each row's argmax of x @ W^T for a Q8_0-packed W (the first index of the maximum, as numpy's
+// argmax on quantized_matmul's output), or -1 for a row whose candidates exceed max_candidates or
+// whose approximate logits overflow (the caller then takes the full product). x must be finite.
+Array q8_0_argmax(const Array& x, const Array& packed, int64_t out_features,
+                  int64_t max_candidates) {
+  CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "q8_0_argmax: x must be 2-D fp32");
   const Format f = format_of(QType::kQ8_0);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "q8_0_argmax: out_features does not match the packed weight");
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == f.panel_bytes && packed.size(1) * 32 == x.size(1), "q8_0_argmax: bad packed weight");
+  CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+        "q8_0_argmax: out_features does not match the packed weight");
   const auto xs = x.contiguous();
   const int64_t m = xs.size(0), k_dim = xs.size(1), panels = packed.size(0), units = packed.size(1);
   const float* xp = xs.data_ptr<float>();
@@ -930,10 +932,10 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
   rows.reserve(m);
   for (int64_t r = 0; r < m; ++r) rows.push_back(quantize_row(xp + r * k_dim, k_dim));
   constexpr int kRowTile = 8;
-  const int threads = at::get_num_threads();
+  const int threads = get_num_threads();
   std::vector<std::vector<Candidates>> found(threads, std::vector<Candidates>(m));
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Candidates>& mine = found[at::get_thread_num()];
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Candidates>& mine = found[get_thread_num()];
     const int64_t panel_bytes = units * Q8_0Unit::kBytes;
     NextPanel ahead;  // a few lines a unit of each row tile
     for (int64_t p = begin; p < end; ++p) {
@@ -947,9 +949,9 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
       }
     }
   });
-  auto out = torch::empty({m}, torch::kLong);
+  auto out = empty({m}, DType::kInt64);
   int64_t* outp = out.data_ptr<int64_t>();
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float lower_max = -std::numeric_limits<float>::infinity();
       bool non_finite = false;
@@ -983,19 +985,19 @@ torch::Tensor q8_0_argmax(const torch::Tensor& x, const torch::Tensor& packed, i
 }
 #endif
 
-torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features, const torch::Tensor& ids, int64_t qtype) {
-  TORCH_CHECK(known(qtype), "dequantize_rows: qtype ", qtype, " is not a GGML block type this kernel reads");
+Array dequantize_rows(const Array& packed, int64_t out_features, const Array& ids, int64_t qtype) {
+  CHECK(known(qtype), "dequantize_rows: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "dequantize_rows: ids must be 1-D int64");
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == f.panel_bytes, "dequantize_rows: bad packed weight");
+  CHECK(ids.dim() == 1 && ids.dtype() == DType::kInt64, "dequantize_rows: ids must be 1-D int64");
   const auto idx = ids.contiguous();
   const int64_t n = idx.size(0), units = packed.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < out_features, "dequantize_rows: row ", ip[i], " out of range [0, ", out_features, ")");
-  auto out = torch::empty({n, units * f.unit_k}, torch::kFloat);
+    CHECK(ip[i] >= 0 && ip[i] < out_features, "dequantize_rows: row ", ip[i], " out of range [0, ", out_features, ")");
+  auto out = empty({n, units * f.unit_k}, DType::kFloat32);
   if (n == 0) return out;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -1008,7 +1010,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& packed, int64_t out_features,
 template <class U>
 void norms_of_panels(const uint8_t* w, int64_t panels, int64_t units, int64_t out_features, double* out) {
   const int64_t k_dim = units * U::kUnitK;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> expanded(k_dim * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       expand_panel<U>(w + p * units * U::kBytes, units, expanded.data());
@@ -1023,15 +1025,15 @@ void norms_of_panels(const uint8_t* w, int64_t panels, int64_t units, int64_t ou
   });
 }
 
-torch::Tensor column_norms(const torch::Tensor& packed, int64_t out_features, int64_t qtype) {
-  TORCH_CHECK(known(qtype), "column_norms: qtype ", qtype, " is not a GGML block type this kernel reads");
+Array column_norms(const Array& packed, int64_t out_features, int64_t qtype) {
+  CHECK(known(qtype), "column_norms: qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Format f = format_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == f.panel_bytes, "column_norms: bad packed weight");
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "column_norms: out_features does not match the packed weight");
-  auto out = torch::empty({out_features}, torch::kDouble);
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == f.panel_bytes, "column_norms: bad packed weight");
+  CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+        "column_norms: out_features does not match the packed weight");
+  auto out = empty({out_features}, DType::kFloat64);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   double* op = out.data_ptr<double>();
   const int64_t panels = packed.size(0), units = packed.size(1);
@@ -1042,7 +1044,8 @@ torch::Tensor column_norms(const torch::Tensor& packed, int64_t out_features, in
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
+  def_thread_functions(m);
   m.def("pack_quantized", &pack_quantized,
         "GGUF blocks [N, K / block * bytes] of GGML type qtype (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, F16, BF16) -> panels",
         py::call_guard<py::gil_scoped_release>());

@@ -26,7 +26,7 @@
 //
 // Non-finite x: a group holding inf or NaN gets a NaN scale, so the row's outputs are NaN. A group
 // whose max |x| is below 1e-30 quantises to zero (its share of any output is below 32e-30 |w|).
-#include "torch_api.h"
+#include "array.h"
 
 #include <algorithm>
 #include <array>
@@ -52,6 +52,7 @@
 #define CONVEYOR_INT8_512 1
 #endif
 
+using namespace conveyor_array;
 using namespace conveyor_panels;
 
 namespace {
@@ -824,7 +825,7 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
   std::vector<int32_t> outlier_counts(static_cast<size_t>(m));
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for_tiles(m, k_dim, [&](int64_t r0, int64_t rows) { tiles.emplace_back(r0, rows); });
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (const auto& [r0, rows] : tiles)
       for (int64_t r = std::max(begin, r0); r < std::min(end, r0 + rows); ++r)
         outlier_counts[r] = quantize_row(x + r * x_stride, k_dim, K::kOffset, K::kHalves, rows, r - r0,
@@ -835,7 +836,7 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     carried.push_back(carried_by_rows(outliers.data(), outlier_counts.data(), b0, block_rows, groups, k_dim));
   });
   if (m <= kFusedRows) {  // one tile (kFusedRows <= kTileRows): its codes at xq, its Meta at meta; one block
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       const int64_t panel_bytes = units * K::L.unit_bytes;
       thread_local std::vector<float> table, scales;
       scales.resize(static_cast<size_t>(groups * kGroupScales));
@@ -856,7 +857,7 @@ void matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, int64
     });
     return;
   }
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<float> scales, table;
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
@@ -955,7 +956,7 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
   for (int64_t r = m; r < m_pad; ++r)  // the padding rows: zeros (their sums are never stored)
     for (int64_t g = 0; g < groups; ++g)
       std::memset(xb.get() + (r / kAmxTileRows) * groups * 512 + g * 512 + (r % kAmxTileRows) * 32, 0, 64);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* row = xb.get() + (r / kAmxTileRows) * groups * 512 + (r % kAmxTileRows) * 32;
       for (int64_t g = 0; g < groups; ++g)
@@ -968,7 +969,7 @@ void bf16_matmul(const float* x, int64_t x_stride, int64_t m, const uint8_t* w, 
   // pair passes over them: each panel's blocks are expanded once a call, and x streams once a run.
   const int64_t pairs = (panels + 1) / 2;
   const int64_t run_pairs = std::max<int64_t>(1, (1 << 20) / (2 * groups * kGroupTileBytes));
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes, expanded;
     thread_local std::vector<float> scales;
     codes.resize(static_cast<size_t>(groups * kGroupCodeBytes));
@@ -1107,7 +1108,7 @@ void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uin
                           int64_t units, const float* bias, float* y, int64_t out_features) {
   const int64_t k_pairs = units * kHalfUnitK / 2, panel_bytes = units * kHalfUnitBytes;
   std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(m * k_pairs)]);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t k = 0; k < 2 * k_pairs; k += 32)  // cvtne2ps_pbh(hi, lo): lo's 16 first, so pair j is k 2j, 2j + 1
         _mm512_storeu_si512(xb.get() + r * k_pairs + k / 2,
@@ -1116,7 +1117,7 @@ void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uin
   });
   // A thread takes pairs of panels (two panels' sums for a tile of rows) and passes every row over
   // them, so each weight is read from memory once a call and from L2 after the first tile.
-  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t p0 = 2 * pair, count = std::min<int64_t>(2, panels - p0), col0 = p0 * kPanel;
       const int64_t cols = std::min(kPanel, out_features - (p0 + count - 1) * kPanel);
@@ -1164,35 +1165,36 @@ void bf16_dot_matmul_into(const float* x, int64_t x_stride, int64_t m, const uin
 // The checks both products make and their dispatch on the block type: product(kind, x, x_stride,
 // m, w, panels, units, bias, y, out_features), kind a std::integral_constant<QType, T>. `out`: where
 // to write y (contiguous fp32 [M, out_features], e.g. a run of a larger result's rows), else a new
-// tensor.
+// array.
 template <class Product>
-torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                        const c10::optional<torch::Tensor>& bias, int64_t qtype, const c10::optional<torch::Tensor>& out,
-                        Product&& product) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, ": x must be 2-D fp32");
-  TORCH_CHECK(known(qtype), name, ": qtype ", qtype, " is not a GGML block type this kernel reads");
+Array on_blocks(const char* name, const Array& x, const Array& packed, int64_t out_features,
+                const std::optional<Array>& bias, int64_t qtype, const std::optional<Array>& out,
+                Product&& product) {
+  CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, name, ": x must be 2-D fp32");
+  CHECK(known(qtype), name, ": qtype ", qtype, " is not a GGML block type this kernel reads");
   const auto type = static_cast<QType>(qtype);
   const Layout l = layout_of(type);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == l.unit_bytes, name, ": bad packed weight (not pack_quantized's for this qtype)");
-  TORCH_CHECK(packed.size(1) * l.unit_k == x.size(1), name, ": x has ", x.size(1), " features, the weight ",
-              packed.size(1) * l.unit_k);
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              name, ": out_features does not match the packed weight");
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == l.unit_bytes, name, ": bad packed weight (not pack_quantized's for this qtype)");
+  CHECK(packed.size(1) * l.unit_k == x.size(1), name, ": x has ", x.size(1), " features, the weight ",
+        packed.size(1) * l.unit_k);
+  CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+        name, ": out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor b;
+  Array b;
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, name, ": bad bias");
+    CHECK(b.dtype() == DType::kFloat32 && b.numel() == out_features, name, ": bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0), panels = packed.size(0), units = packed.size(1);
   if (out.has_value())
-    TORCH_CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == out_features &&
-                out->scalar_type() == torch::kFloat && out->is_contiguous(),
-                name, ": out must be a contiguous fp32 [", m, ", ", out_features, "] tensor");
-  auto y = out.has_value() ? *out : torch::empty({m, out_features}, x.options());
+    CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == out_features &&
+          out->dtype() == DType::kFloat32 && out->is_contiguous(),
+          name, ": out must be a contiguous fp32 [", m, ", ", out_features, "] array");
+  if (out.has_value()) CHECK(out->writeable(), name, ": out must be writeable");
+  auto y = out.has_value() ? *out : empty({m, out_features}, x.dtype());
   if (m == 0) return y;
   const float* xp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -1210,26 +1212,26 @@ torch::Tensor on_blocks(const char* name, const torch::Tensor& x, const torch::T
   return y;
 }
 
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias, int64_t qtype,
-                          const c10::optional<torch::Tensor>& out) {
+Array int8_matmul(const Array& x, const Array& packed, int64_t out_features,
+                  const std::optional<Array>& bias, int64_t qtype,
+                  const std::optional<Array>& out) {
   return on_blocks("int8_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
     matmul<decltype(kind)::value>(args...);
   });
 }
 
 // The same product on AMX tiles in bf16 (see bf16_matmul); only where the CPU and the build have them.
-torch::Tensor bf16_tile_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               const c10::optional<torch::Tensor>& bias, int64_t qtype,
-                               const c10::optional<torch::Tensor>& out) {
+Array bf16_tile_matmul(const Array& x, const Array& packed, int64_t out_features,
+                       const std::optional<Array>& bias, int64_t qtype,
+                       const std::optional<Array>& out) {
 #if defined(CONVEYOR_AMX_BF16)
-  TORCH_CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
+  CHECK(amx_permitted(), "bf16_tile_matmul: the OS does not lend this process AMX tiles");
   return on_blocks("bf16_tile_matmul", x, packed, out_features, bias, qtype, out, [](auto kind, auto... args) {
     bf16_matmul<decltype(kind)::value>(args...);
   });
 #else
   (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype, (void)out;
-  TORCH_CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
+  CHECK(false, "bf16_tile_matmul: this build has no AMX-BF16 (see bf16_tiles())");
 #endif
 }
 
@@ -1244,28 +1246,28 @@ bool bf16_tiles() {
 
 // x [M, K] @ W^T (+ bias) for W in BF16 or F16 panels (quant_gemm.pack_quantized, qtype 30 or 1), x
 // rounded to bf16 (see bf16_dot_matmul_into); only where the build has AVX512-BF16 (bf16_dot()).
-torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                              const c10::optional<torch::Tensor>& bias, int64_t qtype) {
+Array bf16_dot_matmul(const Array& x, const Array& packed, int64_t out_features,
+                      const std::optional<Array>& bias, int64_t qtype) {
 #if defined(CONVEYOR_BF16_DOT)
-  TORCH_CHECK(qtype == static_cast<int64_t>(30) || qtype == static_cast<int64_t>(1),
-              "bf16_dot_matmul: qtype ", qtype, " is not BF16 (30) or F16 (1)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "bf16_dot_matmul: x must be 2-D fp32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not 16-bit panels)");
-  TORCH_CHECK(packed.size(1) * kHalfUnitK == x.size(1), "bf16_dot_matmul: x has ", x.size(1),
-              " features, the weight ", packed.size(1) * kHalfUnitK);
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "bf16_dot_matmul: out_features does not match the packed weight");
+  CHECK(qtype == static_cast<int64_t>(30) || qtype == static_cast<int64_t>(1),
+        "bf16_dot_matmul: qtype ", qtype, " is not BF16 (30) or F16 (1)");
+  CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32, "bf16_dot_matmul: x must be 2-D fp32");
+  CHECK(packed.dim() == 3 && packed.dtype() == DType::kUInt8 && packed.is_contiguous() &&
+        packed.size(2) == kHalfUnitBytes, "bf16_dot_matmul: bad packed weight (not 16-bit panels)");
+  CHECK(packed.size(1) * kHalfUnitK == x.size(1), "bf16_dot_matmul: x has ", x.size(1),
+        " features, the weight ", packed.size(1) * kHalfUnitK);
+  CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+        "bf16_dot_matmul: out_features does not match the packed weight");
   const auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor b;
+  Array b;
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out_features, "bf16_dot_matmul: bad bias");
+    CHECK(b.dtype() == DType::kFloat32 && b.numel() == out_features, "bf16_dot_matmul: bad bias");
     bias_ptr = b.data_ptr<float>();
   }
   const int64_t m = xs.size(0);
-  auto y = torch::empty({m, out_features}, x.options());
+  auto y = empty({m, out_features}, x.dtype());
   if (m == 0) return y;
   (qtype == 1 ? bf16_dot_matmul_into<true> : bf16_dot_matmul_into<false>)(
       xs.data_ptr<float>(), xs.stride(0), m, packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1), bias_ptr,
@@ -1273,7 +1275,7 @@ torch::Tensor bf16_dot_matmul(const torch::Tensor& x, const torch::Tensor& packe
   return y;
 #else
   (void)x, (void)packed, (void)out_features, (void)bias, (void)qtype;
-  TORCH_CHECK(false, "bf16_dot_matmul: this build has no AVX512-BF16 (see bf16_dot())");
+  CHECK(false, "bf16_dot_matmul: this build has no AVX512-BF16 (see bf16_dot())");
 #endif
 }
 
@@ -1289,14 +1291,14 @@ bool bf16_dot() {
 // x [M, K] -> what the product multiplies: (int8 codes [M, K], fp32 dx [M, K / 32], fp32 outliers
 // [M, K]: the features carried exactly, zero elsewhere), x's stand-in being codes * dx + outliers; for
 // tests and for callers that bound the quantisation error.
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % 32 == 0,
-              "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
+std::vector<Array> quantize_activations(const Array& x) {
+  CHECK(x.dim() == 2 && x.dtype() == DType::kFloat32 && x.size(1) % 32 == 0,
+        "quantize_activations: x must be 2-D fp32 with a multiple of 32 features");
   const auto xs = x.contiguous();
   const int64_t m = xs.size(0), k_dim = xs.size(1), groups = k_dim / 32;
-  auto codes = torch::empty({m, k_dim}, torch::kChar);
-  auto scales = torch::empty({m, groups}, torch::kFloat);
-  auto carried = torch::zeros({m, k_dim}, torch::kFloat);
+  auto codes = empty({m, k_dim}, DType::kInt8);
+  auto scales = empty({m, groups}, DType::kFloat32);
+  auto carried = zeros({m, k_dim}, DType::kFloat32);
   std::vector<uint8_t> words(static_cast<size_t>(k_dim));
   std::vector<Meta> meta(static_cast<size_t>(groups));
   std::vector<Outlier> outliers(static_cast<size_t>(groups));
@@ -1319,10 +1321,11 @@ std::string isa() {
 }
 
 // The ops run without the GIL, so the server's event loop streams responses while a step computes.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(CONVEYOR_MODULE_NAME, m) {
+  def_thread_functions(m);
   m.def("int8_matmul", &int8_matmul,
         "x [M, K] @ W^T (+ bias) on a weight packed by quant_gemm.pack_quantized, x quantised per 32 to int8; "
-        "out: a contiguous [M, N] fp32 tensor to write it into",
+        "out: a contiguous [M, N] fp32 array to write it into",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("qtype"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations,
