@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
-# The GGML types the matmul kernel reads; the int8 kernel multiplies the codes of INT8_TYPES; HALF_TYPES
-# are plain 16-bit floats (a "block" of one weight).
-INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-HALF_TYPES = ("F16", "BF16")
-KERNEL_TYPES = INT8_TYPES + ("Q2_K", "Q3_K") + HALF_TYPES
-BLOCK_SIZES: dict[str, tuple[int, int]] = {t: GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in KERNEL_TYPES}
-KERNEL_QTYPE: dict[str, int] = {t: int(GGMLQuantizationType[t]) for t in KERNEL_TYPES}
-# The k steps of one panel unit (a block, or 32 16-bit floats) and its bytes once packed.
-KERNEL_UNIT_K: dict[str, int] = {t: 32 if t in HALF_TYPES else BLOCK_SIZES[t][0] for t in KERNEL_TYPES}
-PANEL_UNIT_BYTES: dict[str, int] = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q8_0": 544, "Q4_K": 2368,
-                                    "Q5_K": 2880, "Q6_K": 3360, "Q2_K": 2624, "Q3_K": 2336, "F16": 1024, "BF16": 1024}
+from conveyor.model.quantized import (BLOCK_SIZES, HALF_TYPES, INT8_TYPES, KERNEL_QTYPE, KERNEL_TYPES,  # noqa: F401 - for the tests
+                                     KERNEL_UNIT_K, PANEL_UNIT_BYTES)
 
 # Byte offsets of each block's fp16 fields (d, and the minimum / dmin where there is one).
 HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],

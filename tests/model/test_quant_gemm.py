@@ -14,6 +14,8 @@ from conveyor.model.linear import (Embedding, Linear, PackedWeight, block_rows, 
 from conveyor.model.quantized import (BLOCK_SIZES, HALF_TYPES, KERNEL_QTYPE, KERNEL_TYPES, KERNEL_UNIT_K, QuantizedWeight,
                                       packed_bytes)
 
+from .kernel_blocks import HALF_OFFSETS, random_brain_halves, random_halves
+
 pytestmark = pytest.mark.skipif(quant_gemm() is None or panel_gemm() is None, reason="kernels not built here")
 
 # Rows through the in-register tiles (1-10: one tile with AVX-512, one or two on AVX2), the L2 buffer
@@ -41,26 +43,6 @@ def close_to_plain(got: np.ndarray, x: np.ndarray, weight: np.ndarray, bias: np.
     np.testing.assert_allclose(got, plain(x, weight, bias), rtol=1e-5, atol=bound + 1e-30)
 
 
-HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}
-
-
-def random_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
-    """`wild`: any finite fp16 bit pattern (subnormals, 65504, both signs); else scales near 0.01."""
-    if not wild:
-        return rng.uniform(-0.05, 0.05, n).astype(np.float16)
-    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
-    bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # inf / NaN exponent -> a finite one
-    return bits.view(np.float16)
-
-
-def random_brain_halves(rng: np.random.Generator, n: int, wild: bool) -> np.ndarray:
-    """bf16 bit patterns as uint16: `wild`, any finite one (subnormals and the largest included); else near 0.01."""
-    if not wild:
-        return (rng.uniform(-0.05, 0.05, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
-    bits[(bits & 0x7F80) == 0x7F80] &= 0xBFFF  # inf / NaN exponent -> a finite one
-    return bits
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int = 0, wild: bool = False) -> QuantizedWeight:
