@@ -185,7 +185,8 @@ class LlamaModel:
         projection takes."""
         x = self.embed(input_ids)
         if self.cfg.scale_embeddings:  # HF's Gemma scales by sqrt(hidden) in the activations' dtype: fp32
-            x = x * np.float32(self.cfg.hidden_size**0.5)
+            x = x.astype(np.float32, copy=False)  # the embedding's rows: this step's own array
+            x *= np.float32(self.cfg.hidden_size**0.5)
         cos, sin = rope_at(self.rope_inv_freq, positions)
         local = None if self.rope_local_inv_freq is None else rope_at(self.rope_local_inv_freq, positions)
         prompt_rows = PromptRows.of(meta.prompt_rows, x.shape[0]) if self.prompt_tiles else None

@@ -169,12 +169,14 @@ def numpy_argmax(logits: np.ndarray) -> np.ndarray:
 
 
 def _min_p(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
-    # Of the tempered distribution, before top-k/top-p (vLLM): p < min_p * max p is dropped.
+    # In place on `logits`, the tempered rows' own array. Of the tempered distribution, before
+    # top-k/top-p (vLLM): p < min_p * max p is dropped.
     # In log space: logit < max logit + log(min_p); min_p 0 gives -inf and drops nothing.
     min_p = np.array([p.min_p for p in params], dtype=logits.dtype)
     with np.errstate(divide="ignore"):
         floor = logits.max(axis=-1, keepdims=True) + np.log(min_p)[:, None]
-    return np.where(logits < floor, NEG_INF, logits)
+    np.putmask(logits, logits < floor, NEG_INF)  # the sampler's own tempered copy
+    return logits
 
 
 def _draw_from_vocabulary(logits: np.ndarray, rows: Sequence[int], params: Sequence[SamplingParams],
@@ -415,7 +417,11 @@ class Sampler:
         if truncated:
             row_params = [params[i] for i in truncated]
             temperatures = np.array([p.temperature for p in row_params], dtype=logits.dtype)
-            scaled = (logits if len(truncated) == logits.shape[0] else logits[truncated]) / temperatures[:, None]
+            if len(truncated) == logits.shape[0]:
+                scaled = logits / temperatures[:, None]  # the caller's logits stay as they are
+            else:
+                scaled = logits[truncated]  # already a copy
+                scaled /= temperatures[:, None]
             if any(p.min_p > 0.0 for p in row_params):
                 scaled = _min_p(scaled, row_params)
             tokens[truncated] = _draw_from_candidates(scaled, row_params, uniform[truncated])
