@@ -27,7 +27,7 @@ alike. Switches:
   `--baseline REV`
 - `prompt-tiles`: prompt tokens' products on AMX bf16 tiles vs on the int8 kernel like generated
   tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
-- `mlp-rows`: a step's MLP in runs of at most memory.MLP_ROWS rows vs all of its rows at once
+- `layer-rows`: a step's layers in runs of at most memory.LAYER_ROWS rows vs all of its rows at once
   (what a prefill holds: use with `--prefill`)
 - `window-kv-pool`: a model's sliding-window layers keeping only their window's KV in a pool of their
   own (EngineConfig.window_kv_pool) vs the whole context on every layer: two engines on one loaded
@@ -47,7 +47,7 @@ alike. Switches:
     python benchmarks/ab_steps.py --switch int8-kernel-at --baseline HEAD~1 --model qwen2.5-coder-0.5b --prefill 512
     python benchmarks/ab_steps.py --switch half-weights --model out/qwen-bf16 --batch-sizes 1 16 32 --prefill 512
     python benchmarks/ab_steps.py --switch prompt-tiles --model qwen2.5-coder-0.5b --batch-sizes 1 16 --prefill 512
-    python benchmarks/ab_steps.py --switch mlp-rows --model qwen2.5-coder-0.5b --batch-sizes 1 32 --prefill 2048
+    python benchmarks/ab_steps.py --switch layer-rows --model qwen2.5-coder-0.5b --batch-sizes 1 32 --prefill 2048
     python benchmarks/ab_steps.py --switch sampled-head --temperature 0.8 --model qwen2.5-coder-0.5b --batch-sizes 1 16 32
     python benchmarks/ab_steps.py --switch window-kv-pool --model gemma3-270m --batch-sizes 1 32 --prefill 2048
 """
@@ -183,12 +183,12 @@ def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
     return _patch_switch(runner, "prompt_bf16_tiles", False)
 
 
-def _mlp_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
-    """Off: a step's MLP takes all of its rows at once (memory.MLP_ROWS unbounded). Steps then keep
+def _layer_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
+    """Off: a step's layers take all of its rows at once (memory.LAYER_ROWS unbounded). Steps then keep
     free heap for that larger working set on both sides (twice a whole 4,096-row step's, above any
     `--prefill` the default budget allows), so that neither side's page faults decide the figure."""
     reuse_freed_memory(2 * 4096 * step_working_set_bytes(runner.model_config, 1, 0))
-    return _patch_switch(memory, "MLP_ROWS", 1 << 30)
+    return _patch_switch(memory, "LAYER_ROWS", 1 << 30)
 
 
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
@@ -204,7 +204,7 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
                                                  lambda h, sampled=None, exact=runner.model.logits: exact(h)),
     "prompt-tiles": lambda runner: _prompt_tiles_switch(runner),
     "vector-span": lambda runner: _unshared_span_switch(),
-    "mlp-rows": lambda runner: _mlp_rows_switch(runner),
+    "layer-rows": lambda runner: _layer_rows_switch(runner),
 }
 
 

@@ -59,6 +59,30 @@ class AttentionMetadata:
             self._decode_masks[window] = visible
         return self._decode_masks[window]
 
+    def rows(self, start: int, end: int) -> AttentionMetadata:
+        """This step restricted to its rows [start, end), numbered from `start`: what a layer needs to
+        compute those rows alone, before the rows after them (LlamaModel's runs of rows). A prefill
+        chunk cut at `start` goes on from the keys its earlier rows wrote, as a chunked prefill's next
+        chunk does."""
+        if start == 0 and end == len(self.slot_mapping):
+            return self
+        decode_end = min(end, self.num_decode_tokens)
+        tables = lens = None
+        if decode_end > start:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            tables, lens = self.decode_block_tables[start:decode_end], self.decode_context_lens[start:decode_end]
+        prefills = []
+        for chunk in self.prefills:
+            first, last = max(chunk.token_start, start), min(chunk.token_start + chunk.num_tokens, end)
+            if first < last:
+                prefills.append(PrefillChunk(first - start, last - first, chunk.num_cached + first - chunk.token_start,
+                                             chunk.block_table))
+        prompt_rows = tuple((max(s, start) - start, min(e, end) - start) for s, e in self.prompt_rows
+                            if s < end and e > start)
+        window_group = None if self.window_group is None else self.window_group.rows(start, end)
+        return AttentionMetadata(self.slot_mapping[start:end], max(0, decode_end - start), tables, lens, prefills,
+                                 prompt_rows, window_group)
+
 
 # The prefill kernel's compiled-in head sizes (others take the numpy reference).
 PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)

@@ -224,11 +224,6 @@ class PromptRows:
     def every_row(self) -> bool:
         return not self.others
 
-    def within(self, start: int, end: int) -> "PromptRows | None":
-        """These rows restricted to [start, end), numbered from `start`: a product on those rows alone."""
-        ranges = tuple((max(s, start) - start, min(e, end) - start) for s, e in self.ranges if s < end and e > start)
-        return PromptRows.of(ranges, end - start)
-
 
 def bf16_tiles_available() -> bool:
     """Whether this CPU and build run the bf16 tile kernel (AMX-BF16, and the OS lends the tiles)."""
@@ -274,9 +269,8 @@ def matmul_path(activation_dtype: str = "float32", prompt_rows: PromptRows | Non
     def product(x: np.ndarray, weight: np.ndarray | None, packed: PackedWeight | None,
                 bias: np.ndarray | None = None) -> np.ndarray:
         if packed is not None and x.dtype == np.float32 and x.ndim == 2:
-            # A product takes the rows its PromptRows counts: all of the step's, or one run of the
-            # MLP's with its own PromptRows (llama.mlp_row_parts); any other would take the int8
-            # kernel for all of its rows.
+            # A product takes the rows its PromptRows counts: one run of a step's rows, with its own
+            # PromptRows (llama.row_runs); any other would take the int8 kernel for all of its rows.
             rows = tiles if tiles is not None and tiles.num_rows == x.shape[0] else None
             if weight is None:  # held only packed: its kernel, whatever the switches say now
                 y = packed_product(x, packed, bias, panel_gemm(force=True), _quant_kernel(), int8_kernel, rows)

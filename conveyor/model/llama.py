@@ -11,6 +11,7 @@ fp32, activations fp32 whatever dtype the weights are served in, the KV cache fl
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,13 +62,26 @@ class DecoderLayer:
         return [v for v in held if v is not None]
 
     def forward(
-        self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache, meta: AttentionMetadata,
-        ops: LayerOps, matmul: Matmul, mlp_parts: list[tuple[int, int, Matmul]],
+        self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache, runs: list[RowRun], ops: LayerOps,
         decode_kernel: PagedDecodeKernel | None, prefill_kernel: PagedPrefillKernel | None = None,
     ) -> np.ndarray:
-        """Updates the residual stream x in place and returns it. `ops`, `matmul` and the attention
-        kernels are resolved once per forward pass (the env switches are not read per op);
-        `mlp_parts`: the MLP's runs of rows [start, end) with their products (mlp_row_parts)."""
+        """Updates the residual stream x in place and returns it, one run of rows after another
+        (row_runs): a run's keys and values are in the cache before the next run's queries read them.
+        `ops` and the attention kernels are resolved once per forward pass (the env switches are not
+        read per op)."""
+        for run in runs:
+            whole = run.end - run.start == x.shape[0]  # a decode step's one run: no views to make
+            rows = slice(run.start, run.end)
+            # A sliding-window layer's KV may live in a pool of its own (the runner's kv_window).
+            meta = run.meta.window_group if self.window is not None and run.meta.window_group is not None else run.meta
+            self._forward_rows(x if whole else x[rows], cos if whole else cos[rows], sin if whole else sin[rows], kv,
+                               meta, ops, run.matmul, decode_kernel, prefill_kernel)
+        return x
+
+    def _forward_rows(
+        self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache, meta: AttentionMetadata, ops: LayerOps,
+        matmul: Matmul, decode_kernel: PagedDecodeKernel | None, prefill_kernel: PagedPrefillKernel | None,
+    ) -> None:
         # Each temporary is dropped as soon as it is used: at a prefill's rows they are megabytes
         # each, and the heap a step peaks at is what the process keeps (model/memory.py).
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -84,18 +98,15 @@ class DecoderLayer:
             attn_out = ops.rms_norm(attn_out, self.attn_out_norm, eps)
         h = ops.add_rms_norm_(x, attn_out, self.post_attention_norm, eps)
         del attn_out
-        for start, end, part_matmul in mlp_parts:
-            whole = end - start == x.shape[0]  # a decode step's one run: no views to make
-            gate_up = self.gate_up.forward(h if whole else h[start:end], part_matmul)
-            act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else ops.gelu_tanh_and_mul(gate_up)
-            del gate_up
-            mlp_out = self.down.forward(act, part_matmul)
-            del act
-            if self.mlp_out_norm is not None:
-                mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
-            (x if whole else x[start:end])[...] += mlp_out
-            del mlp_out
-        return x
+        gate_up = self.gate_up.forward(h, matmul)
+        del h
+        act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else ops.gelu_tanh_and_mul(gate_up)
+        del gate_up
+        mlp_out = self.down.forward(act, matmul)
+        del act
+        if self.mlp_out_norm is not None:
+            mlp_out = ops.rms_norm(mlp_out, self.mlp_out_norm, eps)
+        x += mlp_out
 
     __call__ = forward
 
@@ -189,17 +200,13 @@ class LlamaModel:
             x *= np.float32(self.cfg.hidden_size**0.5)
         cos, sin = rope_at(self.rope_inv_freq, positions)
         local = None if self.rope_local_inv_freq is None else rope_at(self.rope_local_inv_freq, positions)
-        prompt_rows = PromptRows.of(meta.prompt_rows, x.shape[0]) if self.prompt_tiles else None
-        ops, matmul = layer_ops(), matmul_path(self.activation_dtype, prompt_rows)
+        ops = layer_ops()
         decode_kernel = paged_decode_kernel()
         prefill_kernel = paged_prefill_kernel() if meta.prefills else None
-        mlp_parts = mlp_row_parts(x.shape[0], matmul, self.activation_dtype, prompt_rows)
+        runs = row_runs(x.shape[0], meta, self.activation_dtype, self.prompt_tiles)
         for layer, kv in zip(self.layers, kv_caches):
             layer_cos, layer_sin = local if local is not None and layer.window is not None else (cos, sin)
-            # A sliding-window layer's KV may live in a pool of its own (the runner's kv_window).
-            layer_meta = meta.window_group if layer.window is not None and meta.window_group is not None else meta
-            x = layer.forward(x, layer_cos, layer_sin, kv, layer_meta, ops, matmul, mlp_parts, decode_kernel,
-                              prefill_kernel)
+            x = layer.forward(x, layer_cos, layer_sin, kv, runs, ops, decode_kernel, prefill_kernel)
         # Only the last token of each sampling request needs the (large) vocabulary projection.
         rows = np.ascontiguousarray(x[np.asarray(logits_indices, dtype=np.int64)])
         if rows.shape[0] == 0:  # no row samples (a chunk mid-prompt): numpy's empty arrays have no row stride to pass
@@ -309,22 +316,38 @@ class LlamaModel:
                 layer.k_norm = vector(attn + "k_norm.weight", layer.k_norm, offset)
 
 
-def mlp_row_parts(num_rows: int, matmul: Matmul, activation_dtype: str,
-                  prompt_rows: PromptRows | None) -> list[tuple[int, int, Matmul]]:
-    """A step's rows in runs of at most memory.MLP_ROWS, each with its product (`matmul` where one
-    run takes them all). Every MLP op is row-local, and on conveyor's kernels (blocks, fp32 panels,
-    int8 activations, 16-bit weights times bf16 activations, the bf16 tiles a prompt row takes in
-    any run) a row's product does not depend on the rows beside it (linear.INT8_FROM_ROWS), so a
-    run's rows get the bits they would in one product of all. numpy's own products (the reference
-    path: the kernels off or not built) may split their work by the row count, as they do under
-    chunked prefill."""
-    run = memory.MLP_ROWS
-    if num_rows <= run:
-        return [(0, num_rows, matmul)]
-    return [(start, min(start + run, num_rows),
-             matmul_path(activation_dtype, None if prompt_rows is None
-                         else prompt_rows.within(start, min(start + run, num_rows))))
-            for start in range(0, num_rows, run)]
+@dataclass(frozen=True)
+class RowRun:
+    """Rows [start, end) of a step that each layer computes together, with their attention metadata
+    (numbered from `start`) and their products (the prompt rows among them their own)."""
+
+    start: int
+    end: int
+    meta: AttentionMetadata
+    matmul: Matmul
+
+
+def row_runs(num_rows: int, meta: AttentionMetadata, activation_dtype: str, prompt_tiles: bool) -> list[RowRun]:
+    """A step's rows in runs of at most memory.LAYER_ROWS, in order: a layer computes one run whole
+    (projections, attention, MLP) before the next, so its temporaries are held for that many rows
+    at most, not for all of a full-budget prefill's. Every op but attention is row-local, and on
+    conveyor's kernels (blocks, fp32 panels, int8 activations, 16-bit weights times bf16
+    activations, the bf16 tiles a prompt row takes in any run) a row's product does not depend on
+    the rows beside it (linear.INT8_FROM_ROWS). A prefill chunk cut between runs reads its earlier
+    rows' keys back from the cache, as a chunked prefill does, and the prefill kernel gives each
+    query the same bits wherever its chunk starts (full attention; under a sliding window where
+    LAYER_ROWS is a multiple of the kernel's positions a tile, as it is for a power of two). So a
+    run's rows get the bits they would in one run of all. numpy's own products (the reference path:
+    the kernels off or not built) may split their work by the row count, as under chunked prefill.
+    `prompt_tiles`: the step's prompt rows take the bf16 tile kernel (LlamaModel.prompt_tiles)."""
+    step = memory.LAYER_ROWS
+    runs = []
+    for start in range(0, num_rows, step):
+        end = min(start + step, num_rows)
+        part = meta.rows(start, end)
+        prompt_rows = PromptRows.of(part.prompt_rows, end - start) if prompt_tiles else None
+        runs.append(RowRun(start, end, part, matmul_path(activation_dtype, prompt_rows)))
+    return runs
 
 
 def fuse(parts: list[WeightSource]) -> WeightSource:

@@ -18,11 +18,12 @@ _OWN_MAPPING_FROM = 1 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
-# A step's MLP runs at most this many rows at a time (LlamaModel's DecoderLayer): its gate/up output
-# and activation, the largest temporaries of a step (three quarters of a row's working set on the 0.5B),
-# are then held for these rows, not for all of a full-budget prefill's 2,048, and steps keep only
-# that much (reuse_freed_memory); llama.cpp's server computes 512-token micro-batches alike.
-MLP_ROWS = 512
+# A step's layers compute at most this many rows at a time (LlamaModel's row_runs): a layer's
+# temporaries (normed input, q/k/v, attention output, the MLP's gate/up and activation, three
+# quarters of a row's working set on the 0.5B) are then held for these rows, not for all of a
+# full-budget prefill's 2,048, and steps keep only that much (reuse_freed_memory); only the residual
+# stream spans the step. llama.cpp's server computes 512-token micro-batches alike.
+LAYER_ROWS = 512
 
 _kept_free_bytes = 0  # the largest reuse_freed_memory asked for in this process
 
@@ -78,14 +79,15 @@ def reuse_freed_memory(keep_bytes: int) -> None:
 
 
 def step_working_set_bytes(cfg: ModelConfig, rows: int, sampled_rows: int) -> int:
-    """About what a step of `rows` tokens holds at once in fp32: a layer's residual, normed input,
-    q/k/v and attention output, the MLP's gate/up and their product (and that product as the down
-    projection's kernel takes it: int8 codes, or bf16 pairs for 16-bit weights) for up to MLP_ROWS of
-    them, and the logits and probabilities of the rows it samples."""
+    """About what a step of `rows` tokens holds at once in fp32: the residual stream of all of them;
+    for up to LAYER_ROWS of them a layer's normed input, q/k/v, attention output and its sum, the
+    MLP's gate/up and their product (and that product as the down projection's kernel takes it: int8
+    codes, or bf16 pairs for 16-bit weights); and the logits and probabilities of the rows it
+    samples."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_row = 4 * (3 * cfg.hidden_size + 2 * q_dim + 2 * kv_dim)
-    per_mlp_row = 4 * 3 * cfg.intermediate_size + 2 * cfg.intermediate_size
-    return rows * per_row + min(rows, MLP_ROWS) * per_mlp_row + 2 * 4 * sampled_rows * cfg.vocab_size
+    per_run_row = 4 * (2 * cfg.hidden_size + 2 * q_dim + 2 * kv_dim) + 4 * 3 * cfg.intermediate_size \
+        + 2 * cfg.intermediate_size
+    return rows * 4 * cfg.hidden_size + min(rows, LAYER_ROWS) * per_run_row + 2 * 4 * sampled_rows * cfg.vocab_size
 
 
 def share_one_heap() -> None:

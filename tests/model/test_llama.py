@@ -1,13 +1,16 @@
-"""The decoder's MLP in runs of rows: the same bits as one product of all rows, on the real model."""
+"""The decoder's layers in runs of rows: the same bits as one run of all rows, on the real models."""
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.errors import ModelLoadError
 from conveyor.model import llama, memory
+from conveyor.model.attention import AttentionMetadata, PrefillChunk
 from conveyor.model.linear import PromptRows, matmul_path
 from conveyor.runner.model_runner import LoadedModel, load_model
 from conveyor.sampling.params import SamplingParams
@@ -18,13 +21,35 @@ def smollm() -> LoadedModel:
     return load_model(EngineConfig())
 
 
-def test_a_step_s_rows_split_into_runs_of_at_most_mlp_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    matmul = matmul_path("int8")
-    assert llama.mlp_row_parts(300, matmul, "int8", None) == [(0, 300, matmul)]
-    monkeypatch.setattr(memory, "MLP_ROWS", 64)
-    parts = llama.mlp_row_parts(300, matmul, "int8", None)
-    assert [(start, end) for start, end, _ in parts] == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
-    assert llama.mlp_row_parts(64, matmul, "int8", None) == [(0, 64, matmul)]
+def _step(window_group: AttentionMetadata | None = None) -> AttentionMetadata:
+    """Three decode rows, a chunk of 150 tokens after 40 cached, one of 47 fresh: 200 rows."""
+    tables = np.arange(12, dtype=np.int64).reshape(3, 4)
+    return AttentionMetadata(np.arange(1000, 1200, dtype=np.int64), 3, tables, np.array([5, 9, 30]),
+                             [PrefillChunk(3, 150, 40, np.arange(20, dtype=np.int64)),
+                              PrefillChunk(153, 47, 0, np.arange(7, dtype=np.int64))],
+                             prompt_rows=((3, 153), (153, 200)), window_group=window_group)
+
+
+def test_a_step_s_rows_cut_into_metadata_of_their_own() -> None:
+    step = _step(window_group=_step())
+    assert step.rows(0, 200) is step
+    first = step.rows(0, 64)
+    assert first.num_decode_tokens == 3 and first.decode_context_lens is not None
+    assert first.decode_context_lens.tolist() == [5, 9, 30]
+    assert [(c.token_start, c.num_tokens, c.num_cached) for c in first.prefills] == [(3, 61, 40)]
+    assert first.prompt_rows == ((3, 64),) and first.slot_mapping.tolist() == list(range(1000, 1064))
+    # a chunk cut mid-way goes on from the keys its earlier rows wrote
+    middle = step.rows(64, 128)
+    assert middle.num_decode_tokens == 0 and middle.decode_block_tables is None
+    assert [(c.token_start, c.num_tokens, c.num_cached) for c in middle.prefills] == [(0, 64, 101)]
+    last = step.rows(128, 200)
+    assert [(c.token_start, c.num_tokens, c.num_cached) for c in last.prefills] == [(0, 25, 165), (25, 47, 0)]
+    assert last.prompt_rows == ((0, 25), (25, 72))
+    assert last.window_group is not None and last.window_group.prompt_rows == last.prompt_rows
+    # decode rows split between runs, each with its own tables
+    two = step.rows(1, 2)
+    assert two.num_decode_tokens == 1 and two.decode_block_tables is not None
+    assert two.decode_block_tables.tolist() == [[4, 5, 6, 7]] and two.prefills == []
 
 
 def test_each_run_s_product_takes_its_own_prompt_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,45 +62,72 @@ def test_each_run_s_product_takes_its_own_prompt_rows(monkeypatch: pytest.Monkey
         return matmul_path(activation_dtype, prompt_rows)
 
     monkeypatch.setattr(llama, "matmul_path", recording_path)
-    monkeypatch.setattr(memory, "MLP_ROWS", 64)
-    step = PromptRows.of(((0, 100), (150, 170)), 200)  # two prompts' rows, generated rows between
-    assert step is not None
-    parts = llama.mlp_row_parts(200, matmul_path("int8", step), "int8", step)
-    assert [(start, end) for start, end, _ in parts] == [(0, 64), (64, 128), (128, 192), (192, 200)]
-    assert asked == [PromptRows(64, ((0, 64),), ()), PromptRows(64, ((0, 36),), ((36, 64),)),
-                     PromptRows(64, ((22, 42),), ((0, 22), (42, 64))), None]
+    assert [(r.start, r.end) for r in llama.row_runs(200, _step(), "int8", True)] == [(0, 200)]
+    assert asked == [PromptRows(200, ((3, 153), (153, 200)), ((0, 3),))]
+    asked.clear()
+    monkeypatch.setattr(memory, "LAYER_ROWS", 64)
+    runs = llama.row_runs(200, _step(), "int8", True)
+    assert [(r.start, r.end) for r in runs] == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert asked == [PromptRows(64, ((3, 64),), ((0, 3),)), PromptRows(64, ((0, 64),), ()),
+                     PromptRows(64, ((0, 25), (25, 64)), ()), PromptRows(8, ((0, 8),), ())]
+    asked.clear()
+    llama.row_runs(200, _step(), "int8", False)  # no tiles: every run on the int8 kernel
+    assert asked == [None] * 4
 
 
-def test_prompt_rows_within_a_run_are_numbered_from_its_start() -> None:
-    rows = PromptRows.of(((10, 70), (100, 130)), 140)
-    assert rows is not None
-    assert rows.within(0, 64) == PromptRows(64, ((10, 64),), ((0, 10),))
-    assert rows.within(64, 128) == PromptRows(64, ((0, 6), (36, 64)), ((6, 36),))
-    assert rows.within(128, 140) == PromptRows(12, ((0, 2),), ((2, 12),))
-    assert rows.within(70, 100) is None  # generated rows only: the int8 product
+def _mixed_steps(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[Any, list[int], list[Any]]]:
+    """Each prompt joins while the ones before it decode: steps of decode rows beside prefill
+    chunks, the last prompt a prefix-cache hit on the one before it (which asks for no prompt
+    logprobs, so its cached blocks are read)."""
+    scored = SamplingParams(max_tokens=6, temperature=0, logprobs=5, prompt_logprobs=5)
+    results: dict[str, tuple[Any, list[int], list[Any]]] = {}
 
-
-def _prompt_and_greedy(engine: LLMEngine, ids: list[int]) -> tuple[Any, list[int], list[Any]]:
-    engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0, logprobs=5, prompt_logprobs=5))
-    prompt_logprobs, tokens, logprobs = None, [], []
-    while engine.has_unfinished_requests:
+    def step() -> None:
         for out in engine.step():
-            prompt_logprobs = prompt_logprobs or out.prompt_logprobs
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-    return prompt_logprobs, tokens, logprobs
+            cached[out.request_id] = out.num_cached_tokens
+            prompt_logprobs, tokens, logprobs = results.setdefault(out.request_id, (None, [], []))
+            results[out.request_id] = (prompt_logprobs or out.prompt_logprobs, tokens + out.new_token_ids,
+                                       logprobs + (out.logprobs or []))
+    ids: list[str] = []
+    cached: dict[str, int] = {}
+    for prompt in prompts:
+        last = len(ids) == len(prompts) - 1
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5) if last
+                                      else scored))
+        step()
+        step()
+    while engine.has_unfinished_requests:
+        step()
+    assert cached[ids[-1]] > memory.LAYER_ROWS or memory.LAYER_ROWS > 1 << 20  # a hit past a run's rows
+    return [results[i] for i in ids]
+
+
+def _same_in_runs(loaded: LoadedModel, text: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> None:
+    def run() -> list[tuple[Any, list[int], list[Any]]]:
+        engine = LLMEngine.from_config(EngineConfig.from_kwargs(enable_prefix_caching=True, **config), loaded)
+        long = engine.tokenizer.encode(text)
+        prompts = [engine.tokenizer.encode("The capital of France is"), long, long[: len(long) * 2 // 3] + long[:40]]
+        return _mixed_steps(engine, prompts)
+    monkeypatch.setattr(memory, "LAYER_ROWS", 1 << 30)
+    whole = run()
+    monkeypatch.setattr(memory, "LAYER_ROWS", 64)  # runs that cut prompts and decode rows apart, the last short
+    runs = run()
+    assert all(w[0] is not None for w in whole[:-1])
+    assert runs == whole
 
 
 @pytest.mark.parametrize("activation_dtype", ["int8", "float32"])
-def test_a_prefill_s_mlp_in_runs_of_rows_gives_the_same_bits(smollm: LoadedModel, activation_dtype: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine.from_config(EngineConfig.from_kwargs(activation_dtype=activation_dtype,
-                                                            enable_prefix_caching=False), smollm)
-    text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 14
-    ids = engine.tokenizer.encode(text)
-    assert 256 < len(ids) < memory.MLP_ROWS  # one prefill step, its MLP one run by default
-    whole = _prompt_and_greedy(engine, ids)
-    monkeypatch.setattr(memory, "MLP_ROWS", 64)  # five runs, the last a short one
-    runs = _prompt_and_greedy(engine, ids)
-    assert whole[0] is not None and len(whole[0]) == len(ids)
-    assert runs == whole
+def test_a_mixed_step_in_runs_of_rows_gives_the_same_bits(smollm: LoadedModel, activation_dtype: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 30
+    _same_in_runs(smollm, text, monkeypatch, activation_dtype=activation_dtype)
+
+
+def test_gemma_s_sliding_window_layers_in_runs_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prompt past the 512-token window, so the windowed layers' runs start from a later key than 0.
+    try:
+        loaded = load_model(EngineConfig(model="gemma3-270m"))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    text = "The quick brown fox jumps over the lazy dog, and then it runs into the forest. " * 45
+    _same_in_runs(loaded, text, monkeypatch, model="gemma3-270m")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.memory import MLP_ROWS, step_working_set_bytes
+from conveyor.model.memory import LAYER_ROWS, step_working_set_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
                                 reason="glibc's mallopt")
@@ -80,16 +80,15 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16)
     one = step_working_set_bytes(cfg, 1, 0)
-    # 4 bytes a float: residual, normed input and attention output (hidden), q and its output,
-    # k and v, gate/up and their product; two bytes for the product as the kernel takes it (int8
-    # codes take one, bf16 pairs two)
-    row, mlp_row = 4 * (3 * 64 + 2 * 64 + 2 * 32), 4 * 3 * 256 + 2 * 256
-    assert one == row + mlp_row
+    # 4 bytes a float: the residual (hidden) for every row of the step; for a run's rows the normed
+    # input and attention output (hidden), q and its output, k and v, gate/up and their product;
+    # two bytes for the product as the kernel takes it (int8 codes take one, bf16 pairs two)
+    residual, run_row = 4 * 64, 4 * (2 * 64 + 2 * 64 + 2 * 32) + 4 * 3 * 256 + 2 * 256
+    assert one == residual + run_row
     assert step_working_set_bytes(cfg, 10, 0) == 10 * one
     assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
-    # the MLP runs MLP_ROWS rows at a time (LlamaModel's layers): its part stops growing there
-    assert step_working_set_bytes(cfg, 4 * MLP_ROWS, 0) == 4 * MLP_ROWS * row + MLP_ROWS * mlp_row
-
+    # a step's layers run LAYER_ROWS rows at a time (LlamaModel's row_runs): only the residual grows past it
+    assert step_working_set_bytes(cfg, 4 * LAYER_ROWS, 0) == 4 * LAYER_ROWS * residual + LAYER_ROWS * run_row
 
 SPIKE = r"""
 import re

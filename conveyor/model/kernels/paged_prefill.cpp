@@ -8,8 +8,8 @@
 // one FMA per key and head dimension (a key's element broadcast against the rows' queries, which
 // lie transposed [d][lanes]), so the online softmax (running max and sum per row, as flash
 // attention) is lane-wise across registers: no horizontal reductions. Then each row's output adds
-// the values weighted by its probabilities. A tile visits only the keys its rows can see (causal,
-// and a sliding window's start), so the upper triangle costs nothing; only steps on a row's edge
+// the values weighted by its probabilities. A tile visits only the steps of keys its rows can see
+// (causal, and a sliding window's start), so the upper triangle costs nothing; only steps on a row's edge
 // are masked. Keys and values are first copied out of the blocks into one run per KV head, so a
 // step addresses its 16 keys from one pointer (the head dimension is compiled in); a float16 cache
 // is widened to fp32 in that copy, so the tiles read fp32 whatever the cache holds. Tasks are split
@@ -88,7 +88,8 @@ void run_tile(const Chunk& c, const Task& t, Scratch& w) {
   std::fill(w.o.begin(), w.o.begin() + rows * D, 0.f);
   const Vec pos_v = load(pos), first_v = load(first);
   Vec row_max = splat(-INFINITY), row_sum = zero();
-  const int64_t tile_first = c.first_key(c.num_cached + t.i0), tile_last = c.num_cached + t.i0 + t.positions - 1;
+  const int64_t tile_first = c.first_key(c.num_cached + t.i0) / kKeys * kKeys;
+  const int64_t tile_last = c.num_cached + t.i0 + t.positions - 1;
   const int64_t max_first = c.first_key(tile_last), min_pos = c.num_cached + t.i0;
   const float* head_keys = c.keys + t.g * c.run * D;
   const float* head_values = c.values + t.g * c.run * D;
@@ -179,14 +180,19 @@ Array paged_prefill_attention(const Array& q, const Array& k_cache,
 
   Chunk c{qc.data_ptr<float>(), out.data_ptr<float>(), nullptr, nullptr, heads, kv_heads, num_cached, window,
           0, 0, static_cast<float>(scale)};
-  c.key_base = c.first_key(num_cached);
+  // Steps of keys start on multiples of kKeys whatever position a tile or chunk starts at, so a
+  // query's sums group its keys alike however its prompt is cut into chunks and runs of rows (a
+  // sliding window's first visible key moves with each query). Positions before the first any query
+  // sees stay zeros in the runs (masked): a window's pool may have reused their blocks.
+  const int64_t first_seen = c.first_key(num_cached);
+  c.key_base = first_seen / kKeys * kKeys;
   c.run = context - c.key_base + kKeys;  // a step past the last key reads zeros (masked)
 
   // The keys and values any query sees, out of the blocks into one run per KV head.
   std::vector<float> keys(kv_heads * c.run * d, 0.f), values(kv_heads * c.run * d, 0.f);
   c.keys = keys.data();
   c.values = values.data();
-  parallel_for(c.key_base, context, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(first_seen, context, 64, [&](int64_t begin, int64_t end) {
     if (half)
       copy_runs(static_cast<const Half*>(k_cache.data_ptr()), static_cast<const Half*>(v_cache.data_ptr()), tp,
                 block_size, kv_heads, d, c.key_base, c.run, begin, end, keys.data(), values.data());
