@@ -27,8 +27,8 @@ alike. Switches:
   `--baseline REV`
 - `prompt-tiles`: prompt tokens' products on AMX bf16 tiles vs on the int8 kernel like generated
   tokens (EngineConfig.prompt_bf16_tiles; CPUs with AMX-BF16)
-- `layer-rows`: a step's layers in runs of at most memory.LAYER_ROWS rows vs all of its rows at once
-  (what a prefill holds: use with `--prefill`)
+- `layer-rows`: a step's layers in runs of at most memory.LAYER_ROWS rows vs all of its rows at once,
+  or runs of `--rows-off` rows (what a prefill holds: use with `--prefill`)
 - `window-kv-pool`: a model's sliding-window layers keeping only their window's KV in a pool of their
   own (EngineConfig.window_kv_pool) vs the whole context on every layer: two engines on one loaded
   model, each with its own requests, stepped in alternation (Gemma 3)
@@ -183,12 +183,13 @@ def _prompt_tiles_switch(runner: ModelRunner) -> Callable[[bool], None]:
     return _patch_switch(runner, "prompt_bf16_tiles", False)
 
 
-def _layer_rows_switch(runner: ModelRunner) -> Callable[[bool], None]:
-    """Off: a step's layers take all of its rows at once (memory.LAYER_ROWS unbounded). Steps then keep
-    free heap for that larger working set on both sides (twice a whole 4,096-row step's, above any
-    `--prefill` the default budget allows), so that neither side's page faults decide the figure."""
+def _layer_rows_switch(runner: ModelRunner, rows_off: int | None) -> Callable[[bool], None]:
+    """Off: a step's layers take `rows_off` rows at a time (None: all of its rows at once, memory.LAYER_ROWS
+    unbounded). Steps then keep free heap for the larger working set on both sides (twice a whole
+    4,096-row step's, above any `--prefill` the default budget allows), so that neither side's page
+    faults decide the figure."""
     reuse_freed_memory(2 * 4096 * step_working_set_bytes(runner.model_config, 1, 0))
-    return _patch_switch(memory, "LAYER_ROWS", 1 << 30)
+    return _patch_switch(memory, "LAYER_ROWS", rows_off or 1 << 30)
 
 
 SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
@@ -204,7 +205,6 @@ SWITCHES: dict[str, Callable[[ModelRunner], Callable[[bool], None]]] = {
                                                  lambda h, sampled=None, exact=runner.model.logits: exact(h)),
     "prompt-tiles": lambda runner: _prompt_tiles_switch(runner),
     "vector-span": lambda runner: _unshared_span_switch(),
-    "layer-rows": lambda runner: _layer_rows_switch(runner),
 }
 
 
@@ -319,7 +319,7 @@ def ab_engines(engines: dict[bool, LLMEngine], batch_sizes: list[int], contexts:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", choices=[*SWITCHES, *AT_REVISION, *ENGINE_OPTIONS], required=True)
+    parser.add_argument("--switch", choices=[*SWITCHES, "layer-rows", *AT_REVISION, *ENGINE_OPTIONS], required=True)
     parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at / int8-kernel-at")
     parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -327,6 +327,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="pairs of steps timed per side")
     parser.add_argument("--share", help="G:P: prompts in G groups starting with the same P tokens (cache hits)")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--rows-off", type=int, default=None,
+                        help="for --switch layer-rows: the other side's rows at a time (default: all of a step's)")
     parser.add_argument("--prefill", type=int, default=0, help="N > 0: also A/B a fresh N-token prompt's prefill")
     parser.add_argument("--temperature", type=float, default=0.0, help="the decoding requests sample at T (0: greedy)")
     args = parser.parse_args()
@@ -348,6 +350,9 @@ def main() -> None:
             # Both sides' prompts on the int8 kernels compared (a baseline may predate the tiles).
             llm.engine.runner.prompt_bf16_tiles = False
             print("int8-kernel-at: prompts on the int8 kernel too (not the AMX tiles), both sides")
+    elif args.switch == "layer-rows":
+        switch = _layer_rows_switch(llm.engine.runner, args.rows_off)
+        labels = (f"{memory.LAYER_ROWS} rows", f"{args.rows_off} rows" if args.rows_off else "all rows")
     else:
         switch, labels = SWITCHES[args.switch](llm.engine.runner), ("on", "off")
     share = (int(args.share.split(":")[0]), int(args.share.split(":")[1])) if args.share else None

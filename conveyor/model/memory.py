@@ -22,8 +22,11 @@ _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 # temporaries (normed input, q/k/v, attention output, the MLP's gate/up and activation, three
 # quarters of a row's working set on the 0.5B) are then held for these rows, not for all of a
 # full-budget prefill's 2,048, and steps keep only that much (reuse_freed_memory); only the residual
-# stream spans the step. llama.cpp's server computes 512-token micro-batches alike.
-LAYER_ROWS = 512
+# stream spans the step. llama.cpp's server computes micro-batches of 512 tokens likewise. Runs of
+# 256 rows prefill as fast as runs of 512 and faster than one run of all rows (docs/PERF.md, "A
+# layer's rows in runs"); a decode step of up to 256 sequences is still one run, its weights
+# streamed once.
+LAYER_ROWS = 256
 
 _kept_free_bytes = 0  # the largest reuse_freed_memory asked for in this process
 
