@@ -90,6 +90,9 @@ PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)
 
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
     """k, v [T, kv_heads, d] into the cache slots, in the cache's dtype (rounded to nearest even)."""
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        # reshape would then copy, and the writes would land in the copy
+        raise ValueError("write_kv: the KV caches must be contiguous")
     k_cache.reshape(-1, *k.shape[1:])[slots] = k.astype(k_cache.dtype, copy=False)
     v_cache.reshape(-1, *v.shape[1:])[slots] = v.astype(v_cache.dtype, copy=False)
 

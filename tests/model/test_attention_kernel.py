@@ -242,3 +242,15 @@ def test_float16_cache_kernel_and_fallback_agree_inside_attend(kernel, monkeypat
     assert_close(with_kernel, _reference(q, *caches, tables, lens, 0.125, window))
     monkeypatch.setenv("CONVEYOR_KERNELS", "0")
     assert_close(run()[0], with_kernel)
+
+
+def test_write_kv_refuses_a_cache_it_would_copy() -> None:
+    k_cache = np.zeros((4, 16, 2, 8), dtype=np.float16)
+    strided = np.zeros((4, 16, 2, 16), dtype=np.float16)[..., ::2]  # reshape would copy it
+    k = np.ones((3, 2, 8), dtype=np.float32)
+    slots = np.array([0, 1, 17])
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv(strided, k_cache, k, k, slots)
+    v_cache = np.zeros_like(k_cache)
+    write_kv(k_cache, v_cache, k, 2 * k, slots)
+    assert k_cache.reshape(-1, 2, 8)[17].tolist() == [[1.0] * 8] * 2 and v_cache.reshape(-1, 2, 8)[1, 0, 0] == 2

@@ -126,3 +126,20 @@ def test_extreme_codes_at_full_scale() -> None:
     expected = full_argmax(x, weight, packed)
     assert int(expected[0]) == 10
     assert np.array_equal(screened_argmax(x, packed), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [8, 40, N])  # one panel (fewer panels than threads), three, 63
+def test_any_thread_count_gives_the_same_tokens(threads: int, n: int) -> None:
+    # Each share of the panels keeps its own candidates, whatever the thread count asked for.
+    module = quant_gemm()
+    assert module is not None
+    weight, packed = packed_head(random_blocks("Q8_0", n, K, seed=n))
+    x = randn(9, K, seed=threads)
+    before = module.get_num_threads()
+    try:
+        module.set_num_threads(threads)
+        got = screened_argmax(x, packed)
+    finally:
+        module.set_num_threads(before)
+    assert got is not None and np.array_equal(got, full_argmax(x, weight, packed))

@@ -932,20 +932,29 @@ Array q8_0_argmax(const Array& x, const Array& packed, int64_t out_features,
   rows.reserve(m);
   for (int64_t r = 0; r < m; ++r) rows.push_back(quantize_row(xp + r * k_dim, k_dim));
   constexpr int kRowTile = 8;
-  const int threads = get_num_threads();
-  std::vector<std::vector<Candidates>> found(threads, std::vector<Candidates>(m));
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Candidates>& mine = found[get_thread_num()];
-    const int64_t panel_bytes = units * Q8_0Unit::kBytes;
-    NextPanel ahead;  // a few lines a unit of each row tile
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-      ahead.aim(p + 1 < end ? wp + (p + 1) * panel_bytes : nullptr, panel_bytes, units * ((m + kRowTile - 1) / kRowTile));
-      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const uint8_t* panel = wp + p * panel_bytes;
-        with_rows<kRowTile>(std::min<int64_t>(kRowTile, m - r0), [&](auto tile_rows) {
-          screen_panel<decltype(tile_rows)::value>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0, ahead);
-        });
+  // One share of the panels per thread, each with candidates of its own: the shares, not the
+  // threads a region happens to get, index `found`, so a thread count changed by another caller
+  // meanwhile cannot index past it.
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(get_num_threads(), panels));
+  const int64_t per_share = (panels + shares - 1) / shares;
+  std::vector<std::vector<Candidates>> found(shares, std::vector<Candidates>(m));
+  parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
+    for (int64_t share = first_share; share < last_share; ++share) {
+      std::vector<Candidates>& mine = found[share];
+      const int64_t begin = share * per_share, end = std::min(panels, begin + per_share);
+      const int64_t panel_bytes = units * Q8_0Unit::kBytes;
+      NextPanel ahead;  // a few lines a unit of each row tile
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        ahead.aim(p + 1 < end ? wp + (p + 1) * panel_bytes : nullptr, panel_bytes,
+                  units * ((m + kRowTile - 1) / kRowTile));
+        for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+          const uint8_t* panel = wp + p * panel_bytes;
+          with_rows<kRowTile>(std::min<int64_t>(kRowTile, m - r0), [&](auto tile_rows) {
+            screen_panel<decltype(tile_rows)::value>(panel, units, rows.data() + r0, col0, cols, mine.data() + r0,
+                                                     ahead);
+          });
+        }
       }
     }
   });
