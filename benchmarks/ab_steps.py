@@ -332,6 +332,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="N > 0: also A/B a fresh N-token prompt's prefill")
     parser.add_argument("--temperature", type=float, default=0.0, help="the decoding requests sample at T (0: greedy)")
     args = parser.parse_args()
+    if args.rows_off is not None and (args.switch != "layer-rows" or args.rows_off < 1):
+        parser.error("--rows-off takes a positive number of rows, with --switch layer-rows only")
     if args.switch in AT_REVISION and not args.baseline:
         parser.error(f"--switch {args.switch} needs --baseline REV")
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), num_threads=args.num_threads,

@@ -191,8 +191,11 @@ def attend(
         else:
             # The first block any query of the chunk can see: block 0 unless a window hides earlier ones.
             first = 0 if window is None else max(0, chunk.num_cached - window + 1) // block_size
-            kc = _gather(k_cache, chunk.block_table[first:])[:, : context - first * block_size]
-            vc = _gather(v_cache, chunk.block_table[first:])[:, : context - first * block_size]
+            # up to the block holding the chunk's last key: a run of a chunk's rows (AttentionMetadata.rows)
+            # keeps the whole chunk's table
+            blocks = chunk.block_table[first:-(-context // block_size)]
+            kc = _gather(k_cache, blocks)[:, : context - first * block_size]
+            vc = _gather(v_cache, blocks)[:, : context - first * block_size]
         query_pos = np.arange(chunk.num_cached, context)[:, None]
         key_pos = np.arange(first * block_size, context)[None, :]
         mask = key_pos <= query_pos  # causal, offset by the cache

@@ -335,15 +335,19 @@ def row_runs(num_rows: int, meta: AttentionMetadata, activation_dtype: str, prom
     activations, the bf16 tiles a prompt row takes in any run) a row's product does not depend on
     the rows beside it (linear.INT8_FROM_ROWS). A prefill chunk cut between runs reads its earlier
     rows' keys back from the cache, as a chunked prefill does, and the prefill kernel gives each
-    query the same bits wherever its chunk starts (full attention; under a sliding window where
-    LAYER_ROWS is a multiple of the kernel's positions a tile, as it is for a power of two). So a
+    query the same bits wherever its chunk starts (its steps of keys start on fixed multiples). So a
     run's rows get the bits they would in one run of all. numpy's own products (the reference path:
     the kernels off or not built) may split their work by the row count, as under chunked prefill.
+    The decode rows (the step's first, single-query rows, a speculative verification's among them)
+    stay together in the first run, however many: the paged decode kernel cuts a request's context
+    into slices when it has few rows a thread, so a decode row's sums depend on how many decode rows
+    share its call, and a cut there would change them; a step of decode rows only is one run, its
+    weights streamed once.
     `prompt_tiles`: the step's prompt rows take the bf16 tile kernel (LlamaModel.prompt_tiles)."""
     step = memory.LAYER_ROWS
+    starts = [0, *range(max(meta.num_decode_tokens, step), num_rows, step)]
     runs = []
-    for start in range(0, num_rows, step):
-        end = min(start + step, num_rows)
+    for start, end in zip(starts, [*starts[1:], num_rows]):
         part = meta.rows(start, end)
         prompt_rows = PromptRows.of(part.prompt_rows, end - start) if prompt_tiles else None
         runs.append(RowRun(start, end, part, matmul_path(activation_dtype, prompt_rows)))

@@ -19,13 +19,13 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 # A step's layers compute at most this many rows at a time (LlamaModel's row_runs): a layer's
-# temporaries (normed input, q/k/v, attention output, the MLP's gate/up and activation, three
-# quarters of a row's working set on the 0.5B) are then held for these rows, not for all of a
-# full-budget prefill's 2,048, and steps keep only that much (reuse_freed_memory); only the residual
-# stream spans the step. llama.cpp's server computes micro-batches of 512 tokens likewise. Runs of
-# 256 rows prefill as fast as runs of 512 and faster than one run of all rows (docs/PERF.md, "A
-# layer's rows in runs"); a decode step of up to 256 sequences is still one run, its weights
-# streamed once.
+# temporaries (normed input, q/k/v, attention output, the MLP's gate/up and activation) are then
+# held for these rows, not for all of a full-budget prefill's 2,048, and steps keep only that much
+# (reuse_freed_memory); only the residual stream and the rotary tables span the step. llama.cpp's
+# server computes micro-batches of 512 tokens likewise. Runs of 256 rows prefill as fast as runs of
+# 512 and faster than one run of all rows (docs/PERF.md, "A layer's rows in runs"). A step's decode
+# rows (a speculative verification's too) are never cut apart: a step of them alone is one run, its
+# weights streamed once.
 LAYER_ROWS = 256
 
 _kept_free_bytes = 0  # the largest reuse_freed_memory asked for in this process
@@ -82,15 +82,18 @@ def reuse_freed_memory(keep_bytes: int) -> None:
 
 
 def step_working_set_bytes(cfg: ModelConfig, rows: int, sampled_rows: int) -> int:
-    """About what a step of `rows` tokens holds at once in fp32: the residual stream of all of them;
-    for up to LAYER_ROWS of them a layer's normed input, q/k/v, attention output and its sum, the
+    """About what a step of `rows` tokens holds at once in fp32: the residual stream and the rotary
+    tables (cos and sin, twice where sliding-window layers rotate with a base of their own) of all of
+    them; for up to LAYER_ROWS of them a layer's normed input, q/k/v, attention output and its sum, the
     MLP's gate/up and their product (and that product as the down projection's kernel takes it: int8
     codes, or bf16 pairs for 16-bit weights); and the logits and probabilities of the rows it
     samples."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_run_row = 4 * (2 * cfg.hidden_size + 2 * q_dim + 2 * kv_dim) + 4 * 3 * cfg.intermediate_size \
         + 2 * cfg.intermediate_size
-    return rows * 4 * cfg.hidden_size + min(rows, LAYER_ROWS) * per_run_row + 2 * 4 * sampled_rows * cfg.vocab_size
+    rope_tables = 2 if cfg.rope_local_theta is not None and cfg.sliding_window is not None else 1
+    per_row = 4 * cfg.hidden_size + rope_tables * 2 * 4 * cfg.head_dim
+    return rows * per_row + min(rows, LAYER_ROWS) * per_run_row + 2 * 4 * sampled_rows * cfg.vocab_size
 
 
 def share_one_heap() -> None:

@@ -4,9 +4,10 @@ Row order: single-token rows (decodes) first, so attention can take them in one 
 then multi-token prefill chunks. Logits rows follow the scheduler's order of sampling requests.
 
 A decode with speculative tokens is as many decode rows as it has tokens, each attending to the
-request's blocks up to its own position (the step writes every row's KV before attention reads
-any): each row is computed exactly as a step of one token at that position would compute it, so
-verifying a proposal changes no result.
+request's blocks up to its own position (a row reads only earlier positions and its own, which the
+layer's run of rows holding it, or an earlier run, has written: llama.row_runs): each row is
+computed exactly as a step of one token at that position would compute it, so verifying a proposal
+changes no result.
 """
 from __future__ import annotations
 
@@ -59,8 +60,7 @@ def build_inputs(out: SchedulerOutput, block_size: int) -> ModelInputs:
     # A request verifying speculative tokens is scheduled all of them with its last sampled token.
     # A prompt's tokens are always a prefill chunk, its last one alone too (what a prefix hit or a
     # chunk leaves): the two attention kernels sum in different orders, and a token's result should
-    # not depend on how much of its prompt the cache held. (It still can in a sliding-window layer,
-    # whose prefill kernel groups the window's keys from its tile's first row.)
+    # not depend on how much of its prompt the cache held.
     decodes = [(r, n) for r, n in out.scheduled if r.decodes(n)]
     decoding = {r.request_id for r, _ in decodes}
     prefills = [(r, n) for r, n in out.scheduled if r.request_id not in decoding]

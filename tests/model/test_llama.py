@@ -21,17 +21,18 @@ def smollm() -> LoadedModel:
     return load_model(EngineConfig())
 
 
-def _step(window_group: AttentionMetadata | None = None) -> AttentionMetadata:
-    """Three decode rows, a chunk of 150 tokens after 40 cached, one of 47 fresh: 200 rows."""
-    tables = np.arange(12, dtype=np.int64).reshape(3, 4)
-    return AttentionMetadata(np.arange(1000, 1200, dtype=np.int64), 3, tables, np.array([5, 9, 30]),
-                             [PrefillChunk(3, 150, 40, np.arange(20, dtype=np.int64)),
-                              PrefillChunk(153, 47, 0, np.arange(7, dtype=np.int64))],
+def _step(window_group: AttentionMetadata | None = None, base: int = 0) -> AttentionMetadata:
+    """Three decode rows, a chunk of 150 tokens after 40 cached, one of 47 fresh: 200 rows. `base`:
+    added to every slot and block id (a window pool's own)."""
+    tables = base + np.arange(12, dtype=np.int64).reshape(3, 4)
+    return AttentionMetadata(base + np.arange(1000, 1200, dtype=np.int64), 3, tables, np.array([5, 9, 30]),
+                             [PrefillChunk(3, 150, 40, base + np.arange(20, dtype=np.int64)),
+                              PrefillChunk(153, 47, 0, base + np.arange(7, dtype=np.int64))],
                              prompt_rows=((3, 153), (153, 200)), window_group=window_group)
 
 
 def test_a_step_s_rows_cut_into_metadata_of_their_own() -> None:
-    step = _step(window_group=_step())
+    step = _step(window_group=_step(base=5000))
     assert step.rows(0, 200) is step
     first = step.rows(0, 64)
     assert first.num_decode_tokens == 3 and first.decode_context_lens is not None
@@ -45,7 +46,13 @@ def test_a_step_s_rows_cut_into_metadata_of_their_own() -> None:
     last = step.rows(128, 200)
     assert [(c.token_start, c.num_tokens, c.num_cached) for c in last.prefills] == [(0, 25, 165), (25, 47, 0)]
     assert last.prompt_rows == ((0, 25), (25, 72))
-    assert last.window_group is not None and last.window_group.prompt_rows == last.prompt_rows
+    # the window pool's metadata cut alike, from its own slots and tables
+    window = step.rows(1, 130).window_group
+    assert window is not None and window.prompt_rows == ((2, 129),) and window.num_decode_tokens == 2
+    assert window.slot_mapping.tolist() == list(range(6001, 6130))
+    assert window.decode_block_tables is not None and window.decode_block_tables.tolist() == [[5004, 5005, 5006, 5007],
+                                                                                             [5008, 5009, 5010, 5011]]
+    assert [(c.token_start, c.num_tokens, c.num_cached, int(c.block_table[0])) for c in window.prefills] == [(2, 127, 40, 5000)]
     # decode rows split between runs, each with its own tables
     two = step.rows(1, 2)
     assert two.num_decode_tokens == 1 and two.decode_block_tables is not None
@@ -73,6 +80,24 @@ def test_each_run_s_product_takes_its_own_prompt_rows(monkeypatch: pytest.Monkey
     asked.clear()
     llama.row_runs(200, _step(), "int8", False)  # no tiles: every run on the int8 kernel
     assert asked == [None] * 4
+
+
+def test_decode_rows_stay_in_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The decode kernel slices a request's context when few rows share its call: cutting the decode
+    # rows apart would change their sums. They fill the first run, however many; prompt rows follow.
+    monkeypatch.setattr(memory, "LAYER_ROWS", 2)
+    runs = llama.row_runs(200, _step(), "int8", False)
+    assert [(r.start, r.end) for r in runs[:3]] == [(0, 3), (3, 5), (5, 7)] and runs[-1].end == 200
+    assert runs[0].meta.num_decode_tokens == 3 and all(r.meta.num_decode_tokens == 0 for r in runs[1:])
+    monkeypatch.setattr(memory, "LAYER_ROWS", 64)
+    decodes = AttentionMetadata(np.arange(100, dtype=np.int64), 100, np.zeros((100, 2), dtype=np.int64),
+                                np.ones(100, dtype=np.int64), [])
+    assert [(r.start, r.end) for r in llama.row_runs(100, decodes, "int8", False)] == [(0, 100)]
+    mixed = llama.row_runs(300, AttentionMetadata(np.arange(300, dtype=np.int64), 100, np.zeros((100, 2), dtype=np.int64),
+                                                  np.ones(100, dtype=np.int64),
+                                                  [PrefillChunk(100, 200, 0, np.arange(13, dtype=np.int64))]),
+                           "int8", False)
+    assert [(r.start, r.end) for r in mixed] == [(0, 100), (100, 164), (164, 228), (228, 292), (292, 300)]
 
 
 def _mixed_steps(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[Any, list[int], list[Any]]]:
@@ -110,10 +135,12 @@ def _same_in_runs(loaded: LoadedModel, text: str, monkeypatch: pytest.MonkeyPatc
         return _mixed_steps(engine, prompts)
     monkeypatch.setattr(memory, "LAYER_ROWS", 1 << 30)
     whole = run()
-    monkeypatch.setattr(memory, "LAYER_ROWS", 64)  # runs that cut prompts and decode rows apart, the last short
+    monkeypatch.setattr(memory, "LAYER_ROWS", 64)  # runs that cut prompts apart, the last short
     runs = run()
     assert all(w[0] is not None for w in whole[:-1])
     assert runs == whole
+    monkeypatch.setattr(memory, "LAYER_ROWS", 2)  # runs of 2 prompt rows after the decode rows' own
+    assert run() == whole
 
 
 @pytest.mark.parametrize("activation_dtype", ["int8", "float32"])

@@ -4,6 +4,7 @@ and faulted in again. Each case runs in a fresh interpreter, whose allocator thi
 from __future__ import annotations
 
 import ctypes.util
+import dataclasses
 import json
 import subprocess
 import sys
@@ -80,15 +81,19 @@ def test_the_working_set_estimate_grows_with_rows_and_sampled_rows() -> None:
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16)
     one = step_working_set_bytes(cfg, 1, 0)
-    # 4 bytes a float: the residual (hidden) for every row of the step; for a run's rows the normed
+    # 4 bytes a float: the residual (hidden) and the rotary cos and sin (head_dim each) for every row
+    # of the step; for a run's rows the normed
     # input and attention output (hidden), q and its output, k and v, gate/up and their product;
     # two bytes for the product as the kernel takes it (int8 codes take one, bf16 pairs two)
-    residual, run_row = 4 * 64, 4 * (2 * 64 + 2 * 64 + 2 * 32) + 4 * 3 * 256 + 2 * 256
+    residual, run_row = 4 * 64 + 2 * 4 * 16, 4 * (2 * 64 + 2 * 64 + 2 * 32) + 4 * 3 * 256 + 2 * 256
     assert one == residual + run_row
     assert step_working_set_bytes(cfg, 10, 0) == 10 * one
     assert step_working_set_bytes(cfg, 10, 3) == 10 * one + 3 * 2 * 4 * 1000
     # a step's layers run LAYER_ROWS rows at a time (LlamaModel's row_runs): only the residual grows past it
     assert step_working_set_bytes(cfg, 4 * LAYER_ROWS, 0) == 4 * LAYER_ROWS * residual + LAYER_ROWS * run_row
+    # sliding-window layers rotating with a base of their own: a second pair of tables a row
+    windowed = dataclasses.replace(cfg, sliding_window=8, rope_local_theta=10_000.0)
+    assert step_working_set_bytes(windowed, 10, 0) == step_working_set_bytes(cfg, 10, 0) + 10 * 2 * 4 * 16
 
 SPIKE = r"""
 import re

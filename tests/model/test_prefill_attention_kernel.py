@@ -159,3 +159,32 @@ def test_float16_cache(kernel, num_cached, num_tokens, window, d, heads, kv_head
     assert_close(out, want)
     with pytest.raises(RuntimeError, match="fp32 or fp16"):
         kernel(q, k_half, v_cache, table, num_cached, d**-0.5, window)
+
+
+@pytest.mark.parametrize("window", [0, 40, 100])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 1), (14, 2)])  # 5, 4 and 2 positions a tile (AVX-512)
+def test_a_chunk_cut_anywhere_gives_the_same_bits(kernel, window, heads, kv_heads):
+    # What a layer's runs of rows do (llama.row_runs): the chunk's rows in parts, each after the keys
+    # of the parts before it. A query's result depends only on its position, so the parts' outputs
+    # are the whole chunk's, bit for bit, wherever the cuts fall (off the steps of 16 and 8 keys).
+    num_cached, num_tokens = 37, 230
+    q, k_cache, v_cache, table, keys, values, _ = _chunk(num_cached, num_tokens, 16, heads, kv_heads, 64, seed=window)
+    whole = kernel(q, k_cache, v_cache, table, num_cached, 0.125, window)
+    for cuts in ([0, 1, 230], [0, 19, 37, 101, 230], [0, 7, 64, 65, 199, 230]):
+        parts = [kernel(np.ascontiguousarray(q[a:b]), k_cache, v_cache, table, num_cached + a, 0.125, window)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert np.array_equal(np.concatenate(parts), whole)
+    assert_close(whole, _reference(q, keys, values, num_cached, 0.125, window))
+
+
+def test_a_window_reads_nothing_before_its_first_visible_key(kernel):
+    # A sliding window's pool may have handed the blocks before the window to another request: NaN
+    # there must not reach any output, though the kernel's steps of keys start below the window.
+    num_cached, num_tokens, window = 200, 50, 64
+    q, k_cache, v_cache, table, keys, values, slots = _chunk(num_cached, num_tokens, 16, 4, 1, 64, seed=3)
+    first_seen = num_cached - window + 1
+    k_cache.reshape(-1, 1, 64)[slots[:first_seen]] = np.nan
+    v_cache.reshape(-1, 1, 64)[slots[:first_seen]] = np.nan
+    out = kernel(q, k_cache, v_cache, table, num_cached, 0.125, window)
+    assert np.isfinite(out).all()
+    assert_close(out, _reference(q, keys, values, num_cached, 0.125, window))

@@ -131,7 +131,10 @@ def test_extreme_codes_at_full_scale() -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("n", [8, 40, N])  # one panel (fewer panels than threads), three, 63
 def test_any_thread_count_gives_the_same_tokens(threads: int, n: int) -> None:
-    # Each share of the panels keeps its own candidates, whatever the thread count asked for.
+    # Each share of the panels keeps its own candidates, whatever the thread count asked for. (It
+    # checks the shares at thread counts above, below and at the panels' count; a count changed by
+    # another thread between sizing and the parallel region, the race this indexing removes, is not
+    # reproducible from a test.)
     module = quant_gemm()
     assert module is not None
     weight, packed = packed_head(random_blocks("Q8_0", n, K, seed=n))
