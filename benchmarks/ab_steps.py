@@ -21,6 +21,7 @@ alike. Switches:
   span vs the token-by-token walk (the paged decode kernel's `unshared_span`, both forced; which one
   a build runs by default is kUnsharedSpan in paged_decode.cpp)
 - `decode-kernel-at`: the paged decode kernel of this tree vs its source at `--baseline REV`
+- `prefill-kernel-at`: the paged prefill attention kernel of this tree vs its source at `--baseline REV`
 - `quant-kernel-at`: the matmul on GGUF blocks (quant_gemm.cpp) of this tree vs its source at
   `--baseline REV` (same packed layout)
 - `int8-kernel-at`: the int8-activation matmul (quant_int8.cpp) of this tree vs its source at
@@ -220,6 +221,11 @@ def _decode_kernel_at(revision: str) -> Callable[[bool], None]:
     return _patch_switch(llama, "paged_decode_kernel", lambda: old)
 
 
+def _prefill_kernel_at(revision: str) -> Callable[[bool], None]:
+    old = _kernel_at(revision, "paged_prefill").paged_prefill_attention
+    return _patch_switch(llama, "paged_prefill_kernel", lambda: old)
+
+
 def _quant_kernel_at(revision: str) -> Callable[[bool], None]:
     old = _kernel_at(revision, "quant_gemm")
     # linear calls quant_gemm() and, for weights held only in blocks, quant_gemm(force=True)
@@ -231,7 +237,8 @@ def _int8_kernel_at(revision: str) -> Callable[[bool], None]:
     return _patch_switch(linear, "int8_matmul_kernel", lambda: old)
 
 
-AT_REVISION = {"decode-kernel-at": _decode_kernel_at, "quant-kernel-at": _quant_kernel_at,
+AT_REVISION = {"decode-kernel-at": _decode_kernel_at, "prefill-kernel-at": _prefill_kernel_at,
+               "quant-kernel-at": _quant_kernel_at,
                "int8-kernel-at": _int8_kernel_at}
 
 
@@ -320,7 +327,7 @@ def ab_engines(engines: dict[bool, LLMEngine], batch_sizes: list[int], contexts:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", choices=[*SWITCHES, "layer-rows", *AT_REVISION, *ENGINE_OPTIONS], required=True)
-    parser.add_argument("--baseline", help="git revision, for --switch decode-kernel-at / quant-kernel-at / int8-kernel-at")
+    parser.add_argument("--baseline", help="git revision, for the --switch ...-kernel-at")
     parser.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m, a .gguf file")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=CHAT_CONTEXTS)
